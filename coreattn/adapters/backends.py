@@ -1,0 +1,109 @@
+"""Backend registry: which implementation runs attention for a given device.
+
+Selection rule (first match wins):
+1. an explicit override: the ``backend=`` argument, else the ``COREATTN_BACKEND`` environment
+   variable; it raises ``RuntimeError`` with the reason if that backend cannot run here;
+2. by device type: ``cuda`` -> Triton; ``cpu`` -> Triton through Triton's interpreter when
+   ``TRITON_INTERPRET=1`` was set before coreattn was imported, else the torch backend.
+
+The choice for each device type is logged once on the ``coreattn`` logger.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+from typing import Callable, NamedTuple
+
+import torch
+
+logger = logging.getLogger("coreattn")
+
+ENV_BACKEND = "COREATTN_BACKEND"
+
+
+class Backend(str, enum.Enum):
+    TRITON = "triton"
+    TORCH = "torch"
+
+
+class Availability(NamedTuple):
+    ok: bool
+    reason: str
+
+
+def _triton_available(device: torch.device) -> Availability:
+    try:
+        from coreattn.kernels import runs_in_interpreter
+    except ImportError as exc:  # triton missing or broken
+        return Availability(False, f"triton cannot be imported ({exc})")
+    interpreted = runs_in_interpreter()
+    if device.type == "cuda":
+        if interpreted:
+            return Availability(False, "kernels were built for Triton's interpreter (TRITON_INTERPRET=1), which runs on CPU tensors")
+        return Availability(True, "CUDA device")
+    if device.type == "cpu":
+        if interpreted:
+            return Availability(True, "CPU tensors under TRITON_INTERPRET=1 (slow; for testing)")
+        return Availability(False, "CPU tensors need TRITON_INTERPRET=1 set before importing coreattn")
+    return Availability(False, f"no Triton target for device type {device.type!r}")
+
+
+def _torch_available(device: torch.device) -> Availability:
+    return Availability(True, "pure torch, any device")
+
+
+_REGISTRY: dict[Backend, Callable[[torch.device], Availability]] = {
+    Backend.TRITON: _triton_available,
+    Backend.TORCH: _torch_available,
+}
+
+_logged: set[tuple[str, Backend]] = set()
+
+
+def parse_backend(value: str | Backend, source: str = "backend") -> Backend:
+    if isinstance(value, Backend):
+        return value
+    if isinstance(value, str):
+        try:
+            return Backend(value.strip().lower())
+        except ValueError:
+            pass
+    choices = ", ".join(repr(b.value) for b in Backend)
+    raise ValueError(f"{source}={value!r} is not a coreattn backend; choose one of {choices}")
+
+
+def is_available(backend: Backend, device: torch.device) -> Availability:
+    return _REGISTRY[backend](device)
+
+
+def _default_for(device: torch.device) -> Backend:
+    if device.type == "cuda":
+        return Backend.TRITON
+    if device.type == "cpu":
+        return Backend.TRITON if is_available(Backend.TRITON, device).ok else Backend.TORCH
+    raise RuntimeError(
+        f"coreattn has no default backend for device type {device.type!r} yet; "
+        f"pass backend='torch' (or set {ENV_BACKEND}=torch) to run the pure-torch backend there"
+    )
+
+
+def select_backend(device: torch.device, override: str | Backend | None = None) -> Backend:
+    """Pick the backend for tensors on ``device``; see the module docstring for the rule."""
+    source = "backend"
+    if override is None and os.environ.get(ENV_BACKEND):
+        override, source = os.environ[ENV_BACKEND], ENV_BACKEND
+    if override is not None:
+        backend = parse_backend(override, source)
+        avail = is_available(backend, device)
+        if not avail.ok:
+            raise RuntimeError(f"{source}={backend.value!r} cannot run on {device.type}: {avail.reason}")
+    else:
+        backend = _default_for(device)
+    key = (device.type, backend)
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("coreattn: %s tensors use the %s backend (%s)", device.type, backend.value,
+                    is_available(backend, device).reason)
+    return backend

@@ -1,0 +1,193 @@
+"""Varlen flash-attention forward: kernel and launcher.
+
+One kernel for every case: causal/window masks are constexpr flags, head dims are real
+(HEAD_DIM_*) plus padded power-of-two blocks (BLOCK_D*). Lengths and token counts are runtime
+ints that never specialize, so a new packed batch never recompiles. max_seqlen only sizes the
+grid: each program strides over its sequence's query blocks, so a too-small max_seqlen costs
+speed, not correctness.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from coreattn.kernels.attn_common import _cu_seqlens_ok, _key_range, _poison_rows, _visible
+from coreattn.kernels.config import fwd_config, head_block
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+MAX_GRID_YZ = 65535
+CU_SCAN_BLOCK = 128  # fixed, so the batch size never enters a compile key
+
+
+@triton.jit
+def _fwd_kv_steps(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, n_lo, n_hi,
+                  seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASKED: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        cols = n0 + offs_n
+        k_ptrs = k_base + tl.cast(n0, tl.int64) * stride_kt + offs_n[None, :] * stride_kt + offs_dqk[:, None]
+        v_ptrs = v_base + tl.cast(n0, tl.int64) * stride_vt + offs_n[:, None] * stride_vt + offs_dv[None, :]
+        if MASKED:
+            kT = tl.load(k_ptrs, mask=(cols[None, :] < seqlen_k) & (offs_dqk[:, None] < HEAD_DIM_QK), other=0.0)
+            v = tl.load(v_ptrs, mask=(cols[:, None] < seqlen_k) & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+        else:
+            kT = tl.load(k_ptrs, mask=offs_dqk[:, None] < HEAD_DIM_QK, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
+        s = tl.dot(q, kT, input_precision=DOT_PRECISION) * sm_scale_log2  # [M, N], log2 domain
+        if MASKED:
+            vis = _visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, shift,
+                           window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a row that has seen no key yet keeps m = -inf; subtract 0 instead so p and alpha are 0, not NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fwd_q_block(q_base, k_base, v_base, o_base, lse_base, m0, seqlen_q, seqlen_k, shift,
+                 window_left, window_right, sm_scale_log2, stride_qt, stride_kt, stride_vt, stride_ot,
+                 HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                 BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = m0 + offs_m
+    row_ok = rows < seqlen_q
+    q_ptrs = q_base + tl.cast(m0, tl.int64) * stride_qt + offs_m[:, None] * stride_qt + offs_dqk[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_dqk[None, :] < HEAD_DIM_QK), other=0.0)  # [M, DQK]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    lo, full_lo, full_hi, hi = _key_range(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
+                                          BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, lo, full_lo,
+                                  seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+                                  HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                                  HAS_LEFT, HAS_RIGHT, True, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, full_lo, full_hi,
+                                  seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+                                  HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                                  HAS_LEFT, HAS_RIGHT, False, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, full_hi, hi,
+                                  seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+                                  HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                                  HAS_LEFT, HAS_RIGHT, True, DOT_PRECISION)
+
+    empty = l_i == 0.0  # the row saw no key: output 0 and lse = -inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    o_ptrs = o_base + tl.cast(m0, tl.int64) * stride_ot + offs_m[:, None] * stride_ot + offs_dv[None, :]
+    tl.store(o_ptrs, out.to(o_base.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    tl.store(lse_base + tl.cast(m0, tl.int64) + offs_m, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["batch", "total_q", "total_k", "window_left", "window_right"])
+def _varlen_attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+    batch, total_q, total_k, group, sm_scale_log2, window_left, window_right,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # grid: (query-block programs per sequence, sequences, q heads)
+    pid_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    num_pid_m = tl.num_programs(0)
+    ok = _cu_seqlens_ok(cu_q_ptr, batch, total_q, BLOCK_B) & _cu_seqlens_ok(cu_k_ptr, batch, total_k, BLOCK_B)
+    if ok:
+        q_start = tl.load(cu_q_ptr + seq)
+        seqlen_q = tl.load(cu_q_ptr + seq + 1) - q_start
+        k_start = tl.load(cu_k_ptr + seq)
+        seqlen_k = tl.load(cu_k_ptr + seq + 1) - k_start
+        shift = seqlen_q * 0
+        if BOTTOM_RIGHT:
+            shift = seqlen_k - seqlen_q
+        kv_head = (head // group).to(tl.int64)
+        q_base = q_ptr + q_start.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+        k_base = k_ptr + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+        v_base = v_ptr + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+        o_base = out_ptr + q_start.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+        lse_base = lse_ptr + head.to(tl.int64) * stride_lh + q_start.to(tl.int64)
+        for m0 in range(pid_m * BLOCK_M, seqlen_q, num_pid_m * BLOCK_M):
+            _fwd_q_block(q_base, k_base, v_base, o_base, lse_base, m0, seqlen_q, seqlen_k, shift,
+                         window_left, window_right, sm_scale_log2, stride_qt, stride_kt, stride_vt, stride_ot,
+                         HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N,
+                         HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+    else:
+        # malformed cu_seqlens: every output row becomes NaN rather than silently wrong
+        lin = seq * num_pid_m + pid_m
+        nprog = tl.num_programs(1) * num_pid_m
+        _poison_rows(out_ptr, lin, nprog, total_q, head, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_DV, BLOCK_M)
+        _poison_rows(lse_ptr, lin, nprog, total_q, head, 1, stride_lh, 1, 1, BLOCK_M)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs run at IEEE precision (no TF32); 16-bit inputs use the native MMA."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_grid(batch: int, heads: int) -> None:
+    if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ:
+        raise ValueError(f"batch ({batch}) and heads ({heads}) must each be <= {MAX_GRID_YZ} for the Triton grid")
+
+
+def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, softmax_scale: float,
+                    window_left: int = -1, window_right: int = -1, bottom_right: bool = True,
+                    out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+    """Launch the forward kernel. q [Tq, Hq, Dqk], k [Tk, Hkv, Dqk], v [Tk, Hkv, Dv], last stride 1.
+
+    Returns out [Tq, Hq, Dv] (q's dtype) and lse [Hq, Tq] float32 (natural log, -inf for rows
+    that see no key). Inputs are assumed checked by the caller (coreattn.layers.checks).
+    ``out``/``lse`` may be given as preallocated contiguous buffers of those shapes.
+    """
+    total_q, heads_q, dim_qk = q.shape
+    total_k, heads_kv, dim_v = v.shape
+    batch = cu_seqlens_q.numel() - 1
+    if out is None:
+        out = torch.empty((total_q, heads_q, dim_v), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device)
+    if total_q == 0:
+        return out, lse
+    check_grid(batch, heads_q)
+    block_dqk, block_dv = head_block(dim_qk), head_block(dim_v)
+    cfg = fwd_config(q.device, block_dqk, block_dv)
+    grid = (max(1, triton.cdiv(max_seqlen_q, cfg.block_m)), batch, heads_q)
+    _varlen_attn_fwd_kernel[grid](
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        batch, total_q, total_k, heads_q // heads_kv, softmax_scale * LOG2E, window_left, window_right,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        HEAD_DIM_QK=dim_qk, HEAD_DIM_V=dim_v, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_B=CU_SCAN_BLOCK,
+        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, BOTTOM_RIGHT=bottom_right,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse

@@ -1,0 +1,5 @@
+"""Autograd Functions, the public functional API and the torch reference backend."""
+
+from coreattn.layers.varlen_attn import flash_attn_varlen_func, varlen_attn
+
+__all__ = ["varlen_attn", "flash_attn_varlen_func"]

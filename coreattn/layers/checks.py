@@ -1,0 +1,137 @@
+"""Argument checks for the varlen attention API: clear errors that name the argument."""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+from typing import NamedTuple
+
+import torch
+
+ENV_VALIDATE = "COREATTN_VALIDATE"
+MAX_HEAD_DIM = 256
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ALIGNMENTS = ("bottom_right", "top_left")
+
+
+class VarlenParams(NamedTuple):
+    """Normalized attention options shared by every backend."""
+
+    softmax_scale: float
+    window_left: int  # -1: unlimited
+    window_right: int  # -1: unlimited; causal sets 0
+    bottom_right: bool  # diagonal alignment of causal masks and windows when q and k lengths differ
+
+
+def validation_enabled() -> bool:
+    """Data checks that need the values of device tensors (a host sync) run only when this is on."""
+    return os.environ.get(ENV_VALIDATE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _check_tensor(name: str, t, ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+
+
+def check_max_seqlen(name: str, value) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def check_cu_seqlens(name: str, cu, device: torch.device) -> None:
+    _check_tensor(name, cu, 1)
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.numel() < 2:
+        raise ValueError(f"{name} must have B+1 >= 2 entries, got {cu.numel()}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+
+
+def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, max_name: str, max_seqlen: int) -> None:
+    """Checks that read cu_seqlens' values: free on CPU, a host sync elsewhere."""
+    vals = cu.tolist()
+    if vals[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {vals[0]}")
+    lens = [b - a for a, b in zip(vals[:-1], vals[1:])]
+    if min(lens) < 0:
+        raise ValueError(f"{name} must be non-decreasing, got {vals}")
+    if vals[-1] != total:
+        raise ValueError(f"{name}[-1] = {vals[-1]} must equal the token count {total}")
+    if max(lens) > max_seqlen:
+        raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({max(lens)})")
+
+
+def check_window(window_size) -> tuple[int, int]:
+    try:
+        left, right = window_size
+        left, right = operator.index(left), operator.index(right)
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size must be a pair of ints, got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1 = unlimited), got {window_size!r}")
+    return left, right
+
+
+def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                        softmax_scale, causal, window_size, causal_alignment) -> tuple[VarlenParams, int, int]:
+    """Validate the varlen attention arguments; returns the normalized params and max_seqlen_q/k."""
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout_p={dropout_p}: attention dropout is not supported; pass 0.0")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, 3)
+    if q.dtype not in KERNEL_DTYPES + (torch.float64,):
+        raise TypeError(f"q has dtype {q.dtype}; supported: float16, bfloat16, float32")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"dtype mismatch: q is {q.dtype} but {name} is {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"device mismatch: q is on {q.device} but {name} is on {t.device}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head dim mismatch: q has Dqk={q.shape[2]} but k has {k.shape[2]}")
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"k has {k.shape[0]} tokens but v has {v.shape[0]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k has {k.shape[1]} heads but v has {v.shape[1]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})")
+    for name, d in (("q/k head dim", q.shape[2]), ("v head dim", v.shape[2])):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{name} is {d}; supported head dims are 1..{MAX_HEAD_DIM}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have stride 1 in its last dim (got strides {t.stride()})")
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel()} entries but cu_seqlens_k has "
+                         f"{cu_seqlens_k.numel()}: q and k batch sizes must match")
+    max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    if cu_seqlens_q.device.type == "cpu" or validation_enabled():
+        check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
+        check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if causal_alignment not in ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
+    left, right = check_window(window_size)
+    if causal:
+        right = 0
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[2])
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    params = VarlenParams(float(softmax_scale), left, right, causal_alignment == "bottom_right")
+    return params, max_seqlen_q, max_seqlen_k

@@ -1,0 +1,95 @@
+"""Shared builders for the attention tests: batches, cases and the flash-attention criterion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from conftest import HAS_CUDA
+
+KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
+# the interpreter's bf16 tl.dot is wrong, so bf16 kernel tests run on GPU only
+KERNEL_DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
+EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class Case:
+    dqk: int = 64
+    dv: int = 64
+    hq: int = 2
+    hkv: int = 2
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    bottom_right: bool = True
+    lens_q: tuple[int, ...] = (0, 1, 17, 33, 5)
+    lens_k: tuple[int, ...] | None = None  # None: same as lens_q
+    noncontig: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def id(self) -> str:
+        parts = [f"hdim{self.dqk}x{self.dv}"]
+        if self.hq != self.hkv:
+            parts.append("mqa" if self.hkv == 1 else f"gqa{self.hq // self.hkv}")
+        if self.causal:
+            parts.append("causal" + ("" if self.bottom_right else "-topleft"))
+        if self.window != (-1, -1):
+            parts.append(f"win{self.window[0]}_{self.window[1]}" + ("" if self.bottom_right else "-topleft"))
+        if not self.causal and self.window == (-1, -1):
+            parts.append("full")
+        if self.lens_k is not None:
+            parts.append("qk-lens-differ")
+        if self.noncontig:
+            parts.append("strided")
+        return "-".join(parts)
+
+
+def cu_from_lens(lens, device) -> torch.Tensor:
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def make_inputs(case: Case, dtype, device, requires_grad=False, seed=0):
+    """q, k, v, cu_q, cu_k, max_q, max_k for a case; strided views when case.noncontig."""
+    gen = torch.Generator().manual_seed(seed)
+    lens_k = case.lens_k if case.lens_k is not None else case.lens_q
+    tq, tk = sum(case.lens_q), sum(lens_k)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+
+    if case.noncontig:
+        # slices of one packed buffer per token: [T, H, Dqk | Dqk | Dv | pad], as a fused qkv projection gives
+        q = rand(tq, case.hq, case.dqk + 7)[:, :, 3:3 + case.dqk]
+        kv = rand(tk, case.hkv, case.dqk + case.dv + 5)
+        k, v = kv[:, :, :case.dqk], kv[:, :, case.dqk:case.dqk + case.dv]
+    else:
+        q, k, v = rand(tq, case.hq, case.dqk), rand(tk, case.hkv, case.dqk), rand(tk, case.hkv, case.dv)
+    if requires_grad:
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    return (q, k, v, cu_from_lens(case.lens_q, device), cu_from_lens(lens_k, device),
+            max(case.lens_q), max(lens_k))
+
+
+def max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return (x.double() - ref.double()).abs().max().item() if x.numel() else 0.0
+
+
+def assert_flash_criterion(name: str, got: torch.Tensor, naive: torch.Tensor, ref: torch.Tensor, eps: float = EPS):
+    """err(kernel) <= 2 * err(naive same-dtype) + eps, and no NaN anywhere."""
+    assert not torch.isnan(got).any(), f"{name}: NaN in output"
+    err, base = max_err(got, ref), max_err(naive, ref)
+    assert err <= 2 * base + eps, f"{name}: max error {err:.3e} > 2 * {base:.3e} + {eps}"
+
+
+def assert_lse_criterion(lse: torch.Tensor, naive: torch.Tensor, ref: torch.Tensor, eps: float = EPS):
+    """lse [H, T] float32: -inf exactly where the oracle has -inf, the criterion elsewhere."""
+    assert lse.dtype == torch.float32 and lse.shape == ref.shape
+    lse, naive, ref = lse.cpu(), naive.cpu(), ref.cpu()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref)), "lse: rows without keys differ"
+    fin = torch.isfinite(ref)
+    assert_flash_criterion("lse", lse[fin], naive[fin], ref[fin], eps)

@@ -1,0 +1,21 @@
+"""Test set-up: without CUDA, the Triton kernels run under Triton's CPU interpreter.
+
+TRITON_INTERPRET must be set before coreattn (and its @triton.jit kernels) is imported.
+torch.cuda.is_available() does not create a CUDA context.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)

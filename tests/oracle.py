@@ -1,0 +1,64 @@
+"""Independent references for the attention tests: a plain per-sequence loop.
+
+``attention_ref(..., upcast=True)`` is the float64 oracle. ``upcast=False`` is the naive
+same-dtype baseline of the flash-attention criterion: scores and softmax in fp32 from the
+input-dtype values, P rounded to the input dtype before P @ V, output rounded.
+Both are differentiable so gradients can be compared the same way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def visible(i: int, j: int, len_q: int, len_k: int, causal: bool, window: tuple[int, int], bottom_right: bool) -> bool:
+    shift = len_k - len_q if bottom_right else 0
+    left, right = window
+    if causal:
+        right = 0
+    if left >= 0 and j < i + shift - left:
+        return False
+    if right >= 0 and j > i + shift + right:
+        return False
+    return True
+
+
+def _mask(len_q, len_k, causal, window, bottom_right, device):
+    # built with Python loops on purpose: independent of the vectorized code under test
+    rows = [[visible(i, j, len_q, len_k, causal, window, bottom_right) for j in range(len_k)] for i in range(len_q)]
+    return torch.tensor(rows, dtype=torch.bool, device=device).reshape(len_q, len_k)
+
+
+def attention_ref(q, k, v, cu_q, cu_k, *, causal=False, window=(-1, -1), bottom_right=True,
+                  softmax_scale=None, upcast=True):
+    """Returns out [Tq, Hq, Dv] and lse [Hq, Tq] (float64 when upcast, else out in q.dtype)."""
+    dtype = q.dtype
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    work = torch.float64 if upcast else torch.float32
+    group = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cu_q) - 1):
+        qs = q[cu_q[b]:cu_q[b + 1]].to(work)
+        ks = k[cu_k[b]:cu_k[b + 1]].to(work).repeat_interleave(group, dim=1)
+        vs = v[cu_k[b]:cu_k[b + 1]].to(work).repeat_interleave(group, dim=1)
+        lq, lk = qs.shape[0], ks.shape[0]
+        s = torch.einsum("ihd,jhd->hij", qs, ks) * scale  # [H, Lq, Lk]
+        m = _mask(lq, lk, causal, window, bottom_right, q.device)
+        s = s.masked_fill(~m, float("-inf"))
+        row_max = s.amax(-1, keepdim=True) if lk > 0 else s.new_zeros(s.shape[:-1] + (1,))
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
+        e = torch.exp(s - row_max)
+        denom = e.sum(-1, keepdim=True)
+        p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
+        if not upcast:
+            p = p.to(dtype).to(work)
+        outs.append(torch.einsum("hij,jhd->ihd", p, vs))
+        lses.append((row_max + torch.log(denom)).squeeze(-1))
+    out = torch.cat(outs) if outs else q.new_zeros((0, q.shape[1], v.shape[-1]), dtype=work)
+    lse = torch.cat(lses, dim=1)
+    if not upcast:
+        out = out.to(dtype)
+    return out, lse

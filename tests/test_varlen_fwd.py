@@ -1,0 +1,109 @@
+"""Forward of coreattn.varlen_attn (Triton kernel; the interpreter without a GPU) against the float64 oracle."""
+
+import pytest
+import torch
+
+import coreattn
+from attn_cases import KERNEL_DEVICE, KERNEL_DTYPES, Case, assert_flash_criterion, assert_lse_criterion, make_inputs
+from coreattn.kernels import varlen_attn_fwd
+from oracle import attention_ref
+
+LENS_Q = (0, 1, 17, 33, 5)
+LENS_K = (3, 0, 40, 33, 2)  # an empty key sequence, Lq > Lk and Lq < Lk
+
+CASES = [
+    # the head-dim pairs the issue names, each with a mask
+    Case(dqk=192, dv=128, hq=4, hkv=2, causal=True),
+    Case(dqk=128, dv=128, hq=2, hkv=1),
+    Case(dqk=64, dv=64, hq=8, hkv=1, causal=True, lens_k=LENS_K),
+    Case(dqk=256, dv=256, hq=2, hkv=2, window=(3, 2)),
+    Case(dqk=96, dv=64, hq=4, hkv=1, causal=True, bottom_right=False, lens_k=LENS_K),
+    # non-powers of two and tiny dims, independently for q/k and v
+    Case(dqk=40, dv=59, hq=2, hkv=2, window=(4, -1), lens_k=LENS_K),
+    Case(dqk=111, dv=1, hq=2, hkv=1, window=(-1, 3), bottom_right=False),
+    Case(dqk=1, dv=96, hq=2, hkv=2, causal=True, window=(5, 0)),
+    # alignment and windows with q and k lengths differing
+    Case(dqk=32, dv=16, hq=8, hkv=8, causal=True, lens_k=LENS_K),
+    Case(dqk=32, dv=48, hq=4, hkv=2, window=(2, 6), bottom_right=False, lens_k=LENS_K),
+    Case(dqk=48, dv=32, hq=4, hkv=4, causal=True, window=(7, 0), lens_k=LENS_K),
+    # strided views of packed buffers
+    Case(dqk=64, dv=32, hq=4, hkv=2, causal=True, noncontig=True),
+    Case(dqk=192, dv=128, hq=2, hkv=1, window=(9, 9), noncontig=True, lens_k=LENS_K),
+    # longer sequences: several query and key blocks, including fully-visible middle blocks
+    Case(dqk=64, dv=64, hq=2, hkv=1, causal=True, lens_q=(130, 67)),
+    Case(dqk=64, dv=64, hq=1, hkv=1, window=(40, 20), lens_q=(150,)),
+]
+
+
+def _check_forward(case, dtype, out, lse, q, k, v, cu_q, cu_k):
+    opts = dict(causal=case.causal, window=case.window, bottom_right=case.bottom_right)
+    ref, ref_lse = attention_ref(q.cpu(), k.cpu(), v.cpu(), cu_q.cpu(), cu_k.cpu(), **opts)
+    naive, naive_lse = attention_ref(q.cpu(), k.cpu(), v.cpu(), cu_q.cpu(), cu_k.cpu(), upcast=False, **opts)
+    assert out.dtype == dtype and out.shape == (q.shape[0], case.hq, case.dv)
+    assert_flash_criterion("out", out.cpu(), naive, ref)
+    assert_lse_criterion(lse, naive_lse, ref_lse)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_forward_matches_oracle(case, dtype):
+    q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(case, dtype, KERNEL_DEVICE)
+    out, lse = coreattn.varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal=case.causal,
+                                    window_size=case.window, return_lse=True, backend="triton",
+                                    causal_alignment="bottom_right" if case.bottom_right else "top_left")
+    _check_forward(case, dtype, out, lse, q, k, v, cu_q, cu_k)
+
+
+def _launch(case, inputs, max_q, **kw):
+    q, k, v, cu_q, cu_k = inputs
+    right = 0 if case.causal else case.window[1]
+    return varlen_attn_fwd(q, k, v, cu_q, cu_k, max_q, q.shape[-1] ** -0.5, case.window[0], right,
+                           case.bottom_right, **kw)
+
+
+def test_every_output_element_is_written():
+    """Outputs poisoned with NaN before the call: an element the kernel forgets stays NaN."""
+    case = Case(dqk=40, dv=24, hq=4, hkv=2, causal=True, lens_k=LENS_K)
+    q, k, v, cu_q, cu_k, max_q, _ = make_inputs(case, torch.float16, KERNEL_DEVICE)
+    out = torch.full((q.shape[0], 4, 24), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((4, q.shape[0]), float("nan"), device=q.device)
+    _launch(case, (q, k, v, cu_q, cu_k), max_q, out=out, lse=lse)
+    assert not out.isnan().any() and not lse.isnan().any()
+    _check_forward(case, torch.float16, out, lse, q, k, v, cu_q, cu_k)
+
+
+def test_max_seqlen_too_small_is_still_correct():
+    """max_seqlen only sizes the grid; programs stride over the rest of a longer sequence."""
+    case = Case(dqk=32, dv=32, causal=True, lens_q=(70, 3))
+    q, k, v, cu_q, cu_k, _, _ = make_inputs(case, torch.float32, KERNEL_DEVICE)
+    out, lse = _launch(case, (q, k, v, cu_q, cu_k), max_q=1)
+    _check_forward(case, torch.float32, out, lse, q, k, v, cu_q, cu_k)
+
+
+@pytest.mark.parametrize("cu_vals", [[1, 5, 10], [0, 7, 3, 10], [0, 5, 9], [0, 5, 12]],
+                         ids=["not-from-0", "decreasing", "short-of-T", "past-T"])
+def test_malformed_cu_seqlens_give_nan_on_device_path(cu_vals):
+    """Without the host-side checks (the GPU default), malformed cu_seqlens poison the whole output."""
+    case = Case(dqk=16, dv=16, lens_q=(10,))
+    q, k, v, _, _, _, _ = make_inputs(case, torch.float32, KERNEL_DEVICE)
+    cu = torch.tensor(cu_vals, dtype=torch.int32, device=q.device)
+    out, lse = _launch(case, (q, k, v, cu, cu), max_q=10)
+    assert out.isnan().all() and lse.isnan().all()
+
+
+def test_empty_query_batch():
+    case = Case(lens_q=(0, 0), lens_k=(4, 0))
+    q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(case, torch.float32, KERNEL_DEVICE)
+    out, lse = coreattn.varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, backend="triton")
+    assert out.shape == (0, 2, 64) and lse.shape == (2, 0)
+
+
+def test_flash_attn_varlen_func_matches_varlen_attn():
+    case = Case(dqk=64, dv=32, hq=4, hkv=2, causal=True, lens_k=LENS_K)
+    q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(case, torch.float16, KERNEL_DEVICE)
+    out, lse, probs = coreattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
+                                                      return_attn_probs=True)
+    assert probs is None
+    out2 = coreattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+    assert torch.equal(out, out2)
+    _check_forward(case, torch.float16, out, lse, q, k, v, cu_q, cu_k)
