@@ -1,8 +1,9 @@
 """coreattn: Triton varlen flash attention for LLM training (Dv may differ from Dqk)."""
 
 from coreattn.adapters.backends import Backend
+from coreattn.layers.padded_attn import padded_attn
 from coreattn.layers.varlen_attn import flash_attn_varlen_func, varlen_attn
 
 __version__ = "0.1.0"
 
-__all__ = ["Backend", "varlen_attn", "flash_attn_varlen_func", "__version__"]
+__all__ = ["Backend", "varlen_attn", "flash_attn_varlen_func", "padded_attn", "__version__"]

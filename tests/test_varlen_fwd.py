@@ -6,6 +6,7 @@ import torch
 import coreattn
 from attn_cases import KERNEL_DEVICE, KERNEL_DTYPES, Case, assert_flash_criterion, assert_lse_criterion, make_inputs
 from coreattn.kernels import varlen_attn_fwd
+from coreattn.kernels.packing import packed
 from oracle import attention_ref
 
 LENS_Q = (0, 1, 17, 33, 5)
@@ -57,7 +58,7 @@ def test_forward_matches_oracle(case, dtype):
 def _launch(case, inputs, max_q, **kw):
     q, k, v, cu_q, cu_k = inputs
     right = 0 if case.causal else case.window[1]
-    return varlen_attn_fwd(q, k, v, cu_q, cu_k, max_q, q.shape[-1] ** -0.5, case.window[0], right,
+    return varlen_attn_fwd(q, k, v, packed(cu_q), packed(cu_k), max_q, q.shape[-1] ** -0.5, case.window[0], right,
                            case.bottom_right, **kw)
 
 

@@ -81,14 +81,53 @@ def _query_range(n0, seqlen_q, seqlen_k, shift, window_left, window_right,
 
 
 @triton.jit
-def _poison_rows(ptr, row0_program, num_programs, total, col, stride_t, stride_c,
+def _seq_span(seq_ptr, len_ptr, seq, PADDED: tl.constexpr):
+    """(start, length) of sequence ``seq``: from cu_seqlens (packed) or span tensors (padded)."""
+    start = tl.load(seq_ptr + seq)
+    if PADDED:
+        length = tl.load(len_ptr + seq)
+    else:
+        length = tl.load(seq_ptr + seq + 1) - start
+    return start, length
+
+
+@triton.jit
+def _layout_ok(q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, seq, batch, seqlen_q_total, seqlen_k_total,
+               PADDED: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Packed: both cu_seqlens are well formed (the same answer for every program).
+    Padded: this sample's q and k spans lie inside [0, S)."""
+    if PADDED:
+        q_start, q_len = _seq_span(q_seq_ptr, q_len_ptr, seq, True)
+        k_start, k_len = _seq_span(k_seq_ptr, k_len_ptr, seq, True)
+        ok = (q_start >= 0) & (q_len >= 0) & (q_start + q_len <= seqlen_q_total)
+        ok = ok & (k_start >= 0) & (k_len >= 0) & (k_start + k_len <= seqlen_k_total)
+    else:
+        ok = _cu_seqlens_ok(q_seq_ptr, batch, seqlen_q_total, BLOCK_B)
+        ok = ok & _cu_seqlens_ok(k_seq_ptr, batch, seqlen_k_total, BLOCK_B)
+    return ok
+
+
+@triton.jit
+def _poison_rows(base, row0_program, num_programs, total, stride_t,
                  WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Write NaN over rows [0, total) of column block ``col`` of a [T, C, WIDTH] tensor,
-    grid-strided over programs: the answer for malformed cu_seqlens on device."""
+    """Write NaN over rows [0, total) of a [total, WIDTH] view at ``base`` (row stride stride_t),
+    grid-strided over programs: the answer to malformed cu_seqlens or spans on device."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_w = tl.arange(0, BLOCK_W)
     nan = tl.full([BLOCK_M, BLOCK_W], float("nan"), tl.float32)
     for r0 in range(row0_program * BLOCK_M, total, num_programs * BLOCK_M):
-        base = ptr + tl.cast(r0, tl.int64) * stride_t + tl.cast(col, tl.int64) * stride_c
         mask = (r0 + offs_m[:, None] < total) & (offs_w[None, :] < WIDTH)
-        tl.store(base + offs_m[:, None] * stride_t + offs_w[None, :], nan.to(ptr.dtype.element_ty), mask=mask)
+        ptrs = base + tl.cast(r0, tl.int64) * stride_t + offs_m[:, None] * stride_t + offs_w[None, :]
+        tl.store(ptrs, nan.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _poison_program_rows(base, pid_m, seq, num_pid_m, batch, total, stride_t,
+                         WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_M: tl.constexpr,
+                         PADDED: tl.constexpr):
+    """This program's share of the NaN rows: its own sample's rows (padded, ``base`` points at
+    the sample) or a grid-stride share of all tokens (packed: every program agrees on failure)."""
+    if PADDED:
+        _poison_rows(base, pid_m, num_pid_m, total, stride_t, WIDTH, BLOCK_W, BLOCK_M)
+    else:
+        _poison_rows(base, seq * num_pid_m + pid_m, batch * num_pid_m, total, stride_t, WIDTH, BLOCK_W, BLOCK_M)

@@ -9,14 +9,13 @@ speed, not correctness.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import _cu_seqlens_ok, _key_range, _poison_rows, _visible
+from coreattn.kernels.attn_common import _key_range, _layout_ok, _poison_program_rows, _seq_span, _visible
 from coreattn.kernels.config import fwd_config, head_block
+from coreattn.kernels.packing import Packing, new_like, new_rowstat, rowstat_strides, seq_len_dim, seq_strides
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -102,48 +101,50 @@ def _fwd_q_block(q_base, k_base, v_base, o_base, lse_base, m0, seqlen_q, seqlen_
     tl.store(lse_base + tl.cast(m0, tl.int64) + offs_m, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["batch", "total_q", "total_k", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["batch", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right"])
 def _varlen_attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
-    batch, total_q, total_k, group, sm_scale_log2, window_left, window_right,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr,
+    batch, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # grid: (query-block programs per sequence, sequences, q heads)
+    # grid: (query-block programs per sequence, sequences, q heads). seqlen_*_total is the
+    # token count T (packed) or the padded length S (padded); see kernels/packing.py.
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
     num_pid_m = tl.num_programs(0)
-    ok = _cu_seqlens_ok(cu_q_ptr, batch, total_q, BLOCK_B) & _cu_seqlens_ok(cu_k_ptr, batch, total_k, BLOCK_B)
+    o_head = out_ptr + seq.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    lse_head = lse_ptr + seq.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
+    ok = _layout_ok(q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, seq, batch, seqlen_q_total, seqlen_k_total,
+                    PADDED, BLOCK_B)
     if ok:
-        q_start = tl.load(cu_q_ptr + seq)
-        seqlen_q = tl.load(cu_q_ptr + seq + 1) - q_start
-        k_start = tl.load(cu_k_ptr + seq)
-        seqlen_k = tl.load(cu_k_ptr + seq + 1) - k_start
+        q_start, seqlen_q = _seq_span(q_seq_ptr, q_len_ptr, seq, PADDED)
+        k_start, seqlen_k = _seq_span(k_seq_ptr, k_len_ptr, seq, PADDED)
         shift = seqlen_q * 0
         if BOTTOM_RIGHT:
             shift = seqlen_k - seqlen_q
         kv_head = (head // group).to(tl.int64)
-        q_base = q_ptr + q_start.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
-        k_base = k_ptr + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
-        v_base = v_ptr + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
-        o_base = out_ptr + q_start.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
-        lse_base = lse_ptr + head.to(tl.int64) * stride_lh + q_start.to(tl.int64)
+        q_base = q_ptr + seq.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+        k_base = k_ptr + seq.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+        v_base = v_ptr + seq.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+        o_base = o_head + q_start.to(tl.int64) * stride_ot
+        lse_base = lse_head + q_start.to(tl.int64)
         for m0 in range(pid_m * BLOCK_M, seqlen_q, num_pid_m * BLOCK_M):
             _fwd_q_block(q_base, k_base, v_base, o_base, lse_base, m0, seqlen_q, seqlen_k, shift,
                          window_left, window_right, sm_scale_log2, stride_qt, stride_kt, stride_vt, stride_ot,
                          HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N,
                          HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
     else:
-        # malformed cu_seqlens: every output row becomes NaN rather than silently wrong
-        lin = seq * num_pid_m + pid_m
-        nprog = tl.num_programs(1) * num_pid_m
-        _poison_rows(out_ptr, lin, nprog, total_q, head, stride_ot, stride_oh, HEAD_DIM_V, BLOCK_DV, BLOCK_M)
-        _poison_rows(lse_ptr, lin, nprog, total_q, head, 1, stride_lh, 1, 1, BLOCK_M)
+        # malformed cu_seqlens or spans: NaN rather than silently wrong numbers
+        _poison_program_rows(o_head, pid_m, seq, num_pid_m, batch, seqlen_q_total, stride_ot,
+                             HEAD_DIM_V, BLOCK_DV, BLOCK_M, PADDED)
+        _poison_program_rows(lse_head, pid_m, seq, num_pid_m, batch, seqlen_q_total, 1, 1, 1, BLOCK_M, PADDED)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -156,38 +157,45 @@ def check_grid(batch: int, heads: int) -> None:
         raise ValueError(f"batch ({batch}) and heads ({heads}) must each be <= {MAX_GRID_YZ} for the Triton grid")
 
 
-def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, softmax_scale: float,
-                    window_left: int = -1, window_right: int = -1, bottom_right: bool = True,
-                    out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
-    """Launch the forward kernel. q [Tq, Hq, Dqk], k [Tk, Hkv, Dqk], v [Tk, Hkv, Dv], last stride 1.
+def mask_flags(window_left: int, window_right: int, bottom_right: bool, pack: Packing) -> dict:
+    return dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, BOTTOM_RIGHT=bottom_right,
+                PADDED=pack.padded, BLOCK_B=CU_SCAN_BLOCK)
 
-    Returns out [Tq, Hq, Dv] (q's dtype) and lse [Hq, Tq] float32 (natural log, -inf for rows
-    that see no key). Inputs are assumed checked by the caller (coreattn.layers.checks).
-    ``out``/``lse`` may be given as preallocated contiguous buffers of those shapes.
+
+def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: Packing, k_pack: Packing,
+                    max_seqlen_q: int, softmax_scale: float, window_left: int = -1, window_right: int = -1,
+                    bottom_right: bool = True, out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+    """Launch the forward kernel on q/k/v laid out as ``q_pack``/``k_pack`` say (kernels/packing.py).
+
+    Packed (thd): q [Tq, Hq, Dqk], k [Tk, Hkv, Dqk], v [Tk, Hkv, Dv]; returns out [Tq, Hq, Dv]
+    (q's dtype) and lse [Hq, Tq] float32 (natural log, -inf for rows that see no key).
+    Padded (bshd/sbhd): out in the same layout as q (zeros outside the q spans) and lse
+    [B, Hq, S]. Last strides must be 1; inputs are assumed checked by the caller
+    (coreattn.layers.checks). ``out``/``lse`` may be given as preallocated buffers.
     """
-    total_q, heads_q, dim_qk = q.shape
-    total_k, heads_kv, dim_v = v.shape
-    batch = cu_seqlens_q.numel() - 1
+    heads_q, dim_qk = q.shape[-2:]
+    heads_kv, dim_v = v.shape[-2:]
+    batch = q_pack.batch
     if out is None:
-        out = torch.empty((total_q, heads_q, dim_v), dtype=q.dtype, device=q.device)
+        out = new_like(q, q_pack, dim_v)
     if lse is None:
-        lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device)
-    if total_q == 0:
+        lse = new_rowstat(q, q_pack)
+    seqlen_q_total = seq_len_dim(q, q_pack.fmt)
+    if q.numel() == 0 or batch == 0:
         return out, lse
     check_grid(batch, heads_q)
     block_dqk, block_dv = head_block(dim_qk), head_block(dim_v)
     cfg = fwd_config(q.device, block_dqk, block_dv)
     grid = (max(1, triton.cdiv(max_seqlen_q, cfg.block_m)), batch, heads_q)
     _varlen_attn_fwd_kernel[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-        batch, total_q, total_k, heads_q // heads_kv, softmax_scale * LOG2E, window_left, window_right,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
+        q, k, v, out, lse, q_pack.seq, q_pack.lens, k_pack.seq, k_pack.lens,
+        batch, seqlen_q_total, seq_len_dim(k, k_pack.fmt), heads_q // heads_kv, softmax_scale * LOG2E,
+        window_left, window_right,
+        *seq_strides(q, q_pack.fmt), *seq_strides(k, k_pack.fmt), *seq_strides(v, k_pack.fmt),
+        *seq_strides(out, q_pack.fmt), *rowstat_strides(lse, q_pack),
         HEAD_DIM_QK=dim_qk, HEAD_DIM_V=dim_v, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_B=CU_SCAN_BLOCK,
-        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, BOTTOM_RIGHT=bottom_right,
-        DOT_PRECISION=dot_precision(q.dtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
+        **mask_flags(window_left, window_right, bottom_right, q_pack),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

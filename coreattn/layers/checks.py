@@ -83,13 +83,11 @@ def check_window(window_size) -> tuple[int, int]:
     return left, right
 
 
-def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                        softmax_scale, causal, window_size, causal_alignment) -> tuple[VarlenParams, int, int]:
-    """Validate the varlen attention arguments; returns the normalized params and max_seqlen_q/k."""
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p={dropout_p}: attention dropout is not supported; pass 0.0")
+def check_qkv(q, k, v, layout: str) -> None:
+    """Tensor checks shared by the packed (thd) and padded (bshd/sbhd) entry points."""
+    ndim = 3 if layout == "thd" else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t, 3)
+        _check_tensor(name, t, ndim)
     if q.dtype not in KERNEL_DTYPES + (torch.float64,):
         raise TypeError(f"q has dtype {q.dtype}; supported: float16, bfloat16, float32")
     for name, t in (("k", k), ("v", v)):
@@ -97,20 +95,49 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
             raise TypeError(f"dtype mismatch: q is {q.dtype} but {name} is {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"device mismatch: q is on {q.device} but {name} is on {t.device}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"head dim mismatch: q has Dqk={q.shape[2]} but k has {k.shape[2]}")
-    if k.shape[0] != v.shape[0]:
-        raise ValueError(f"k has {k.shape[0]} tokens but v has {v.shape[0]}")
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"k has {k.shape[1]} heads but v has {v.shape[1]}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})")
-    for name, d in (("q/k head dim", q.shape[2]), ("v head dim", v.shape[2])):
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"head dim mismatch: q has Dqk={q.shape[-1]} but k has {k.shape[-1]}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in all dims but the last "
+                         "(tokens, batch and heads)")
+    if layout != "thd":
+        b = 0 if layout == "bshd" else 1
+        if q.shape[b] != k.shape[b]:
+            raise ValueError(f"batch mismatch: q has {q.shape[b]} samples but k has {k.shape[b]} ({layout})")
+    if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2] != 0:
+        raise ValueError(f"q heads ({q.shape[-2]}) must be a multiple of k/v heads ({k.shape[-2]})")
+    for name, d in (("q/k head dim", q.shape[-1]), ("v head dim", v.shape[-1])):
         if not 1 <= d <= MAX_HEAD_DIM:
             raise ValueError(f"{name} is {d}; supported head dims are 1..{MAX_HEAD_DIM}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have stride 1 in its last dim (got strides {t.stride()})")
+
+
+def check_options(head_dim_qk: int, dropout_p, softmax_scale, causal, window_size, causal_alignment) -> VarlenParams:
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout_p={dropout_p}: attention dropout is not supported; pass 0.0")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if causal_alignment not in ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
+    left, right = check_window(window_size)
+    if causal:
+        right = 0
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim_qk)
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    return VarlenParams(float(softmax_scale), left, right, causal_alignment == "bottom_right")
+
+
+def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                        softmax_scale, causal, window_size, causal_alignment) -> tuple[VarlenParams, int, int]:
+    """Validate the packed (thd) attention arguments; returns the params and max_seqlen_q/k."""
+    params = check_options(getattr(q, "shape", (0,))[-1], dropout_p, softmax_scale, causal, window_size,
+                           causal_alignment)
+    check_qkv(q, k, v, "thd")
     check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
@@ -121,17 +148,30 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     if cu_seqlens_q.device.type == "cpu" or validation_enabled():
         check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
         check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if causal_alignment not in ALIGNMENTS:
-        raise ValueError(f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
-    left, right = check_window(window_size)
-    if causal:
-        right = 0
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[2])
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
-            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
-    params = VarlenParams(float(softmax_scale), left, right, causal_alignment == "bottom_right")
     return params, max_seqlen_q, max_seqlen_k
+
+
+def check_spans(start_name: str, start, len_name: str, length, batch: int, seqlen: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample spans of a padded batch: int32 [B] start and length, None = the whole row."""
+    for name, t in ((start_name, start), (len_name, length)):
+        if t is None:
+            continue
+        _check_tensor(name, t, 1)
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+        if t.numel() != batch:
+            raise ValueError(f"{name} has {t.numel()} entries but the batch has {batch} samples")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q is on {device}")
+    if start is None:
+        start = torch.zeros(batch, dtype=torch.int32, device=device)
+    if length is None:
+        length = (seqlen - start).to(torch.int32)
+    if device.type == "cpu" or validation_enabled():
+        bad = (start < 0) | (length < 0) | (start + length > seqlen)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"span {i} ({start_name}={int(start[i])}, {len_name}={int(length[i])}) "
+                             f"does not fit in the padded length {seqlen}")
+    return start, length

@@ -1,26 +1,54 @@
-"""Pure-torch varlen attention with the kernel's semantics: the CPU backend and the fallback.
+"""Pure-torch attention with the kernels' semantics: the CPU backend and the fallback.
 
-Vectorized over the batch: sequences are gathered into a padded [B, S, H, D] batch, the
-visibility mask is built from positions and lengths, and rows that see no key give zeros and
-lse = -inf without NaN in the forward or the backward. Memory is O(B * H * Sq * Sk); it is
-meant for CPU and small shapes, not as a fast path. Gradients come from autograd.
+Vectorized over the batch: each sequence (packed thd, or a span of a padded bshd/sbhd batch,
+see coreattn/kernels/packing.py) is gathered into a padded [B, S, H, D] batch, the visibility
+mask is built from positions and lengths, and rows that see no key give zeros and lse = -inf
+without NaN in the forward or the backward. Memory is O(B * H * Sq * Sk): meant for CPU and
+small shapes, not as a fast path. Gradients come from autograd.
 """
 
 from __future__ import annotations
 
 import torch
 
+from coreattn.kernels.packing import Packing, seq_len_dim
 from coreattn.layers.checks import VarlenParams
 
 
-def _gather_padded(x: torch.Tensor, cu: torch.Tensor, max_len: int):
-    # x [T, H, D] -> [B, S, H, D], plus the keep mask [B, S] and lengths [B]
-    lens = (cu[1:] - cu[:-1]).long()
+def _spans(pack: Packing) -> tuple[torch.Tensor, torch.Tensor]:
+    if pack.fmt == "thd":
+        return pack.seq[:-1].long(), (pack.seq[1:] - pack.seq[:-1]).long()
+    return pack.seq.long(), pack.lens.long()
+
+
+def _token_index(x: torch.Tensor, pack: Packing, tok: torch.Tensor):
+    """Index tuple selecting token positions ``tok`` [B, S] of x in its layout."""
+    b = torch.arange(tok.shape[0], device=tok.device)[:, None].expand_as(tok)
+    if pack.fmt == "thd":
+        return (tok,)
+    return (b, tok) if pack.fmt == "bshd" else (tok, b)
+
+
+def _gather(x: torch.Tensor, pack: Packing, max_len: int):
+    """x -> padded [B, S, H, D] of each sequence's tokens, its keep mask [B, S] and lengths [B]."""
+    starts, lens = _spans(pack)
     pos = torch.arange(max_len, device=x.device)
-    keep = pos[None, :] < lens[:, None]  # [B, S]
-    idx = (cu[:-1].long()[:, None] + pos[None, :]).clamp(max=max(x.shape[0] - 1, 0))
-    padded = x[idx] if x.shape[0] > 0 else x.new_zeros(idx.shape + x.shape[1:])
-    return padded * keep[:, :, None, None].to(x.dtype), keep, lens
+    keep = pos[None, :] < lens[:, None]
+    n = seq_len_dim(x, pack.fmt)
+    tok = (starts[:, None] + pos[None, :]).clamp(0, max(n - 1, 0))
+    if n == 0:
+        return x.new_zeros(tok.shape + x.shape[-2:]), keep, lens, tok
+    return x[_token_index(x, pack, tok)] * keep[:, :, None, None].to(x.dtype), keep, lens, tok
+
+
+def _scatter(vals: torch.Tensor, like: torch.Tensor, pack: Packing, keep: torch.Tensor, tok: torch.Tensor,
+             fill: float) -> torch.Tensor:
+    """Inverse of _gather for [B, S, ...] values: packed rows, or a padded tensor laid out like ``like``."""
+    if pack.fmt == "thd":
+        return vals[keep]
+    out = torch.full(like.shape[:2] + vals.shape[2:], fill, dtype=vals.dtype, device=vals.device)
+    idx = tuple(i[keep] for i in _token_index(like, pack, tok))
+    return out.index_put(idx, vals[keep])
 
 
 def visible_mask(lens_q, lens_k, max_q: int, max_k: int, params: VarlenParams) -> torch.Tensor:
@@ -36,27 +64,29 @@ def visible_mask(lens_q, lens_k, max_q: int, max_k: int, params: VarlenParams) -
     return vis
 
 
-def varlen_attn_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                      params: VarlenParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns out [Tq, Hq, Dv] in q's dtype and lse [Hq, Tq] float32 (natural log)."""
-    hq, hkv = q.shape[1], k.shape[1]
+def attn_torch(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int,
+               params: VarlenParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns out (q's layout and dtype, last dim Dv) and lse float32 ([Hq, Tq] packed, [B, Hq, Sq] padded)."""
+    hq, hkv = q.shape[-2], k.shape[-2]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qp, keep_q, lens_q = _gather_padded(q.to(compute), cu_seqlens_q, max_seqlen_q)
-    kp, _, lens_k = _gather_padded(k.to(compute), cu_seqlens_k, max_seqlen_k)
-    vp, _, _ = _gather_padded(v.to(compute), cu_seqlens_k, max_seqlen_k)
+    qp, keep_q, lens_q, tok_q = _gather(q.to(compute), q_pack, max_seqlen_q)
+    kp, _, lens_k, _ = _gather(k.to(compute), k_pack, max_seqlen_k)
+    vp, _, _, _ = _gather(v.to(compute), k_pack, max_seqlen_k)
     b, sq = qp.shape[:2]
     qp = qp.view(b, sq, hkv, hq // hkv, qp.shape[-1])  # [B, Sq, Hkv, G, Dqk]
     scores = torch.einsum("bshgd,bthd->bhgst", qp, kp) * params.softmax_scale  # [B, Hkv, G, Sq, Sk]
     vis = visible_mask(lens_q, lens_k, max_seqlen_q, max_seqlen_k, params)[:, None, None]
     scores = scores.masked_fill(~vis, float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = scores.amax(dim=-1, keepdim=True) if scores.shape[-1] else scores.new_zeros(scores.shape[:-1] + (1,))
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
     e = torch.exp(scores - row_max)  # masked entries are exactly 0
     denom = e.sum(dim=-1, keepdim=True)
     p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
     out = torch.einsum("bhgst,bthd->bshgd", p, vp).reshape(b, sq, hq, vp.shape[-1])
-    lse = (row_max + torch.log(denom)).squeeze(-1)  # [B, Hkv, G, Sq]; -inf where no key is visible
-    lse = lse.reshape(b, hq, sq).transpose(1, 2)  # [B, Sq, Hq]
-    out = out[keep_q].to(q.dtype)  # [Tq, Hq, Dv]
-    lse = lse[keep_q].transpose(0, 1).float().contiguous()  # [Hq, Tq]
-    return out, lse
+    lse = (row_max + torch.log(denom)).reshape(b, hq, sq).transpose(1, 2)  # [B, Sq, Hq]; -inf: no key
+    out = _scatter(out.to(q.dtype), q, q_pack, keep_q, tok_q, 0.0)
+    lse = _scatter(lse.float(), q, q_pack, keep_q, tok_q, float("-inf"))
+    if q_pack.fmt == "thd":
+        return out, lse.transpose(0, 1).contiguous()  # [Hq, Tq]
+    lse = lse if q_pack.fmt == "bshd" else lse.transpose(0, 1)  # [B, S, Hq]
+    return out, lse.transpose(1, 2).contiguous()  # [B, Hq, S]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from coreattn.adapters.backends import Backend, select_backend
-from coreattn.layers.checks import KERNEL_DTYPES, check_varlen_inputs
-from coreattn.layers.torch_backend import varlen_attn_torch
+from coreattn.adapters.backends import Backend
+from coreattn.kernels.packing import packed
+from coreattn.layers.checks import check_varlen_inputs
+from coreattn.layers.dispatch import run_attention
 
 
 def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -53,17 +54,8 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     params, max_seqlen_q, max_seqlen_k = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
         causal, window_size, causal_alignment)
-    chosen = select_backend(q.device, backend)
-    if chosen is Backend.TORCH:
-        out, lse = varlen_attn_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, params)
-        lse = lse.detach()
-    else:
-        if q.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"q has dtype {q.dtype}; the Triton backend supports float16, bfloat16, float32")
-        from coreattn.layers.function import VarlenAttnFunction
-
-        out, lse = VarlenAttnFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                            params, deterministic)
+    out, lse = run_attention(q, k, v, packed(cu_seqlens_q), packed(cu_seqlens_k), max_seqlen_q, max_seqlen_k,
+                             params, deterministic, backend)
     return (out, lse) if return_lse else out
 
 

@@ -1,0 +1,48 @@
+"""Public attention over padded batches (bshd or sbhd), masks computed in registers from spans."""
+
+from __future__ import annotations
+
+import torch
+
+from coreattn.adapters.backends import Backend
+from coreattn.kernels.packing import FORMATS, Packing, seq_len_dim
+from coreattn.layers.checks import check_options, check_qkv, check_spans
+from coreattn.layers.dispatch import run_attention
+
+
+def padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "bshd",
+                q_start: torch.Tensor | None = None, q_len: torch.Tensor | None = None,
+                k_start: torch.Tensor | None = None, k_len: torch.Tensor | None = None,
+                dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+                window_size: tuple[int, int] = (-1, -1), causal_alignment: str = "bottom_right",
+                return_lse: bool = False, deterministic: bool = True, backend: str | Backend | None = None):
+    """Flash attention on a padded batch, used in place (no unpad copies, no S×S mask).
+
+    Args:
+        q: ``[B, Sq, Hq, Dqk]`` (``layout="bshd"``) or ``[Sq, B, Hq, Dqk]`` (``"sbhd"``, Megatron's
+            layout); k ``[.., Sk, .., Hkv, Dqk]`` and v ``[.., Sk, .., Hkv, Dv]`` in the same layout.
+            Strided views are fine as long as the last stride is 1.
+        q_start, q_len, k_start, k_len: optional int32 ``[B]`` spans: sample b's real tokens are
+            positions ``[start_b, start_b + len_b)`` (right padding: start 0; left padding: start
+            S - len). None means the whole padded length. A span that does not fit raises on CPU
+            (or with ``COREATTN_VALIDATE=1``); on GPU that sample's outputs become NaN.
+        causal, window_size, causal_alignment: as in ``coreattn.varlen_attn``, with positions
+            counted from each span's start.
+        Other arguments as in ``coreattn.varlen_attn``.
+
+    Returns:
+        ``out`` in q's layout with last dim Dv (zeros outside the q spans), or ``(out, lse)`` with
+        lse ``[B, Hq, Sq]`` float32 (-inf outside the spans and for rows that see no key).
+    """
+    if layout not in FORMATS[1:]:
+        raise ValueError(f"layout must be 'bshd' or 'sbhd', got {layout!r}")
+    params = check_options(getattr(q, "shape", (0,))[-1], dropout_p, softmax_scale, causal, window_size,
+                           causal_alignment)
+    check_qkv(q, k, v, layout)
+    batch = q.shape[0] if layout == "bshd" else q.shape[1]
+    seqlen_q, seqlen_k = seq_len_dim(q, layout), seq_len_dim(k, layout)
+    q_start, q_len = check_spans("q_start", q_start, "q_len", q_len, batch, seqlen_q, q.device)
+    k_start, k_len = check_spans("k_start", k_start, "k_len", k_len, batch, seqlen_k, q.device)
+    out, lse = run_attention(q, k, v, Packing(layout, q_start, q_len), Packing(layout, k_start, k_len),
+                             seqlen_q, seqlen_k, params, deterministic, backend)
+    return (out, lse) if return_lse else out
