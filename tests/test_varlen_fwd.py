@@ -4,37 +4,11 @@ import pytest
 import torch
 
 import coreattn
-from attn_cases import KERNEL_DEVICE, KERNEL_DTYPES, Case, assert_flash_criterion, assert_lse_criterion, make_inputs
+from attn_cases import (CASES, KERNEL_DEVICE, KERNEL_DTYPES, LENS_K, Case, assert_flash_criterion, assert_lse_criterion,
+                        make_inputs)
 from coreattn.kernels import varlen_attn_fwd
 from coreattn.kernels.packing import packed
 from oracle import attention_ref
-
-LENS_Q = (0, 1, 17, 33, 5)
-LENS_K = (3, 0, 40, 33, 2)  # an empty key sequence, Lq > Lk and Lq < Lk
-
-CASES = [
-    # the head-dim pairs the issue names, each with a mask
-    Case(dqk=192, dv=128, hq=4, hkv=2, causal=True),
-    Case(dqk=128, dv=128, hq=2, hkv=1),
-    Case(dqk=64, dv=64, hq=8, hkv=1, causal=True, lens_k=LENS_K),
-    Case(dqk=256, dv=256, hq=2, hkv=2, window=(3, 2)),
-    Case(dqk=96, dv=64, hq=4, hkv=1, causal=True, bottom_right=False, lens_k=LENS_K),
-    # non-powers of two and tiny dims, independently for q/k and v
-    Case(dqk=40, dv=59, hq=2, hkv=2, window=(4, -1), lens_k=LENS_K),
-    Case(dqk=111, dv=1, hq=2, hkv=1, window=(-1, 3), bottom_right=False),
-    Case(dqk=1, dv=96, hq=2, hkv=2, causal=True, window=(5, 0)),
-    # alignment and windows with q and k lengths differing
-    Case(dqk=32, dv=16, hq=8, hkv=8, causal=True, lens_k=LENS_K),
-    Case(dqk=32, dv=48, hq=4, hkv=2, window=(2, 6), bottom_right=False, lens_k=LENS_K),
-    Case(dqk=48, dv=32, hq=4, hkv=4, causal=True, window=(7, 0), lens_k=LENS_K),
-    # strided views of packed buffers
-    Case(dqk=64, dv=32, hq=4, hkv=2, causal=True, noncontig=True),
-    Case(dqk=192, dv=128, hq=2, hkv=1, window=(9, 9), noncontig=True, lens_k=LENS_K),
-    # longer sequences: several query and key blocks, including fully-visible middle blocks
-    Case(dqk=64, dv=64, hq=2, hkv=1, causal=True, lens_q=(130, 67)),
-    Case(dqk=64, dv=64, hq=1, hkv=1, window=(40, 20), lens_q=(150,)),
-]
-
 
 def _check_forward(case, dtype, out, lse, q, k, v, cu_q, cu_k):
     opts = dict(causal=case.causal, window=case.window, bottom_right=case.bottom_right)

@@ -271,18 +271,23 @@ def _attn_bwd_dq_kernel(
 
 def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int,
-                    softmax_scale: float, window_left: int = -1, window_right: int = -1, bottom_right: bool = True):
+                    softmax_scale: float, window_left: int = -1, window_right: int = -1, bottom_right: bool = True,
+                    dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None):
     """Launch the backward kernels; returns dq, dk, dv in the layouts and dtypes of q, k, v.
 
     ``dout`` may be any strided view with last stride 1 (it is made so if not); ``out`` and
-    ``lse`` are the forward's. Deterministic: no atomics; every gradient element is written once.
+    ``lse`` are the forward's. Deterministic: no atomics; every gradient element inside a
+    sequence is written once. ``dq``/``dk``/``dv`` may be given as preallocated buffers (rows
+    outside padded spans are left as they are).
     """
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     heads_q, dim_qk = q.shape[-2:]
     heads_kv, dim_v = v.shape[-2:]
     batch = q_pack.batch
-    dq, dk, dv = new_like(q, q_pack, dim_qk), new_like(k, k_pack, dim_qk), new_like(v, k_pack, dim_v)
+    dq = new_like(q, q_pack, dim_qk) if dq is None else dq
+    dk = new_like(k, k_pack, dim_qk) if dk is None else dk
+    dv = new_like(v, k_pack, dim_v) if dv is None else dv
     seqlen_q_total, seqlen_k_total = seq_len_dim(q, q_pack.fmt), seq_len_dim(k, k_pack.fmt)
     if batch == 0 or (q.numel() == 0 and k.numel() == 0):
         return dq, dk, dv

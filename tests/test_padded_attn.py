@@ -1,0 +1,98 @@
+"""coreattn.padded_attn: padded bshd/sbhd batches with per-sample spans, against the packed path."""
+
+import pytest
+import torch
+
+import coreattn
+from attn_cases import KERNEL_DEVICE
+from coreattn.kernels import varlen_attn_fwd
+from coreattn.kernels.packing import Packing
+
+B, S, HQ, HKV, DQK, DV = 3, 29, 4, 2, 40, 24
+STARTS = (0, 6, 29)  # right padding, left padding (6 + 23 = S), an empty sample
+LENS = (17, 23, 0)
+
+
+def _padded_inputs(layout, device, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(h, d):
+        x = torch.randn(B, S, h, d, generator=gen).to(dtype).to(device)
+        return x.transpose(0, 1) if layout == "sbhd" else x  # sbhd as a strided view, no copy
+
+    q, k, v = rand(HQ, DQK), rand(HKV, DQK), rand(HKV, DV)
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+def _sample(x, layout, b):
+    return x[b] if layout == "bshd" else x[:, b]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_padded_matches_packed_per_sample(layout, causal, backend):
+    q, k, v = _padded_inputs(layout, KERNEL_DEVICE)
+    start = torch.tensor(STARTS, dtype=torch.int32, device=q.device)
+    length = torch.tensor(LENS, dtype=torch.int32, device=q.device)
+    out, lse = coreattn.padded_attn(q, k, v, layout=layout, q_start=start, q_len=length, k_start=start,
+                                    k_len=length, causal=causal, return_lse=True, backend=backend)
+    assert out.shape == q.shape[:3] + (DV,) and lse.shape == (B, HQ, S)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    for b, (s0, n) in enumerate(zip(STARTS, LENS)):
+        span = slice(s0, s0 + n)
+        outside = torch.ones(S, dtype=torch.bool)
+        outside[span] = False
+        assert not _sample(out, layout, b)[outside].any(), "padding positions must be zero"
+        assert torch.isneginf(lse[b][:, outside]).all()
+        for grad in grads:
+            assert not _sample(grad, layout, b)[outside].any(), "padding positions get no gradient"
+        if n == 0:
+            continue
+        qb, kb, vb = (_sample(t, layout, b)[span].detach().requires_grad_() for t in (q, k, v))
+        cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
+        ob, lb = coreattn.varlen_attn(qb, kb, vb, cu, cu, n, n, causal=causal, return_lse=True, backend=backend)
+        torch.testing.assert_close(_sample(out, layout, b)[span], ob, rtol=0, atol=2e-6)
+        torch.testing.assert_close(lse[b][:, span], lb, rtol=0, atol=2e-6)
+        gb = torch.autograd.grad(ob, (qb, kb, vb), _sample(g, layout, b)[span])
+        for grad, ref in zip(grads, gb):
+            torch.testing.assert_close(_sample(grad, layout, b)[span], ref, rtol=0, atol=2e-5)
+
+
+def test_whole_rows_when_no_spans_given():
+    q, k, v = _padded_inputs("bshd", KERNEL_DEVICE)
+    out = coreattn.padded_attn(q, k, v, causal=True, backend="triton")
+    ref = coreattn.padded_attn(q, k, v, causal=True, backend="torch")
+    torch.testing.assert_close(out, ref, rtol=0, atol=2e-6)
+
+
+def test_span_outside_the_batch_gives_nan_on_device_path():
+    """Kernel-level answer to bad spans when the host checks are off (GPU default): that sample is NaN."""
+    q, k, v = (t.detach() for t in _padded_inputs("bshd", KERNEL_DEVICE))
+    start = torch.tensor([0, 20, 0], dtype=torch.int32, device=q.device)
+    length = torch.tensor([5, 20, 0], dtype=torch.int32, device=q.device)  # sample 1 ends at 40 > S
+    pack = Packing("bshd", start, length)
+    out, lse = varlen_attn_fwd(q, k, v, pack, pack, S, DQK ** -0.5)
+    assert out[1].isnan().all() and lse[1].isnan().all()
+    assert not out[0].isnan().any() and not out[2].isnan().any()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(layout="thd"), "layout"),
+    (dict(q_start=torch.tensor([0, 0], dtype=torch.int32)), "q_start has 2 entries"),
+    (dict(q_len=torch.tensor([0, 0, 0], dtype=torch.int64)), "q_len must be int32"),
+    (dict(k_start=torch.tensor([0, 5, 0], dtype=torch.int32), k_len=torch.tensor([1, 25, 0], dtype=torch.int32)),
+     "does not fit"),
+    (dict(q_len=torch.tensor([-1, 0, 0], dtype=torch.int32)), "does not fit"),
+])
+def test_bad_spans_raise(bad, match):
+    q, k, v = _padded_inputs("bshd", "cpu")
+    with pytest.raises((ValueError, TypeError), match=match):
+        coreattn.padded_attn(q, k, v, backend="torch", **bad)
+
+
+def test_batch_mismatch_raises():
+    q, k, v = _padded_inputs("bshd", "cpu")
+    with pytest.raises(ValueError, match="batch mismatch"):
+        coreattn.padded_attn(q, k[:2], v[:2], backend="torch")
