@@ -430,3 +430,45 @@ def test_builders_do_not_sync_on_cuda(monkeypatch):
     assert torch.equal(pos.cpu(), ref_pos) and torch.equal(seq.cpu(), ref_seq)
     assert torch.equal(aligned.seqlens_padded.cpu(), naive.align(lens, 2, 2)[0])
     assert npu.device.type == "cuda" and npu.shape == (2048, 2048)
+
+
+# ---- device semantics, simulated on the CPU: value checks off unless asked for
+
+
+def act_like_a_device(monkeypatch):
+    """Value checks behave as for a device tensor: only with COREATTN_VALIDATE=1 or check=True."""
+    from coreattn.layers import mask_checks
+    from coreattn.layers.checks import validation_enabled
+
+    monkeypatch.setattr(mask_checks, "reads_values", lambda t: validation_enabled())
+    monkeypatch.setattr(masks_layer, "reads_values", lambda t: validation_enabled())
+
+
+def test_holes_on_a_device_are_reported_only_when_asked(monkeypatch):
+    act_like_a_device(monkeypatch)
+    monkeypatch.delenv("COREATTN_VALIDATE", raising=False)
+    keep = torch.tensor([[0, 1, 0, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.int32)
+    spans = masks.spans_from_keep_mask(keep)  # no sync, no error: documented values
+    assert spans.start.tolist() == [1, 0] and spans.length.tolist() == [3, 2]
+    with pytest.raises(ValueError, match=r"holes .* rows \[0\]"):
+        masks.spans_from_keep_mask(keep, check=True)
+    with pytest.raises(ValueError, match="holes"):
+        masks.seqlens_from_padding_mask(keep, contiguous=True, check=True)
+    monkeypatch.setenv("COREATTN_VALIDATE", "1")
+    with pytest.raises(ValueError, match="holes"):
+        masks.spans_from_keep_mask(keep)
+
+
+def test_validate_env_turns_on_device_value_checks(monkeypatch):
+    act_like_a_device(monkeypatch)
+    monkeypatch.delenv("COREATTN_VALIDATE", raising=False)
+    assert masks.padding_mask_from_seqlens(torch.tensor([1, 2]), 2).shape == (2, 2)
+    x, keep = make_x(0, 2, 3, ()), naive.padding_mask([1, 3], 3)
+    assert masks.unpad(x, keep, total=4, max_seqlen=3).x_packed.numel() == 4
+    monkeypatch.setenv("COREATTN_VALIDATE", "1")
+    with pytest.raises(ValueError, match="max_len"):
+        masks.padding_mask_from_seqlens(torch.tensor([1, 3]), 2)
+    with pytest.raises(ValueError, match="total"):
+        masks.unpad(x, keep, total=3, max_seqlen=3)
+    with pytest.raises(ValueError, match="0 and 1"):
+        masks.keep_mask_from_4d(torch.full((2, 1, 1, 3), 2), "keep")

@@ -132,7 +132,7 @@ def token_ids(cu_seqlens: torch.Tensor, total: int, pos_dtype: torch.dtype | Non
     batch = cu_seqlens.numel() - 1
     pos = torch.empty(total, dtype=pos_dtype, device=device) if pos_dtype is not None else None
     seq = torch.empty(total, dtype=seq_dtype, device=device) if seq_dtype is not None else None
-    if total == 0:
+    if total == 0 or (pos is None and seq is None):
         return pos, seq
     programs, _, block_t = _launch_sizes(device)
     grid = (min(triton.cdiv(total, block_t), programs),)

@@ -131,7 +131,8 @@ def spans_from_keep_mask(keep_mask: torch.Tensor, *, check: bool = False) -> Kee
     return KeepSpans(start, length)
 
 
-def seqlens_from_padding_mask(keep_mask: torch.Tensor, *, contiguous: bool = False, check: bool = False) -> torch.Tensor:
+def seqlens_from_padding_mask(keep_mask: torch.Tensor, *, contiguous: bool = False,
+                              check: bool = False) -> torch.Tensor:
     """int32 lengths [B]: the number of kept tokens per row of a [B, S] keep mask (bool or 0/1 int).
 
     Right and left padding give the same lengths. ``contiguous=True`` also requires the kept
@@ -156,9 +157,10 @@ def unpad(x: torch.Tensor, keep_mask: torch.Tensor, *, total: int | None = None,
 
     The output shape needs the token count, and max_seqlen must be a host int: pass ``total``
     (= keep_mask.sum()) and ``max_seqlen`` (>= the longest row) when you know them and nothing
-    syncs; each one left None costs a host sync on a device. A wrong ``total`` raises on the CPU
-    (or with COREATTN_VALIDATE=1); on a device it is not checked. On CUDA the rows move with a
-    Triton gather kernel, elsewhere with index_select.
+    syncs; leaving either None costs one host sync on a device. A wrong ``total`` or too small
+    ``max_seqlen`` raises on the CPU (or with COREATTN_VALIDATE=1); on a device they are not
+    checked, and a wrong ``total`` gives wrong rows. On CUDA the rows move with a Triton gather
+    kernel, elsewhere with index_select.
     """
     check_tensor("x", x, tuple(range(2, 9)))
     check_keep_mask("keep_mask", keep_mask)
@@ -171,18 +173,21 @@ def unpad(x: torch.Tensor, keep_mask: torch.Tensor, *, total: int | None = None,
     batch, seqlen = keep.shape
     seqlens = keep.sum(dim=1, dtype=torch.int32)  # [B]
     flat = keep.reshape(-1)  # [B*S]
-    if total is None:
-        total = int(seqlens.sum())
-    else:
+    if total is not None:
         total = check_int("total", total)
-        if reads_values(flat) and int(seqlens.sum()) != total:
-            raise ValueError(f"total = {total} but keep_mask keeps {int(seqlens.sum())} tokens")
-    if max_seqlen is None:
-        max_seqlen = int(seqlens.max()) if batch > 0 else 0
-    else:
+    if max_seqlen is not None:
         max_seqlen = check_int("max_seqlen", max_seqlen)
-        if reads_values(flat) and batch > 0 and int(seqlens.max()) > max_seqlen:
-            raise ValueError(f"max_seqlen = {max_seqlen} is smaller than the longest row ({int(seqlens.max())})")
+    if total is None or max_seqlen is None or reads_values(flat):
+        # one host sync (free on the CPU) for both counts
+        kept, longest = torch.stack([seqlens.sum(), seqlens.amax() if batch > 0 else seqlens.sum()]).tolist()
+        if total is None:
+            total = kept
+        elif total != kept:
+            raise ValueError(f"total = {total} but keep_mask keeps {kept} tokens")
+        if max_seqlen is None:
+            max_seqlen = longest
+        elif longest > max_seqlen:
+            raise ValueError(f"max_seqlen = {max_seqlen} is smaller than the longest row ({longest})")
     # indices without nonzero (which syncs): each kept token goes to slot cumsum-1, the rest to a
     # discarded slot `total`
     slot = torch.cumsum(flat, dim=0) - 1  # [B*S] int64
