@@ -1,0 +1,359 @@
+"""Attention-mask and packing utilities, vectorized and free of host syncs where possible.
+
+Conventions, spelled out in every name:
+- a *keep mask* is True (or 1) where a token takes part (the HF ``attention_mask`` [B, S]);
+- a *Megatron mask* is True where attention is masked out (Megatron-Core, TE, Ascend
+  ``npu_fusion_attention``'s ``atten_mask``).
+Every function that takes a mask accepts bool and integer (0/1) masks. cu_seqlens are int32
+[B+1] starting at 0 (flash-attn's varlen ABI).
+
+Host syncs: nothing here reads device values unless documented. Checks that need values run
+when the tensors are on the CPU (free) or when COREATTN_VALIDATE=1 (a sync on a device).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+
+from coreattn.kernels.masks import token_ids
+from coreattn.layers.mask_checks import (
+    check_cu_seqlens, check_int, check_keep_mask, check_mask_values, check_seqlens, check_tensor, reads_values,
+)
+from coreattn.layers.padding_function import PadFunction, UnpadFunction, use_triton
+
+NPU_COMPRESSED_MASK_SIZE = 2048
+CONVENTIONS = ("megatron", "keep")
+
+
+class KeepSpans(NamedTuple):
+    """Each sample's contiguous run of kept tokens: positions [start, start + length)."""
+
+    start: torch.Tensor  # [B] int32
+    length: torch.Tensor  # [B] int32
+
+
+class Unpadded(NamedTuple):
+    """Result of ``unpad``: flash-attn's varlen inputs."""
+
+    x_packed: torch.Tensor  # [total, ...]
+    indices: torch.Tensor  # [total] int64, flat indices into the [B*S] rows of x
+    cu_seqlens: torch.Tensor  # [B+1] int32
+    max_seqlen: int
+
+
+class AlignedSeqlens(NamedTuple):
+    """Lengths padded for Megatron sequence/context parallelism (PackedSeqParams' fields)."""
+
+    seqlens: torch.Tensor  # [B] int32, the real lengths
+    seqlens_padded: torch.Tensor  # [B] int32, each a multiple of ``multiple``
+    cu_seqlens: torch.Tensor  # [B+1] int32, cumulative real lengths
+    cu_seqlens_padded: torch.Tensor  # [B+1] int32, cumulative padded lengths
+    multiple: int
+
+
+def _keep_bool(keep_mask: torch.Tensor) -> torch.Tensor:
+    return keep_mask if keep_mask.dtype == torch.bool else keep_mask != 0
+
+
+def padding_mask_from_seqlens(seqlens: torch.Tensor, max_len: int, *, left_padding: bool = False) -> torch.Tensor:
+    """Keep mask [B, max_len] bool, True on each sample's first ``seqlens[b]`` positions.
+
+    Replaces ``for i, n in enumerate(seqlens): mask[i, :n] = True`` with one broadcast compare on
+    ``seqlens``' device; no host sync. ``left_padding=True`` puts the kept tokens at the end of
+    each row instead. seqlens: 1D integer tensor; lengths must lie in [0, max_len] (checked when
+    seqlens is on the CPU or COREATTN_VALIDATE=1).
+    """
+    max_len = check_int("max_len", max_len)
+    check_seqlens("seqlens", seqlens, max_len)
+    if not isinstance(left_padding, bool):
+        raise TypeError(f"left_padding must be a bool, got {type(left_padding).__name__}")
+    lens = seqlens.long()  # uint8/int8 lengths would wrap in `max_len - lens`
+    pos = torch.arange(max_len, device=seqlens.device)  # [S]
+    if left_padding:
+        return pos[None, :] >= (max_len - lens)[:, None]
+    return pos[None, :] < lens[:, None]
+
+
+def cu_seqlens_from_seqlens(seqlens: torch.Tensor) -> torch.Tensor:
+    """int32 cu_seqlens [B+1] = [0, cumsum(seqlens)] for 1D integer seqlens [B]; no host sync."""
+    check_seqlens("seqlens", seqlens)
+    cu = torch.zeros(seqlens.numel() + 1, dtype=torch.int32, device=seqlens.device)
+    torch.cumsum(seqlens, dim=0, dtype=torch.int32, out=cu[1:])
+    return cu
+
+
+def seqlens_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """int32 lengths [B] = cu_seqlens[1:] - cu_seqlens[:-1]; no host sync."""
+    check_cu_seqlens("cu_seqlens", cu_seqlens)
+    return (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
+
+
+def _holes(keep: torch.Tensor, start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the kept tokens of a row are not one contiguous run."""
+    pos = torch.arange(keep.shape[1], device=keep.device)
+    last = torch.where(keep, pos, -1).amax(dim=1)
+    return (length > 0) & (last - start + 1 != length)
+
+
+def _raise_on_holes(name: str, holes: torch.Tensor) -> None:
+    if bool(holes.any()):
+        rows = holes.nonzero().flatten().tolist()
+        raise ValueError(f"{name} has holes (kept tokens that are not one contiguous run) in rows {rows[:8]}; "
+                         "only right- or left-padded masks have a span")
+
+
+def spans_from_keep_mask(keep_mask: torch.Tensor, *, check: bool = False) -> KeepSpans:
+    """Each sample's contiguous span of kept tokens (right or left padding) as int32 start and length.
+
+    keep_mask: [B, S] keep mask (True/1 = token takes part), bool or integer. An empty row gets
+    start 0, length 0. A row with holes (kept tokens that are not one run, e.g. 1 0 1) has no
+    span: on the CPU that raises ValueError; on a device the check needs the values, so by default
+    nothing syncs and such a row comes back as start = first kept position, length = number of
+    kept tokens (which then does not describe the row). ``check=True`` (or COREATTN_VALIDATE=1)
+    syncs and raises instead.
+    """
+    check_keep_mask("keep_mask", keep_mask)
+    keep = _keep_bool(keep_mask)
+    batch, seqlen = keep.shape
+    length = keep.sum(dim=1, dtype=torch.int32)
+    if seqlen == 0:
+        start = torch.zeros(batch, dtype=torch.int32, device=keep.device)
+        return KeepSpans(start, length)
+    pos = torch.arange(seqlen, device=keep.device)
+    start = torch.where(keep, pos, seqlen).amin(dim=1)
+    start = torch.where(length > 0, start, 0).to(torch.int32)
+    if check or reads_values(keep):
+        _raise_on_holes("keep_mask", _holes(keep, start, length))
+    return KeepSpans(start, length)
+
+
+def seqlens_from_padding_mask(keep_mask: torch.Tensor, *, contiguous: bool = False,
+                              check: bool = False) -> torch.Tensor:
+    """int32 lengths [B]: the number of kept tokens per row of a [B, S] keep mask (bool or 0/1 int).
+
+    Right and left padding give the same lengths. ``contiguous=True`` also requires the kept
+    tokens of each row to be one run (what a caller that slices ``x[b, :len]`` or uses spans
+    assumes): rows with holes raise ValueError on the CPU, or on a device with ``check=True`` or
+    COREATTN_VALIDATE=1 (a host sync); otherwise nothing syncs. No host sync by default.
+    """
+    check_keep_mask("keep_mask", keep_mask)
+    if contiguous:
+        return spans_from_keep_mask(keep_mask, check=check).length
+    return _keep_bool(keep_mask).sum(dim=1, dtype=torch.int32)
+
+
+def unpad(x: torch.Tensor, keep_mask: torch.Tensor, *, total: int | None = None,
+          max_seqlen: int | None = None) -> Unpadded:
+    """Pack the kept tokens of x [B, S, ...] into x_packed [total, ...] (differentiable).
+
+    keep_mask: [B, S] keep mask (True/1 = token takes part), bool or 0/1 integer; holes are fine
+    (each row's kept tokens are packed in order). Returns ``Unpadded(x_packed, indices,
+    cu_seqlens, max_seqlen)``: indices are int64 flat indices into the B*S rows (for ``pad``),
+    cu_seqlens int32 [B+1], max_seqlen a Python int (flash-attn's ABI).
+
+    The output shape needs the token count, and max_seqlen must be a host int: pass ``total``
+    (= keep_mask.sum()) and ``max_seqlen`` (>= the longest row) when you know them and nothing
+    syncs; leaving either None costs one host sync on a device. A wrong ``total`` or too small
+    ``max_seqlen`` raises on the CPU (or with COREATTN_VALIDATE=1); on a device they are not
+    checked, and a wrong ``total`` gives wrong rows. On CUDA the rows move with a Triton gather
+    kernel, elsewhere with index_select.
+    """
+    check_tensor("x", x, tuple(range(2, 9)))
+    check_keep_mask("keep_mask", keep_mask)
+    if tuple(x.shape[:2]) != tuple(keep_mask.shape):
+        raise ValueError(f"x has batch and sequence dims {tuple(x.shape[:2])} but keep_mask has shape "
+                         f"{tuple(keep_mask.shape)}")
+    if keep_mask.device != x.device:
+        raise ValueError(f"keep_mask is on {keep_mask.device} but x is on {x.device}")
+    keep = _keep_bool(keep_mask)
+    batch, seqlen = keep.shape
+    seqlens = keep.sum(dim=1, dtype=torch.int32)  # [B]
+    flat = keep.reshape(-1)  # [B*S]
+    if total is not None:
+        total = check_int("total", total)
+    if max_seqlen is not None:
+        max_seqlen = check_int("max_seqlen", max_seqlen)
+    if total is None or max_seqlen is None or reads_values(flat):
+        # one host sync (free on the CPU) for both counts
+        kept, longest = torch.stack([seqlens.sum(), seqlens.amax() if batch > 0 else seqlens.sum()]).tolist()
+        if total is None:
+            total = kept
+        elif total != kept:
+            raise ValueError(f"total = {total} but keep_mask keeps {kept} tokens")
+        if max_seqlen is None:
+            max_seqlen = longest
+        elif longest > max_seqlen:
+            raise ValueError(f"max_seqlen = {max_seqlen} is smaller than the longest row ({longest})")
+    # indices without nonzero (which syncs): each kept token goes to slot cumsum-1, the rest to a
+    # discarded slot `total`
+    slot = torch.cumsum(flat, dim=0) - 1  # [B*S] int64
+    slot = torch.where(flat & (slot < total), slot, total)
+    buf = torch.zeros(total + 1, dtype=torch.int64, device=x.device)
+    buf.scatter_(0, slot, torch.arange(flat.numel(), device=x.device))
+    indices = buf[:total]
+    cu_seqlens = torch.zeros(batch + 1, dtype=torch.int32, device=x.device)
+    torch.cumsum(seqlens, dim=0, dtype=torch.int32, out=cu_seqlens[1:])
+    x_packed = UnpadFunction.apply(x.reshape((batch * seqlen,) + tuple(x.shape[2:])), indices)
+    return Unpadded(x_packed, indices, cu_seqlens, max_seqlen)
+
+
+def pad(x_packed: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    """Inverse of ``unpad``: x_packed [total, ...] -> [batch, seqlen, ...], zeros where padded.
+
+    indices: integer [total], unique flat indices into the batch*seqlen rows (``unpad``'s
+    output). Differentiable; no host sync. Index ranges and uniqueness are checked on the CPU
+    or with COREATTN_VALIDATE=1. On CUDA the rows move with a Triton scatter kernel.
+    """
+    check_tensor("x_packed", x_packed, tuple(range(1, 8)))
+    check_tensor("indices", indices, (1,))
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"indices must be int32 or int64, got {indices.dtype}")
+    batch = check_int("batch", batch)
+    seqlen = check_int("seqlen", seqlen)
+    if indices.numel() != x_packed.shape[0]:
+        raise ValueError(f"indices has {indices.numel()} entries but x_packed has {x_packed.shape[0]} rows")
+    if indices.device != x_packed.device:
+        raise ValueError(f"indices is on {indices.device} but x_packed is on {x_packed.device}")
+    n_rows = batch * seqlen
+    if reads_values(indices) and indices.numel() > 0:
+        lo, hi = int(indices.min()), int(indices.max())
+        if lo < 0 or hi >= n_rows:
+            raise ValueError(f"indices must lie in [0, batch*seqlen = {n_rows}), got [{lo}, {hi}]")
+        if torch.unique(indices).numel() != indices.numel():
+            raise ValueError("indices must be unique")
+    if not use_triton(x_packed.device):
+        indices = indices.long()  # index_copy_ takes int64 only
+    rows = PadFunction.apply(x_packed, indices, n_rows)
+    return rows.reshape((batch, seqlen) + tuple(x_packed.shape[1:]))
+
+
+def _token_count(cu_seqlens: torch.Tensor, total: int | None) -> int:
+    if total is None:
+        return int(cu_seqlens[-1])
+    total = check_int("total", total)
+    if reads_values(cu_seqlens) and int(cu_seqlens[-1]) > total:
+        raise ValueError(f"total = {total} is smaller than cu_seqlens[-1] = {int(cu_seqlens[-1])}")
+    return total
+
+
+def _token_ids(cu_seqlens, total, pos_dtype, seq_dtype):
+    check_cu_seqlens("cu_seqlens", cu_seqlens)
+    total = _token_count(cu_seqlens, total)
+    cu = cu_seqlens.to(torch.int32)
+    if use_triton(cu.device):
+        return token_ids(cu, total, pos_dtype, seq_dtype)
+    t = torch.arange(total, dtype=torch.int32, device=cu.device)
+    seq = torch.searchsorted(cu, t, right=True, out_int32=True) - 1  # [total], in [0, B]
+    pos = (t - cu[seq]).to(pos_dtype) if pos_dtype is not None else None
+    return pos, seq.to(seq_dtype) if seq_dtype is not None else None
+
+
+def position_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None, *,
+                                 dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Per-token position within its sequence, [total]: 0..len-1 for each packed sequence (RoPE ids).
+
+    cu_seqlens: [B+1] integer, starting at 0. ``total`` (a Python int >= cu_seqlens[-1]) sizes the
+    output; without it, reading cu_seqlens[-1] is a host sync on a device. Tokens past
+    cu_seqlens[-1] (a padded tail) count 0, 1, ... as one more sequence. Triton kernel on CUDA.
+    """
+    return _token_ids(cu_seqlens, total, dtype, None)[0]
+
+
+def sequence_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None, *,
+                                 dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Per-token sequence index b in [0, B), [total] (Mamba/Megatron ``seq_idx``).
+
+    Same arguments and sync rule as ``position_ids_from_cu_seqlens``; tokens past
+    cu_seqlens[-1] get index B. Triton kernel on CUDA.
+    """
+    return _token_ids(cu_seqlens, total, None, dtype)[1]
+
+
+def align_seqlens(seqlens: torch.Tensor, tp_size: int = 1, cp_size: int = 1) -> AlignedSeqlens:
+    """Pad each length up to a multiple of lcm(tp_size, 2*cp_size) if cp_size > 1, else tp_size.
+
+    That is what Megatron needs: sequence parallelism splits tokens over tp ranks, context
+    parallelism splits each sequence into 2*cp chunks. Empty sequences stay empty. Returns
+    ``AlignedSeqlens(seqlens, seqlens_padded, cu_seqlens, cu_seqlens_padded, multiple)``, the
+    tensors int32 on seqlens' device (for PackedSeqParams' cu_seqlens_q and cu_seqlens_q_padded).
+    No host sync.
+    """
+    tp_size = check_int("tp_size", tp_size, minimum=1)
+    cp_size = check_int("cp_size", cp_size, minimum=1)
+    check_seqlens("seqlens", seqlens)
+    multiple = math.lcm(tp_size, 2 * cp_size) if cp_size > 1 else tp_size
+    lens = seqlens.to(torch.int32)
+    padded = (lens + (multiple - 1)) // multiple * multiple
+    return AlignedSeqlens(lens, padded, cu_seqlens_from_seqlens(lens), cu_seqlens_from_seqlens(padded), multiple)
+
+
+def keep_mask_from_4d(mask: torch.Tensor, convention: str) -> torch.Tensor:
+    """Recover the [B, S] keep mask (bool) from a 4D attention mask, bool or 0/1 integer.
+
+    mask: ``[B, 1, S, S]`` (read on its diagonal: token i is kept iff it may attend to itself,
+    true for padding, padding+causal and HF-style key-padding masks), ``[B, 1, 1, S]`` (a key
+    padding mask, read as-is), or an already 2D ``[B, S]`` mask. convention, required:
+    ``"megatron"`` (True/1 = masked out, Megatron/TE/Ascend) or ``"keep"`` (True/1 = attends).
+    No host sync on a device. On the CPU (or with COREATTN_VALIDATE=1) an integer mask with
+    values other than 0/1, or a result with no kept token at all (usually the wrong convention),
+    raises ValueError.
+    """
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+    check_tensor("mask", mask, (2, 4))
+    check_mask_values("mask", mask)
+    if mask.dim() == 4:
+        if mask.shape[1] != 1:
+            raise ValueError(f"mask must be [B, 1, S, S] or [B, 1, 1, S], got shape {tuple(mask.shape)} "
+                             "(dim 1 must be 1)")
+        if mask.shape[2] == 1:
+            rows = mask[:, 0, 0, :]  # [B, S]
+        elif mask.shape[2] == mask.shape[3]:
+            rows = mask[:, 0].diagonal(dim1=-2, dim2=-1)  # [B, S]
+        else:
+            raise ValueError(f"mask must be [B, 1, S, S] or [B, 1, 1, S], got shape {tuple(mask.shape)}")
+    else:
+        rows = mask
+    keep = (rows == 0) if convention == "megatron" else (rows != 0)
+    if reads_values(keep) and keep.numel() > 0 and not bool(keep.any()):
+        raise ValueError(f"mask keeps no token at all under convention={convention!r}; "
+                         "check the convention (megatron: True = masked out; keep: True = attends)")
+    return keep
+
+
+def megatron_mask_from_keep_mask(keep_mask: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """Dense Megatron mask [B, 1, S, S] bool (True = masked out) from a [B, S] keep mask.
+
+    Entry (i, j) is False iff tokens i and j are both kept (and j <= i when ``causal``, top-left
+    aligned). Rows of padded queries are fully masked. This allocates O(B*S^2) bytes (128 MiB at
+    B=8, S=4096): build it only for a kernel that truly needs a dense mask; varlen kernels take
+    cu_seqlens, and Ascend's causal modes take ``npu_compressed_causal_mask``. No host sync.
+    """
+    check_keep_mask("keep_mask", keep_mask)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    keep = _keep_bool(keep_mask)
+    both = keep[:, None, :, None] & keep[:, None, None, :]  # [B, 1, S, S]
+    if causal:
+        seqlen = keep.shape[1]
+        both = both & torch.ones(seqlen, seqlen, dtype=torch.bool, device=keep.device).tril_()
+    return ~both
+
+
+@functools.lru_cache(maxsize=None)
+def _npu_compressed_causal_mask(device: torch.device) -> torch.Tensor:
+    n = NPU_COMPRESSED_MASK_SIZE
+    return torch.triu(torch.ones(n, n, dtype=torch.bool, device=device), diagonal=1)
+
+
+def npu_compressed_causal_mask(device) -> torch.Tensor:
+    """The 2048x2048 bool ``triu(ones, diagonal=1)`` mask (True = masked out) that Ascend's
+    ``npu_fusion_attention`` takes with sparse_mode 2, 3 or 4, cached per device.
+
+    The same tensor is returned on every call for a device: do not modify it in place.
+    """
+    return _npu_compressed_causal_mask(torch.device(device))
