@@ -135,9 +135,8 @@ def check_options(head_dim_qk: int, dropout_p, softmax_scale, causal, window_siz
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                         softmax_scale, causal, window_size, causal_alignment) -> tuple[VarlenParams, int, int]:
     """Validate the packed (thd) attention arguments; returns the params and max_seqlen_q/k."""
-    params = check_options(getattr(q, "shape", (0,))[-1], dropout_p, softmax_scale, causal, window_size,
-                           causal_alignment)
     check_qkv(q, k, v, "thd")
+    params = check_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, causal_alignment)
     check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():

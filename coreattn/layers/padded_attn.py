@@ -36,9 +36,8 @@ def padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: st
     """
     if layout not in FORMATS[1:]:
         raise ValueError(f"layout must be 'bshd' or 'sbhd', got {layout!r}")
-    params = check_options(getattr(q, "shape", (0,))[-1], dropout_p, softmax_scale, causal, window_size,
-                           causal_alignment)
     check_qkv(q, k, v, layout)
+    params = check_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, causal_alignment)
     batch = q.shape[0] if layout == "bshd" else q.shape[1]
     seqlen_q, seqlen_k = seq_len_dim(q, layout), seq_len_dim(k, layout)
     q_start, q_len = check_spans("q_start", q_start, "q_len", q_len, batch, seqlen_q, q.device)
