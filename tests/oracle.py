@@ -62,3 +62,33 @@ def attention_ref(q, k, v, cu_q, cu_k, *, causal=False, window=(-1, -1), bottom_
     if not upcast:
         out = out.to(dtype)
     return out, lse
+
+
+def padded_attention_ref(q, k, v, q_keep, k_keep, *, causal=False, window=(-1, -1), bottom_right=True,
+                         upcast=True):
+    """Padded bshd batch with [B, S] keep masks, positions counted from 0 in each row.
+
+    A dropped query row, or one that sees no kept key, outputs zeros. Returns out [B, Sq, Hq, Dv]."""
+    dtype = q.dtype
+    work = torch.float64 if upcast else torch.float32
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    group = q.shape[2] // k.shape[2]
+    sq, sk = q.shape[1], k.shape[1]
+    band = _mask(sq, sk, causal, window, bottom_right, q.device)
+    outs = []
+    for b in range(q.shape[0]):
+        qs = q[b].to(work)
+        ks = k[b].to(work).repeat_interleave(group, dim=1)
+        vs = v[b].to(work).repeat_interleave(group, dim=1)
+        m = band & (q_keep[b] != 0)[:, None] & (k_keep[b] != 0)[None, :]
+        s = (torch.einsum("ihd,jhd->hij", qs, ks) * scale).masked_fill(~m, float("-inf"))
+        row_max = s.amax(-1, keepdim=True)
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
+        e = torch.exp(s - row_max)
+        denom = e.sum(-1, keepdim=True)
+        p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
+        if not upcast:
+            p = p.to(dtype).to(work)
+        outs.append(torch.einsum("hij,jhd->ihd", p, vs))
+    out = torch.stack(outs)
+    return out if upcast else out.to(dtype)

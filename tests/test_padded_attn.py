@@ -96,3 +96,61 @@ def test_batch_mismatch_raises():
     q, k, v = _padded_inputs("bshd", "cpu")
     with pytest.raises(ValueError, match="batch mismatch"):
         coreattn.padded_attn(q, k[:2], v[:2], backend="torch")
+
+
+def _keep_masks(device, int_dtype=None):
+    gen = torch.Generator().manual_seed(5)
+    keep = torch.rand(B, S, generator=gen) < 0.7  # holes everywhere
+    keep[0, 20:] = False  # right padding
+    keep[1, :9] = False  # left padding
+    keep[2] = False  # an empty sample
+    keep = keep.to(device)
+    return keep.to(int_dtype) if int_dtype is not None else keep
+
+
+@pytest.mark.parametrize("mask_dtype", [None, torch.int64], ids=["bool", "int64"])
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (4, 3))],
+                         ids=["full", "causal", "window"])
+def test_keep_masks_match_dense_oracle(causal, window, mask_dtype):
+    from attn_cases import assert_flash_criterion
+    from oracle import padded_attention_ref
+
+    q, k, v = _padded_inputs("bshd", KERNEL_DEVICE, torch.float16)
+    keep = _keep_masks(q.device, mask_dtype)
+    out = coreattn.padded_attn(q, k, v, q_keep_mask=keep, k_keep_mask=keep, causal=causal, window_size=window,
+                               backend="triton")
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype).to(out.device)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    leaves = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
+    opts = dict(causal=causal, window=window)
+    ref = padded_attention_ref(*leaves, keep.cpu(), keep.cpu(), **opts)
+    naive = padded_attention_ref(*leaves, keep.cpu(), keep.cpu(), upcast=False, **opts)
+    assert_flash_criterion("out", out.cpu(), naive, ref)
+    assert not out[~keep.bool()].any(), "dropped query rows output zeros"
+    refs = torch.autograd.grad(ref, leaves, g.cpu().double())
+    naives = torch.autograd.grad(naive, leaves, g.cpu())
+    for name, got, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
+        assert_flash_criterion(name, got.cpu(), n, r)
+    torch_out = coreattn.padded_attn(*leaves, q_keep_mask=keep.cpu(), k_keep_mask=keep.cpu(), causal=causal,
+                                     window_size=window, backend="torch")
+    assert_flash_criterion("torch backend", torch_out, naive, ref)
+
+
+def test_all_true_keep_mask_equals_no_mask():
+    q, k, v = (t.detach() for t in _padded_inputs("sbhd", KERNEL_DEVICE))
+    ones = torch.ones(B, S, dtype=torch.bool, device=q.device)
+    a = coreattn.padded_attn(q, k, v, layout="sbhd", causal=True, backend="triton")
+    b = coreattn.padded_attn(q, k, v, layout="sbhd", q_keep_mask=ones, k_keep_mask=ones, causal=True,
+                             backend="triton")
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (dict(k_keep_mask=torch.ones(B, S + 1, dtype=torch.bool)), ValueError, "k_keep_mask has shape"),
+    (dict(q_keep_mask=torch.ones(B, S)), TypeError, "q_keep_mask must be bool or integer"),
+    (dict(q_keep_mask=torch.ones(B, S, 1, dtype=torch.bool)), ValueError, "q_keep_mask must have 2 dims"),
+])
+def test_bad_keep_masks_raise(bad, exc, match):
+    q, k, v = _padded_inputs("bshd", "cpu")
+    with pytest.raises(exc, match=match):
+        coreattn.padded_attn(q, k, v, backend="torch", **bad)

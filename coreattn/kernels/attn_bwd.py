@@ -15,11 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import (_key_range, _layout_ok, _poison_program_rows, _query_range, _seq_span,
-                                          _visible)
+from coreattn.kernels.attn_common import (_key_range, _layout_ok, _load_keep, _poison_program_rows, _query_range,
+                                          _seq_span, _visible)
 from coreattn.kernels.attn_fwd import LOG2E, check_grid, dot_precision, mask_flags
 from coreattn.kernels.config import bwd_config, head_block
-from coreattn.kernels.packing import Packing, new_like, new_rowstat, rowstat_strides, seq_len_dim, seq_strides
+from coreattn.kernels.packing import (Packing, keep_args, new_like, new_rowstat, rowstat_strides, seq_len_dim,
+                                      seq_strides)
 
 
 @triton.jit(do_not_specialize=["seqlen_total"])
@@ -53,12 +54,12 @@ def _load_row_stats(lse_base, delta_base, rows, row_mask):
 
 
 @triton.jit
-def _dkdv_q_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                  cols, m_lo, m_hi, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+def _dkdv_q_steps(dk, dv, k, v, k_keep, q_base, do_base, lse_base, delta_base, q_keep_base, stride_qt, stride_dot,
+                  stride_qks, cols, m_lo, m_hi, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
                   HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASKED: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
+                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -76,6 +77,8 @@ def _dkdv_q_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt
         if MASKED:
             vis = _visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, shift,
                            window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            q_keep = _load_keep(q_keep_base, stride_qks, rows, seqlen_q, HAS_Q_KEEP)
+            vis = vis & k_keep[:, None] & q_keep[None, :]
             pT = tl.where(vis, pT, 0.0)
         dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
@@ -87,16 +90,16 @@ def _dkdv_q_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt
 @triton.jit(do_not_specialize=["batch", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right"])
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr,
+    q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
     batch, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
+    stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
     stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPANS: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # grid: (key-block programs per sequence, sequences, kv heads)
     pid_n = tl.program_id(0)
@@ -108,10 +111,10 @@ def _attn_bwd_dkdv_kernel(
     dk_head = dk_ptr + seq64 * stride_dkb + kv64 * stride_dkh
     dv_head = dv_ptr + seq64 * stride_dvb + kv64 * stride_dvh
     ok = _layout_ok(q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, seq, batch, seqlen_q_total, seqlen_k_total,
-                    PADDED, BLOCK_B)
+                    SPANS, BLOCK_B)
     if ok:
-        q_start, seqlen_q = _seq_span(q_seq_ptr, q_len_ptr, seq, PADDED)
-        k_start, seqlen_k = _seq_span(k_seq_ptr, k_len_ptr, seq, PADDED)
+        q_start, seqlen_q = _seq_span(q_seq_ptr, q_len_ptr, seq, SPANS)
+        k_start, seqlen_k = _seq_span(k_seq_ptr, k_len_ptr, seq, SPANS)
         shift = seqlen_q * 0
         if BOTTOM_RIGHT:
             shift = seqlen_k - seqlen_q
@@ -120,6 +123,8 @@ def _attn_bwd_dkdv_kernel(
         stat_seq = seq64 * stride_lb + q_start.to(tl.int64)
         k_base = k_ptr + seq64 * stride_kb + k_start.to(tl.int64) * stride_kt + kv64 * stride_kh
         v_base = v_ptr + seq64 * stride_vb + k_start.to(tl.int64) * stride_vt + kv64 * stride_vh
+        q_keep_base = q_keep_ptr + seq64 * stride_qkb + q_start.to(tl.int64) * stride_qks
+        k_keep_base = k_keep_ptr + seq64 * stride_kkb + k_start.to(tl.int64) * stride_kks
         offs_n = tl.arange(0, BLOCK_N)
         offs_dqk = tl.arange(0, BLOCK_DQK)
         offs_dv = tl.arange(0, BLOCK_DV)
@@ -133,28 +138,29 @@ def _attn_bwd_dkdv_kernel(
                         mask=kd_mask, other=0.0)  # [N, DQK]
             v = tl.load(v_base + n0_64 * stride_vt + offs_n[:, None] * stride_vt + offs_dv[None, :],
                         mask=vd_mask, other=0.0)  # [N, DV]
+            k_keep = _load_keep(k_keep_base, stride_kks, cols, seqlen_k, HAS_K_KEEP)  # [N]
             dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
             dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
             lo, full_lo, full_hi, hi = _query_range(n0, seqlen_q, seqlen_k, shift, window_left, window_right,
-                                                    BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                                                    BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP or HAS_K_KEEP)
             for head in range(kv_head * group, kv_head * group + group):  # GQA: the group's q heads, in order
                 h64 = tl.cast(head, tl.int64)
                 q_base = q_seq + h64 * stride_qh
                 do_base = do_seq + h64 * stride_doh
                 lse_base = lse_ptr + stat_seq + h64 * stride_lh
                 delta_base = delta_ptr + stat_seq + h64 * stride_lh
-                dk, dv = _dkdv_q_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                       cols, lo, full_lo, seqlen_q, seqlen_k, shift, window_left, window_right,
-                                       sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M,
-                                       HAS_LEFT, HAS_RIGHT, True, DOT_PRECISION)
-                dk, dv = _dkdv_q_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                       cols, full_lo, full_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
-                                       sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M,
-                                       HAS_LEFT, HAS_RIGHT, False, DOT_PRECISION)
-                dk, dv = _dkdv_q_steps(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-                                       cols, full_hi, hi, seqlen_q, seqlen_k, shift, window_left, window_right,
-                                       sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M,
-                                       HAS_LEFT, HAS_RIGHT, True, DOT_PRECISION)
+                dk, dv = _dkdv_q_steps(dk, dv, k, v, k_keep, q_base, do_base, lse_base, delta_base, q_keep_base,
+                                       stride_qt, stride_dot, stride_qks, cols, lo, full_lo, seqlen_q, seqlen_k, shift,
+                                       window_left, window_right, sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
+                                       BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, True, DOT_PRECISION)
+                dk, dv = _dkdv_q_steps(dk, dv, k, v, k_keep, q_base, do_base, lse_base, delta_base, q_keep_base,
+                                       stride_qt, stride_dot, stride_qks, cols, full_lo, full_hi, seqlen_q, seqlen_k, shift,
+                                       window_left, window_right, sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
+                                       BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, False, DOT_PRECISION)
+                dk, dv = _dkdv_q_steps(dk, dv, k, v, k_keep, q_base, do_base, lse_base, delta_base, q_keep_base,
+                                       stride_qt, stride_dot, stride_qks, cols, full_hi, hi, seqlen_q, seqlen_k, shift,
+                                       window_left, window_right, sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
+                                       BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, True, DOT_PRECISION)
             dk_base = dk_head + k_start.to(tl.int64) * stride_dkt + n0_64 * stride_dkt
             dv_base = dv_head + k_start.to(tl.int64) * stride_dvt + n0_64 * stride_dvt
             tl.store(dk_base + offs_n[:, None] * stride_dkt + offs_dqk[None, :],
@@ -163,18 +169,18 @@ def _attn_bwd_dkdv_kernel(
                      dv.to(dv_ptr.dtype.element_ty), mask=vd_mask)
     else:
         _poison_program_rows(dk_head, pid_n, seq, num_pid_n, batch, seqlen_k_total, stride_dkt,
-                             HEAD_DIM_QK, BLOCK_DQK, BLOCK_N, PADDED)
+                             HEAD_DIM_QK, BLOCK_DQK, BLOCK_N, SPANS)
         _poison_program_rows(dv_head, pid_n, seq, num_pid_n, batch, seqlen_k_total, stride_dvt,
-                             HEAD_DIM_V, BLOCK_DV, BLOCK_N, PADDED)
+                             HEAD_DIM_V, BLOCK_DV, BLOCK_N, SPANS)
 
 
 @triton.jit
-def _dq_kv_steps(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, rows, n_lo, n_hi,
-                 seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+def _dq_kv_steps(dq, q, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt, stride_kks,
+                 rows, n_lo, n_hi, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                  BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASKED: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_K_KEEP: tl.constexpr,
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -191,6 +197,8 @@ def _dq_kv_steps(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, ro
         if MASKED:
             vis = _visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, shift,
                            window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            k_keep = _load_keep(k_keep_base, stride_kks, cols, seqlen_k, HAS_K_KEEP)
+            vis = vis & q_keep[:, None] & k_keep[None, :]
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
         ds = p * (dp - delta[:, None])
@@ -201,15 +209,16 @@ def _dq_kv_steps(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, ro
 @triton.jit(do_not_specialize=["batch", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right"])
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-    q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr,
+    q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
     batch, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_dqb, stride_dqt, stride_dqh,
+    stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
+    stride_dqb, stride_dqt, stride_dqh,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPANS: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # grid: (query-block programs per sequence, sequences, q heads)
     pid_m = tl.program_id(0)
@@ -220,10 +229,10 @@ def _attn_bwd_dq_kernel(
     h64 = head.to(tl.int64)
     dq_head = dq_ptr + seq64 * stride_dqb + h64 * stride_dqh
     ok = _layout_ok(q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, seq, batch, seqlen_q_total, seqlen_k_total,
-                    PADDED, BLOCK_B)
+                    SPANS, BLOCK_B)
     if ok:
-        q_start, seqlen_q = _seq_span(q_seq_ptr, q_len_ptr, seq, PADDED)
-        k_start, seqlen_k = _seq_span(k_seq_ptr, k_len_ptr, seq, PADDED)
+        q_start, seqlen_q = _seq_span(q_seq_ptr, q_len_ptr, seq, SPANS)
+        k_start, seqlen_k = _seq_span(k_seq_ptr, k_len_ptr, seq, SPANS)
         shift = seqlen_q * 0
         if BOTTOM_RIGHT:
             shift = seqlen_k - seqlen_q
@@ -234,6 +243,8 @@ def _attn_bwd_dq_kernel(
         v_base = v_ptr + seq64 * stride_vb + k_start.to(tl.int64) * stride_vt + kv64 * stride_vh
         stat = seq64 * stride_lb + h64 * stride_lh + q_start.to(tl.int64)
         dq_base = dq_head + q_start.to(tl.int64) * stride_dqt
+        q_keep_base = q_keep_ptr + seq64 * stride_qkb + q_start.to(tl.int64) * stride_qks
+        k_keep_base = k_keep_ptr + seq64 * stride_kkb + k_start.to(tl.int64) * stride_kks
         offs_m = tl.arange(0, BLOCK_M)
         offs_dqk = tl.arange(0, BLOCK_DQK)
         offs_dv = tl.arange(0, BLOCK_DV)
@@ -247,26 +258,27 @@ def _attn_bwd_dq_kernel(
             do = tl.load(do_base + m0_64 * stride_dot + offs_m[:, None] * stride_dot + offs_dv[None, :],
                          mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
             lse, delta = _load_row_stats(lse_ptr + stat, delta_ptr + stat, rows, row_ok)
+            q_keep = _load_keep(q_keep_base, stride_qks, rows, seqlen_q, HAS_Q_KEEP)  # [M]
             dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
             lo, full_lo, full_hi, hi = _key_range(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
-                                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-            dq = _dq_kv_steps(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, rows, lo, full_lo,
-                              seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
-                              HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                              HAS_LEFT, HAS_RIGHT, True, DOT_PRECISION)
-            dq = _dq_kv_steps(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, rows, full_lo, full_hi,
-                              seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
-                              HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                              HAS_LEFT, HAS_RIGHT, False, DOT_PRECISION)
-            dq = _dq_kv_steps(dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, rows, full_hi, hi,
-                              seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
-                              HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                              HAS_LEFT, HAS_RIGHT, True, DOT_PRECISION)
+                                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP or HAS_K_KEEP)
+            dq = _dq_kv_steps(dq, q, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
+                              stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift, window_left, window_right,
+                              sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                              HAS_LEFT, HAS_RIGHT, HAS_K_KEEP, True, DOT_PRECISION)
+            dq = _dq_kv_steps(dq, q, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
+                              stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
+                              sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                              HAS_LEFT, HAS_RIGHT, HAS_K_KEEP, False, DOT_PRECISION)
+            dq = _dq_kv_steps(dq, q, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
+                              stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift, window_left, window_right,
+                              sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                              HAS_LEFT, HAS_RIGHT, HAS_K_KEEP, True, DOT_PRECISION)
             tl.store(dq_base + m0_64 * stride_dqt + offs_m[:, None] * stride_dqt + offs_dqk[None, :],
                      (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=qd_mask)
     else:
         _poison_program_rows(dq_head, pid_m, seq, num_pid_m, batch, seqlen_q_total, stride_dqt,
-                             HEAD_DIM_QK, BLOCK_DQK, BLOCK_M, PADDED)
+                             HEAD_DIM_QK, BLOCK_DQK, BLOCK_M, SPANS)
 
 
 def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -278,7 +290,7 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     ``dout`` may be any strided view with last stride 1 (it is made so if not); ``out`` and
     ``lse`` are the forward's. Deterministic: no atomics; every gradient element inside a
     sequence is written once. ``dq``/``dk``/``dv`` may be given as preallocated buffers (rows
-    outside padded spans are left as they are).
+    outside spans are left as they are).
     """
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -297,7 +309,7 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
     delta = new_rowstat(q, q_pack, fill=0.0)  # [H, T] or [B, H, S]
     if q.numel() > 0:
-        pre_batch = batch if q_pack.padded else 1
+        pre_batch = 1 if q_pack.fmt == "thd" else batch
         _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q_total, cfg.block_m), pre_batch, heads_q)](
             out, dout, delta, seqlen_q_total, *seq_strides(out, q_pack.fmt), *seq_strides(dout, q_pack.fmt),
             *rowstat_strides(delta, q_pack),
@@ -306,12 +318,13 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     common = dict(HEAD_DIM_QK=dim_qk, HEAD_DIM_V=dim_v, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                  **mask_flags(window_left, window_right, bottom_right, q_pack))
+                  **mask_flags(window_left, window_right, bottom_right, q_pack, k_pack))
     scalars = (batch, seqlen_q_total, seqlen_k_total, heads_q // heads_kv, softmax_scale, softmax_scale * LOG2E,
                window_left, window_right)
     strides = (*seq_strides(q, q_pack.fmt), *seq_strides(k, k_pack.fmt), *seq_strides(v, k_pack.fmt),
-               *seq_strides(dout, q_pack.fmt), *rowstat_strides(lse, q_pack))
-    layout = (q_pack.seq, q_pack.lens, k_pack.seq, k_pack.lens)
+               *seq_strides(dout, q_pack.fmt), *rowstat_strides(lse, q_pack), *keep_args(q_pack)[1:],
+               *keep_args(k_pack)[1:])
+    layout = (q_pack.seq, q_pack.lens, k_pack.seq, k_pack.lens, keep_args(q_pack)[0], keep_args(k_pack)[0])
     if k.numel() > 0:
         grid_n = (max(1, triton.cdiv(max_seqlen_k, cfg.block_n)), batch, heads_kv)
         _attn_bwd_dkdv_kernel[grid_n](q, k, v, dout, lse, delta, dk, dv, *layout, *scalars, *strides,

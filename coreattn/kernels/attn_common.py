@@ -34,12 +34,21 @@ def _visible(q_idx, k_idx, seqlen_q, seqlen_k, shift, window_left, window_right,
 
 
 @triton.jit
+def _load_keep(keep_base, stride_s, idx, length, HAS_KEEP: tl.constexpr):
+    """Keep-mask entries (uint8 -> bool) at sequence positions idx; True when there is no mask."""
+    if HAS_KEEP:
+        return tl.load(keep_base + idx * stride_s, mask=idx < length, other=0) != 0
+    return idx >= 0
+
+
+@triton.jit
 def _key_range(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ALL_MASKED: tl.constexpr):
     """Key blocks for queries [m0, m0 + BLOCK_M): [lo, full_lo) and [full_hi, hi) need masks,
-    [full_lo, full_hi) is fully visible to every real query of the block. Blocks outside
-    [lo, hi) are skipped. lo, full_lo and full_hi are multiples of BLOCK_N."""
+    [full_lo, full_hi) is fully visible to every real query of the block (empty when
+    ALL_MASKED). Blocks outside [lo, hi) are skipped. lo, full_lo and full_hi are multiples of
+    BLOCK_N (or equal hi)."""
     m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
     lo = m0 * 0
     hi = seqlen_k + m0 * 0
@@ -54,13 +63,16 @@ def _key_range(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
     lo = tl.minimum(lo, hi)
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    if ALL_MASKED:  # keep masks: every block needs its mask
+        full_lo = hi
+        full_hi = hi
     return lo, full_lo, full_hi, hi
 
 
 @triton.jit
 def _query_range(n0, seqlen_q, seqlen_k, shift, window_left, window_right,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ALL_MASKED: tl.constexpr):
     """The transpose of _key_range: query blocks that see keys [n0, n0 + BLOCK_N).
     [lo, full_lo) and [full_hi, hi) need masks; lo, full_lo and full_hi are multiples of BLOCK_M."""
     n_last = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
@@ -77,14 +89,17 @@ def _query_range(n0, seqlen_q, seqlen_k, shift, window_left, window_right,
     lo = tl.minimum(lo, hi)
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    if ALL_MASKED:  # keep masks: every block needs its mask
+        full_lo = hi
+        full_hi = hi
     return lo, full_lo, full_hi, hi
 
 
 @triton.jit
-def _seq_span(seq_ptr, len_ptr, seq, PADDED: tl.constexpr):
-    """(start, length) of sequence ``seq``: from cu_seqlens (packed) or span tensors (padded)."""
+def _seq_span(seq_ptr, len_ptr, seq, SPANS: tl.constexpr):
+    """(start, length) of sequence ``seq``: from cu_seqlens or from span tensors."""
     start = tl.load(seq_ptr + seq)
-    if PADDED:
+    if SPANS:
         length = tl.load(len_ptr + seq)
     else:
         length = tl.load(seq_ptr + seq + 1) - start
@@ -93,10 +108,10 @@ def _seq_span(seq_ptr, len_ptr, seq, PADDED: tl.constexpr):
 
 @triton.jit
 def _layout_ok(q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, seq, batch, seqlen_q_total, seqlen_k_total,
-               PADDED: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Packed: both cu_seqlens are well formed (the same answer for every program).
-    Padded: this sample's q and k spans lie inside [0, S)."""
-    if PADDED:
+               SPANS: tl.constexpr, BLOCK_B: tl.constexpr):
+    """cu_seqlens mode: both cu_seqlens are well formed (the same answer for every program).
+    Span mode: this sample's q and k spans lie inside [0, S) (or [0, T))."""
+    if SPANS:
         q_start, q_len = _seq_span(q_seq_ptr, q_len_ptr, seq, True)
         k_start, k_len = _seq_span(k_seq_ptr, k_len_ptr, seq, True)
         ok = (q_start >= 0) & (q_len >= 0) & (q_start + q_len <= seqlen_q_total)
@@ -124,10 +139,11 @@ def _poison_rows(base, row0_program, num_programs, total, stride_t,
 @triton.jit
 def _poison_program_rows(base, pid_m, seq, num_pid_m, batch, total, stride_t,
                          WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_M: tl.constexpr,
-                         PADDED: tl.constexpr):
-    """This program's share of the NaN rows: its own sample's rows (padded, ``base`` points at
-    the sample) or a grid-stride share of all tokens (packed: every program agrees on failure)."""
-    if PADDED:
+                         SPANS: tl.constexpr):
+    """This program's share of the NaN rows: its sample's rows (span mode; ``base`` points at the
+    sample of a padded batch, or at a packed tensor's first row) or a grid-stride share of all
+    tokens (cu_seqlens mode: every program agrees on failure)."""
+    if SPANS:
         _poison_rows(base, pid_m, num_pid_m, total, stride_t, WIDTH, BLOCK_W, BLOCK_M)
     else:
         _poison_rows(base, seq * num_pid_m + pid_m, batch * num_pid_m, total, stride_t, WIDTH, BLOCK_W, BLOCK_M)

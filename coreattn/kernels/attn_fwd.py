@@ -13,9 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import _key_range, _layout_ok, _poison_program_rows, _seq_span, _visible
+from coreattn.kernels.attn_common import _key_range, _layout_ok, _load_keep, _poison_program_rows, _seq_span, _visible
 from coreattn.kernels.config import fwd_config, head_block
-from coreattn.kernels.packing import Packing, new_like, new_rowstat, rowstat_strides, seq_len_dim, seq_strides
+from coreattn.kernels.packing import (Packing, keep_args, kernel_flags, new_like, new_rowstat, rowstat_strides, seq_len_dim,
+                                      seq_strides)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -24,12 +25,12 @@ CU_SCAN_BLOCK = 128  # fixed, so the batch size never enters a compile key
 
 
 @triton.jit
-def _fwd_kv_steps(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, n_lo, n_hi,
-                  seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+def _fwd_kv_steps(acc, m_i, l_i, q, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt, stride_kks,
+                  rows, n_lo, n_hi, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
                   HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASKED: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_K_KEEP: tl.constexpr,
+                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -47,6 +48,8 @@ def _fwd_kv_steps(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, 
         if MASKED:
             vis = _visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, shift,
                            window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            k_keep = _load_keep(k_keep_base, stride_kks, cols, seqlen_k, HAS_K_KEEP)
+            vis = vis & q_keep[:, None] & k_keep[None, :]
             s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row that has seen no key yet keeps m = -inf; subtract 0 instead so p and alpha are 0, not NaN
@@ -60,12 +63,14 @@ def _fwd_kv_steps(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, 
 
 
 @triton.jit
-def _fwd_q_block(q_base, k_base, v_base, o_base, lse_base, m0, seqlen_q, seqlen_k, shift,
+def _fwd_q_block(q_base, k_base, v_base, o_base, lse_base, q_keep_base, k_keep_base, m0, seqlen_q, seqlen_k, shift,
                  window_left, window_right, sm_scale_log2, stride_qt, stride_kt, stride_vt, stride_ot,
+                 stride_qks, stride_kks,
                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                  BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
+                 HAS_K_KEEP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -73,24 +78,25 @@ def _fwd_q_block(q_base, k_base, v_base, o_base, lse_base, m0, seqlen_q, seqlen_
     row_ok = rows < seqlen_q
     q_ptrs = q_base + tl.cast(m0, tl.int64) * stride_qt + offs_m[:, None] * stride_qt + offs_dqk[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_dqk[None, :] < HEAD_DIM_QK), other=0.0)  # [M, DQK]
+    q_keep = _load_keep(q_keep_base, stride_qks, rows, seqlen_q, HAS_Q_KEEP)  # [M]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     lo, full_lo, full_hi, hi = _key_range(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
-                                          BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, lo, full_lo,
-                                  seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
-                                  HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                                  HAS_LEFT, HAS_RIGHT, True, DOT_PRECISION)
-    acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, full_lo, full_hi,
-                                  seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
-                                  HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                                  HAS_LEFT, HAS_RIGHT, False, DOT_PRECISION)
-    acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, full_hi, hi,
-                                  seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
-                                  HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                                  HAS_LEFT, HAS_RIGHT, True, DOT_PRECISION)
+                                          BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP or HAS_K_KEEP)
+    acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
+                                  stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift, window_left, window_right,
+                                  sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                                  HAS_LEFT, HAS_RIGHT, HAS_K_KEEP, True, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
+                                  stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
+                                  sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                                  HAS_LEFT, HAS_RIGHT, HAS_K_KEEP, False, DOT_PRECISION)
+    acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
+                                  stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift, window_left, window_right,
+                                  sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                                  HAS_LEFT, HAS_RIGHT, HAS_K_KEEP, True, DOT_PRECISION)
 
     empty = l_i == 0.0  # the row saw no key: output 0 and lse = -inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -103,18 +109,18 @@ def _fwd_q_block(q_base, k_base, v_base, o_base, lse_base, m0, seqlen_q, seqlen_
 
 @triton.jit(do_not_specialize=["batch", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right"])
 def _varlen_attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
     batch, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPANS: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # grid: (query-block programs per sequence, sequences, q heads). seqlen_*_total is the
-    # token count T (packed) or the padded length S (padded); see kernels/packing.py.
+    # token count T (thd) or the padded length S (bshd/sbhd); see kernels/packing.py.
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -122,10 +128,10 @@ def _varlen_attn_fwd_kernel(
     o_head = out_ptr + seq.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
     lse_head = lse_ptr + seq.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
     ok = _layout_ok(q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, seq, batch, seqlen_q_total, seqlen_k_total,
-                    PADDED, BLOCK_B)
+                    SPANS, BLOCK_B)
     if ok:
-        q_start, seqlen_q = _seq_span(q_seq_ptr, q_len_ptr, seq, PADDED)
-        k_start, seqlen_k = _seq_span(k_seq_ptr, k_len_ptr, seq, PADDED)
+        q_start, seqlen_q = _seq_span(q_seq_ptr, q_len_ptr, seq, SPANS)
+        k_start, seqlen_k = _seq_span(k_seq_ptr, k_len_ptr, seq, SPANS)
         shift = seqlen_q * 0
         if BOTTOM_RIGHT:
             shift = seqlen_k - seqlen_q
@@ -135,16 +141,18 @@ def _varlen_attn_fwd_kernel(
         v_base = v_ptr + seq.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
         o_base = o_head + q_start.to(tl.int64) * stride_ot
         lse_base = lse_head + q_start.to(tl.int64)
+        q_keep_base = q_keep_ptr + seq.to(tl.int64) * stride_qkb + q_start.to(tl.int64) * stride_qks
+        k_keep_base = k_keep_ptr + seq.to(tl.int64) * stride_kkb + k_start.to(tl.int64) * stride_kks
         for m0 in range(pid_m * BLOCK_M, seqlen_q, num_pid_m * BLOCK_M):
-            _fwd_q_block(q_base, k_base, v_base, o_base, lse_base, m0, seqlen_q, seqlen_k, shift,
-                         window_left, window_right, sm_scale_log2, stride_qt, stride_kt, stride_vt, stride_ot,
-                         HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N,
-                         HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+            _fwd_q_block(q_base, k_base, v_base, o_base, lse_base, q_keep_base, k_keep_base, m0, seqlen_q, seqlen_k,
+                         shift, window_left, window_right, sm_scale_log2, stride_qt, stride_kt, stride_vt, stride_ot,
+                         stride_qks, stride_kks, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N,
+                         HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DOT_PRECISION)
     else:
         # malformed cu_seqlens or spans: NaN rather than silently wrong numbers
         _poison_program_rows(o_head, pid_m, seq, num_pid_m, batch, seqlen_q_total, stride_ot,
-                             HEAD_DIM_V, BLOCK_DV, BLOCK_M, PADDED)
-        _poison_program_rows(lse_head, pid_m, seq, num_pid_m, batch, seqlen_q_total, 1, 1, 1, BLOCK_M, PADDED)
+                             HEAD_DIM_V, BLOCK_DV, BLOCK_M, SPANS)
+        _poison_program_rows(lse_head, pid_m, seq, num_pid_m, batch, seqlen_q_total, 1, 1, 1, BLOCK_M, SPANS)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -157,9 +165,9 @@ def check_grid(batch: int, heads: int) -> None:
         raise ValueError(f"batch ({batch}) and heads ({heads}) must each be <= {MAX_GRID_YZ} for the Triton grid")
 
 
-def mask_flags(window_left: int, window_right: int, bottom_right: bool, pack: Packing) -> dict:
+def mask_flags(window_left: int, window_right: int, bottom_right: bool, q_pack: Packing, k_pack: Packing) -> dict:
     return dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, BOTTOM_RIGHT=bottom_right,
-                PADDED=pack.padded, BLOCK_B=CU_SCAN_BLOCK)
+                BLOCK_B=CU_SCAN_BLOCK, **kernel_flags(q_pack, k_pack))
 
 
 def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: Packing, k_pack: Packing,
@@ -167,10 +175,10 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
                     bottom_right: bool = True, out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """Launch the forward kernel on q/k/v laid out as ``q_pack``/``k_pack`` say (kernels/packing.py).
 
-    Packed (thd): q [Tq, Hq, Dqk], k [Tk, Hkv, Dqk], v [Tk, Hkv, Dv]; returns out [Tq, Hq, Dv]
-    (q's dtype) and lse [Hq, Tq] float32 (natural log, -inf for rows that see no key).
-    Padded (bshd/sbhd): out in the same layout as q (zeros outside the q spans) and lse
-    [B, Hq, S]. Last strides must be 1; inputs are assumed checked by the caller
+    thd: q [Tq, Hq, Dqk], k [Tk, Hkv, Dqk], v [Tk, Hkv, Dv]; returns out [Tq, Hq, Dv] (q's
+    dtype) and lse [Hq, Tq] float32 (natural log, -inf for rows that see no key).
+    bshd/sbhd: out in the same layout as q and lse [B, Hq, S]. In span mode rows outside the
+    spans are zeros (lse -inf); rows a keep mask drops see no key (zeros, lse -inf). Last strides must be 1; inputs are assumed checked by the caller
     (coreattn.layers.checks). ``out``/``lse`` may be given as preallocated buffers.
     """
     heads_q, dim_qk = q.shape[-2:]
@@ -189,13 +197,14 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
     grid = (max(1, triton.cdiv(max_seqlen_q, cfg.block_m)), batch, heads_q)
     _varlen_attn_fwd_kernel[grid](
         q, k, v, out, lse, q_pack.seq, q_pack.lens, k_pack.seq, k_pack.lens,
+        keep_args(q_pack)[0], keep_args(k_pack)[0],
         batch, seqlen_q_total, seq_len_dim(k, k_pack.fmt), heads_q // heads_kv, softmax_scale * LOG2E,
         window_left, window_right,
         *seq_strides(q, q_pack.fmt), *seq_strides(k, k_pack.fmt), *seq_strides(v, k_pack.fmt),
-        *seq_strides(out, q_pack.fmt), *rowstat_strides(lse, q_pack),
+        *seq_strides(out, q_pack.fmt), *rowstat_strides(lse, q_pack), *keep_args(q_pack)[1:], *keep_args(k_pack)[1:],
         HEAD_DIM_QK=dim_qk, HEAD_DIM_V=dim_v, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
-        **mask_flags(window_left, window_right, bottom_right, q_pack),
+        **mask_flags(window_left, window_right, bottom_right, q_pack, k_pack),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

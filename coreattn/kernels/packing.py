@@ -1,9 +1,12 @@
-"""How sequences sit in a q/k/v tensor: packed (thd, cu_seqlens) or padded (bshd/sbhd, spans).
+"""How sequences sit in a q/k/v tensor, as the attention kernels read it.
 
 The kernels address token i of sequence b at ``b * stride_b + (start_b + i) * stride_t``:
-- thd: ``[T, H, D]``, stride_b = 0, start_b = cu_seqlens[b], length = cu_seqlens[b+1] - start_b;
-- bshd ``[B, S, H, D]`` / sbhd ``[S, B, H, D]``: start_b/length_b from per-sample span tensors.
-Padded layouts are used in place (no transposes or copies).
+- cu_seqlens mode (thd only): ``[T, H, D]``, start_b = cu[b], length_b = cu[b+1] - cu[b];
+- span mode: start_b/length_b from two int32 ``[B]`` tensors, on a padded batch
+  (bshd ``[B, S, H, D]`` or sbhd ``[S, B, H, D]``, used in place) or on a packed thd tensor
+  (stride_b = 0; e.g. only the first ``length_b`` keys of each sequence are used).
+Optionally, padded batches carry ``[B, S]`` keep masks (uint8, 1 = the token takes part) read
+in registers at the same positions: masks with holes need no unpad copy and no S×S tensor.
 """
 
 from __future__ import annotations
@@ -17,20 +20,21 @@ FORMATS = ("thd", "bshd", "sbhd")
 
 class Packing(NamedTuple):
     fmt: str  # "thd" | "bshd" | "sbhd"
-    seq: torch.Tensor  # thd: cu_seqlens int32 [B+1]; padded: span starts int32 [B]
-    lens: torch.Tensor  # padded: span lengths int32 [B]; thd: cu_seqlens again (unused)
+    seq: torch.Tensor  # cu_seqlens int32 [B+1] (lens None) or span starts int32 [B]
+    lens: torch.Tensor | None = None  # span lengths int32 [B]; None: cu_seqlens mode
+    keep: torch.Tensor | None = None  # [B, S] uint8 keep mask at raw positions (padded layouts)
 
     @property
-    def padded(self) -> bool:
-        return self.fmt != "thd"
+    def spans(self) -> bool:
+        return self.lens is not None
 
     @property
     def batch(self) -> int:
-        return self.seq.numel() - 1 if self.fmt == "thd" else self.seq.numel()
+        return self.seq.numel() if self.spans else self.seq.numel() - 1
 
 
 def packed(cu_seqlens: torch.Tensor) -> Packing:
-    return Packing("thd", cu_seqlens, cu_seqlens)
+    return Packing("thd", cu_seqlens)
 
 
 def seq_strides(x: torch.Tensor, fmt: str) -> tuple[int, int, int]:
@@ -48,21 +52,22 @@ def seq_len_dim(x: torch.Tensor, fmt: str) -> int:
 
 
 def new_like(x: torch.Tensor, pack: Packing, dim: int, dtype=None) -> torch.Tensor:
-    """A contiguous output with x's layout and last dim ``dim``; zeros for padded layouts
-    (positions outside the spans are never written by the kernels)."""
+    """A contiguous output with x's layout and last dim ``dim``; zeros in span mode (positions
+    outside the spans are never written by the kernels)."""
     shape = tuple(x.shape[:-1]) + (dim,)
-    alloc = torch.zeros if pack.padded else torch.empty
+    alloc = torch.zeros if pack.spans else torch.empty
     return alloc(shape, dtype=dtype or x.dtype, device=x.device)
 
 
 def new_rowstat(x: torch.Tensor, pack: Packing, fill: float | None = None) -> torch.Tensor:
-    """fp32 per-row statistic (lse, delta): thd -> [H, T]; padded -> [B, H, S]."""
+    """fp32 per-row statistic (lse, delta): thd -> [H, T]; padded -> [B, H, S]. Positions outside
+    spans hold ``fill`` (default -inf, the lse of a row that sees nothing)."""
     heads = x.shape[-2]
     if pack.fmt == "thd":
         shape = (heads, x.shape[0])
     else:
         shape = (pack.batch, heads, seq_len_dim(x, pack.fmt))
-    if fill is None and not pack.padded:
+    if fill is None and not pack.spans:
         return torch.empty(shape, dtype=torch.float32, device=x.device)
     return torch.full(shape, float("-inf") if fill is None else fill, dtype=torch.float32, device=x.device)
 
@@ -72,3 +77,16 @@ def rowstat_strides(stat: torch.Tensor, pack: Packing) -> tuple[int, int]:
     if pack.fmt == "thd":
         return 0, stat.stride(0)
     return stat.stride(0), stat.stride(1)
+
+
+def keep_args(pack: Packing) -> tuple[torch.Tensor, int, int]:
+    """(pointer, stride_b, stride_s) for the kernels; a dummy pointer when there is no mask."""
+    if pack.keep is None:
+        return pack.seq, 0, 0
+    return pack.keep, pack.keep.stride(0), pack.keep.stride(1)
+
+
+def kernel_flags(q_pack: Packing, k_pack: Packing) -> dict:
+    if q_pack.spans != k_pack.spans:
+        raise ValueError("q and k must both use cu_seqlens or both use spans")
+    return dict(SPANS=q_pack.spans, HAS_Q_KEEP=q_pack.keep is not None, HAS_K_KEEP=k_pack.keep is not None)

@@ -174,3 +174,19 @@ def check_spans(start_name: str, start, len_name: str, length, batch: int, seqle
             raise ValueError(f"span {i} ({start_name}={int(start[i])}, {len_name}={int(length[i])}) "
                              f"does not fit in the padded length {seqlen}")
     return start, length
+
+
+def check_keep_mask(name: str, mask, batch: int, seqlen: int, device: torch.device) -> torch.Tensor | None:
+    """A [B, S] keep mask (bool or integer, nonzero = keep) as the uint8 tensor the kernels read."""
+    if mask is None:
+        return None
+    _check_tensor(name, mask, 2)
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise TypeError(f"{name} must be bool or integer (nonzero = keep), got {mask.dtype}")
+    if tuple(mask.shape) != (batch, seqlen):
+        raise ValueError(f"{name} has shape {tuple(mask.shape)}, expected [B, S] = [{batch}, {seqlen}]")
+    if mask.device != device:
+        raise ValueError(f"{name} is on {mask.device} but q is on {device}")
+    if mask.dtype == torch.bool:
+        return mask.view(torch.uint8)
+    return (mask != 0).view(torch.uint8)

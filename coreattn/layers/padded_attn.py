@@ -1,4 +1,4 @@
-"""Public attention over padded batches (bshd or sbhd), masks computed in registers from spans."""
+"""Public attention over padded batches (bshd or sbhd), masks computed in registers from spans or keep masks."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ import torch
 
 from coreattn.adapters.backends import Backend
 from coreattn.kernels.packing import FORMATS, Packing, seq_len_dim
-from coreattn.layers.checks import check_options, check_qkv, check_spans
+from coreattn.layers.checks import check_keep_mask, check_options, check_qkv, check_spans
 from coreattn.layers.dispatch import run_attention
 
 
 def padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "bshd",
                 q_start: torch.Tensor | None = None, q_len: torch.Tensor | None = None,
                 k_start: torch.Tensor | None = None, k_len: torch.Tensor | None = None,
+                q_keep_mask: torch.Tensor | None = None, k_keep_mask: torch.Tensor | None = None,
                 dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
                 window_size: tuple[int, int] = (-1, -1), causal_alignment: str = "bottom_right",
                 return_lse: bool = False, deterministic: bool = True, backend: str | Backend | None = None):
@@ -26,8 +27,13 @@ def padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: st
             positions ``[start_b, start_b + len_b)`` (right padding: start 0; left padding: start
             S - len). None means the whole padded length. A span that does not fit raises on CPU
             (or with ``COREATTN_VALIDATE=1``); on GPU that sample's outputs become NaN.
+        q_keep_mask, k_keep_mask: optional ``[B, Sq]`` / ``[B, Sk]`` keep masks (bool or 0/1 int;
+            True = the token takes part), e.g. an HF ``attention_mask``, holes allowed. They are
+            read in registers at each position; no S×S tensor is built. A dropped query row
+            outputs zeros (lse -inf); a dropped key is seen by no query. For self-attention with
+            padding pass the same mask for both.
         causal, window_size, causal_alignment: as in ``coreattn.varlen_attn``, with positions
-            counted from each span's start.
+            counted from each span's start (from 0 without spans).
         Other arguments as in ``coreattn.varlen_attn``.
 
     Returns:
@@ -42,6 +48,8 @@ def padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: st
     seqlen_q, seqlen_k = seq_len_dim(q, layout), seq_len_dim(k, layout)
     q_start, q_len = check_spans("q_start", q_start, "q_len", q_len, batch, seqlen_q, q.device)
     k_start, k_len = check_spans("k_start", k_start, "k_len", k_len, batch, seqlen_k, q.device)
-    out, lse = run_attention(q, k, v, Packing(layout, q_start, q_len), Packing(layout, k_start, k_len),
+    q_keep = check_keep_mask("q_keep_mask", q_keep_mask, batch, seqlen_q, q.device)
+    k_keep = check_keep_mask("k_keep_mask", k_keep_mask, batch, seqlen_k, q.device)
+    out, lse = run_attention(q, k, v, Packing(layout, q_start, q_len, q_keep), Packing(layout, k_start, k_len, k_keep),
                              seqlen_q, seqlen_k, params, deterministic, backend)
     return (out, lse) if return_lse else out

@@ -16,7 +16,7 @@ from coreattn.layers.checks import VarlenParams
 
 
 def _spans(pack: Packing) -> tuple[torch.Tensor, torch.Tensor]:
-    if pack.fmt == "thd":
+    if not pack.spans:
         return pack.seq[:-1].long(), (pack.seq[1:] - pack.seq[:-1]).long()
     return pack.seq.long(), pack.lens.long()
 
@@ -30,7 +30,8 @@ def _token_index(x: torch.Tensor, pack: Packing, tok: torch.Tensor):
 
 
 def _gather(x: torch.Tensor, pack: Packing, max_len: int):
-    """x -> padded [B, S, H, D] of each sequence's tokens, its keep mask [B, S] and lengths [B]."""
+    """x -> padded [B, S, H, D] of each sequence's tokens, the in-sequence mask [B, S], lengths
+    [B] and token positions [B, S]."""
     starts, lens = _spans(pack)
     pos = torch.arange(max_len, device=x.device)
     keep = pos[None, :] < lens[:, None]
@@ -44,11 +45,19 @@ def _gather(x: torch.Tensor, pack: Packing, max_len: int):
 def _scatter(vals: torch.Tensor, like: torch.Tensor, pack: Packing, keep: torch.Tensor, tok: torch.Tensor,
              fill: float) -> torch.Tensor:
     """Inverse of _gather for [B, S, ...] values: packed rows, or a padded tensor laid out like ``like``."""
-    if pack.fmt == "thd":
+    if not pack.spans:
         return vals[keep]
     out = torch.full(like.shape[:2] + vals.shape[2:], fill, dtype=vals.dtype, device=vals.device)
     idx = tuple(i[keep] for i in _token_index(like, pack, tok))
     return out.index_put(idx, vals[keep])
+
+
+def _keep_at(pack: Packing, tok: torch.Tensor) -> torch.Tensor:
+    """The pack's keep mask read at the gathered token positions [B, S] (all True without a mask)."""
+    if pack.keep is None:
+        return torch.ones(tok.shape, dtype=torch.bool, device=tok.device)
+    b = torch.arange(tok.shape[0], device=tok.device)[:, None]
+    return pack.keep[b, tok.clamp(max=pack.keep.shape[1] - 1)] != 0
 
 
 def visible_mask(lens_q, lens_k, max_q: int, max_k: int, params: VarlenParams) -> torch.Tensor:
@@ -70,12 +79,14 @@ def attn_torch(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max
     hq, hkv = q.shape[-2], k.shape[-2]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     qp, keep_q, lens_q, tok_q = _gather(q.to(compute), q_pack, max_seqlen_q)
-    kp, _, lens_k, _ = _gather(k.to(compute), k_pack, max_seqlen_k)
+    kp, _, lens_k, tok_k = _gather(k.to(compute), k_pack, max_seqlen_k)
     vp, _, _, _ = _gather(v.to(compute), k_pack, max_seqlen_k)
     b, sq = qp.shape[:2]
     qp = qp.view(b, sq, hkv, hq // hkv, qp.shape[-1])  # [B, Sq, Hkv, G, Dqk]
     scores = torch.einsum("bshgd,bthd->bhgst", qp, kp) * params.softmax_scale  # [B, Hkv, G, Sq, Sk]
-    vis = visible_mask(lens_q, lens_k, max_seqlen_q, max_seqlen_k, params)[:, None, None]
+    vis = visible_mask(lens_q, lens_k, max_seqlen_q, max_seqlen_k, params)
+    vis = vis & _keep_at(q_pack, tok_q)[:, :, None] & _keep_at(k_pack, tok_k)[:, None, :]
+    vis = vis[:, None, None]
     scores = scores.masked_fill(~vis, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True) if scores.shape[-1] else scores.new_zeros(scores.shape[:-1] + (1,))
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
