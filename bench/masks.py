@@ -124,7 +124,8 @@ def dense_bytes(cfg: MaskConfig) -> int:
 
 def dense_budget(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory // 4
+        # the broadcast build peaks at about three [B, 1, S, S] temporaries
+        return torch.cuda.get_device_properties(device).total_memory // 8
     return 256 << 20
 
 

@@ -136,8 +136,10 @@ class SdpaPadded(Provider):
     @staticmethod
     def _extra_bytes(cfg: AttnConfig, seqlens: list[int], dtype: torch.dtype) -> int:
         b, s = len(seqlens), max(seqlens)
-        per_token = cfg.heads_q * (cfg.head_dim_qk + 2 * cfg.head_dim_v) + cfg.heads_kv * (cfg.head_dim_qk + cfg.head_dim_v)
-        mask = 0 if len(set(seqlens)) == 1 else b * s * s
+        masked = len(set(seqlens)) > 1
+        heads_kv = cfg.heads_q if masked else cfg.heads_kv  # masked GQA repeats k/v heads (see build)
+        per_token = cfg.heads_q * (cfg.head_dim_qk + 2 * cfg.head_dim_v) + heads_kv * (cfg.head_dim_qk + cfg.head_dim_v)
+        mask = b * s * s if masked else 0
         return 2 * b * s * per_token * _elt(dtype) + mask  # padded tensors and their grads, bool mask
 
     def skip_reason(self, cfg, mode, dtype, device):
@@ -150,11 +152,18 @@ class SdpaPadded(Provider):
 
     def build(self, inp, cfg, mode):
         seqlens, s = inp.seqlens, inp.max_seqlen
-        q, k, v = (_leaf(_padded(t, inp.cu_seqlens, seqlens, s), True) for t in (inp.q, inp.k, inp.v))
+        masked = len(set(seqlens)) > 1
+        group = cfg.heads_q // cfg.heads_kv
+        kv = (inp.k, inp.v)
+        if masked and group > 1:
+            # with a mask only the math/mem-efficient SDPA backends run, and enable_gqa would send
+            # this to math ([B, H, S, S] scores): repeat the k/v heads once, outside the timed region
+            kv = tuple(t.repeat_interleave(group, dim=1) for t in kv)
+        q, k, v = (_leaf(_padded(t, inp.cu_seqlens, seqlens, s), True) for t in (inp.q, *kv))
         kwargs = {"scale": inp.softmax_scale}
-        if cfg.heads_q != cfg.heads_kv:
+        if k.shape[1] != q.shape[1]:
             kwargs["enable_gqa"] = True
-        if len(set(seqlens)) == 1:
+        if not masked:
             kwargs["is_causal"] = cfg.causal  # no padding: the flash/cuDNN SDPA backends can run
             mask_desc = "none (equal lengths)"
         else:
@@ -167,7 +176,10 @@ class SdpaPadded(Provider):
             kwargs["attn_mask"] = mask.expand(len(seqlens), 1, s, s).contiguous()
             mask_desc = "[B, 1, S, S] bool"
         fn = functools.partial(F.scaled_dot_product_attention, q, k, v, **kwargs)
-        return Prepared(fn, [q, k, v], {"padded_tokens": len(seqlens) * s, "mask": mask_desc})
+        info = {"padded_tokens": len(seqlens) * s, "mask": mask_desc}
+        if masked and group > 1:
+            info["gqa"] = "k/v heads repeated outside the timed region"
+        return Prepared(fn, [q, k, v], info)
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,6 +187,15 @@ def _flex_fns(compiled: bool):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if compiled:
+        # every configuration is a new shape: without this, dynamo stops compiling after 8 and
+        # flex would silently run its unfused eager path; fail loudly if the limit is still hit
+        import torch._dynamo.config as dynamo_config
+
+        for limit in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo_config, limit):
+                setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), 1024))
+        if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
+            dynamo_config.fail_on_recompile_limit_hit = True
         return torch.compile(flex_attention, dynamic=False), create_block_mask
     return flex_attention, create_block_mask
 
