@@ -20,7 +20,8 @@ WHAT = ("attention", "masks")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench", description="coreattn benchmarks: attention against the kernels users would use instead, "
+                                "mask builders against per-sample loops.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a minimal set that runs in seconds")
     p.add_argument("--out", type=Path, help="output directory (default: bench/results/<device>_<date> on GPU, "
