@@ -1,0 +1,120 @@
+"""Command line: ``python -m bench [--quick] [--out DIR] [--dtype bf16] [--what attention masks] ...``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+
+from bench import attention, configs, masks
+from bench.env import REPO_ROOT, device_slug, run_metadata
+from bench.flops import MODES
+from bench.providers import PRIMARY, PROVIDERS
+from bench.report import NOT_PERF, add_speedups, format_table, write_json
+
+WHAT = ("attention", "masks")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description="coreattn benchmarks: attention against the kernels users would use instead, "
+                                "mask builders against per-sample loops.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a minimal set that runs in seconds")
+    p.add_argument("--out", type=Path, help="output directory (default: bench/results/<device>_<date> on GPU, "
+                                           "bench/local/<device>_<date> on CPU)")
+    p.add_argument("--dtype", nargs="+", choices=list(configs.DTYPES), default=["bf16"])
+    p.add_argument("--what", nargs="+", choices=WHAT, default=list(WHAT))
+    p.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(PROVIDERS),
+                   help="attention providers")
+    p.add_argument("--mask-providers", nargs="+", choices=list(masks.PROVIDERS), default=list(masks.PROVIDERS))
+    p.add_argument("--configs", nargs="+", metavar="SUBSTR",
+                   help="keep configs whose id contains every SUBSTR (e.g. hdim192x128 causal 16k; b64)")
+    p.add_argument("--modes", nargs="+", choices=MODES, help="attention modes (default: all; fwd fwdbwd with --quick)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--list", action="store_true", help="print the selected configs and providers, then exit")
+    return p.parse_args(argv)
+
+
+def _device(choice: str) -> torch.device:
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible")
+    return torch.device(choice)
+
+
+def _default_out(device: torch.device) -> Path:
+    parent = REPO_ROOT / "bench" / ("results" if device.type == "cuda" else "local")
+    base = parent / f"{device_slug(device)}_{datetime.date.today().isoformat()}"
+    out, n = base, 2
+    while out.exists():
+        out, n = base.with_name(f"{base.name}_{n}"), n + 1
+    return out
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return contextlib.nullcontext()
+    return tqdm(total=total, desc="bench", unit="case", file=sys.stderr, dynamic_ncols=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = _device(args.device)
+    on_gpu = device.type == "cuda"
+    attn_cfgs = [c for c in configs.attention_configs(on_gpu, args.quick) if configs.matches(c.id, args.configs)]
+    mask_cfgs = [c for c in configs.mask_configs(on_gpu, args.quick) if configs.matches(c.id, args.configs)]
+    modes = tuple(args.modes or configs.attention_modes(args.quick))
+    run_attn, run_masks = "attention" in args.what, "masks" in args.what
+
+    if args.list:
+        print(f"device: {device}" + ("" if on_gpu else f"  ({NOT_PERF})"))
+        if run_attn:
+            print(f"attention modes: {' '.join(modes)}; dtypes: {' '.join(args.dtype)}")
+            for name in args.providers:
+                reason = PROVIDERS[name].unavailable(device)
+                print(f"  provider {name:15s} {'unavailable: ' + reason if reason else PROVIDERS[name].description}")
+            for c in attn_cfgs:
+                print(f"  {c.id}")
+        if run_masks:
+            _, missing = masks.import_masks()
+            print(f"mask providers: {' '.join(args.mask_providers)}" + (f"  (skipped: {missing})" if missing else ""))
+            for c in mask_cfgs:
+                print(f"  {c.id} hidden={c.hidden}")
+        return 0
+
+    out = args.out or _default_out(device)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = run_metadata(device)
+    total = (len(attn_cfgs) * len(modes) * len(args.providers) * len(args.dtype) if run_attn else 0) + \
+            (len(mask_cfgs) * len(masks.OPS) * len(args.mask_providers) if run_masks else 0)
+    rows: list[dict] = []
+    with _progress(total) as bar:
+        for dtype_name in args.dtype:
+            dtype = getattr(torch, configs.DTYPES[dtype_name])
+            if run_attn:
+                rows += attention.run_attention(attn_cfgs, modes, args.providers, dtype, device, args.quick, bar)
+        if run_masks:
+            dtype = getattr(torch, configs.DTYPES[args.dtype[0]])
+            rows += masks.run_masks(mask_cfgs, args.mask_providers, dtype, device, args.quick, bar)
+    add_speedups(rows, PRIMARY)
+    print(format_table(rows, meta, PRIMARY))
+    args_record = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    write_json(out / "results.json", meta, args_record, rows)
+    written = [out / "results.json"]
+    if not args.no_plots:
+        try:
+            from bench.plots import write_plots
+        except ImportError as exc:
+            print(f"plots skipped: {exc}")
+        else:
+            written += write_plots(out, rows, meta, PRIMARY)
+    print("\nwrote " + ", ".join(str(p) for p in written))
+    return 0

@@ -1,0 +1,80 @@
+"""Speedups, the terminal table and the JSON result file."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+NOT_PERF = "NOT PERFORMANCE DATA (CPU run: it checks the suite, not the kernels)"
+
+
+def add_speedups(rows: list[dict], primary: str = "coreattn") -> None:
+    """Attention: speedup of ``primary`` over each provider (their ms / its ms), same config/mode/dtype.
+    Masks: speedup of each provider over the per-sample loop."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    ref_attn = {(r["config"], r["mode"], r["dtype"]): r["ms"] for r in ok
+                if r["kind"] == "attention" and r["provider"] == primary}
+    ref_mask = {(r["config"], r["op"]): r["ms"] for r in ok if r["kind"] == "masks" and r["provider"] == "loop"}
+    for r in ok:
+        if r["kind"] == "attention":
+            ref = ref_attn.get((r["config"], r["mode"], r["dtype"]))
+            if ref and r["provider"] != primary:
+                r[f"speedup_of_{primary}"] = r["ms"] / ref
+        elif r["kind"] == "masks":
+            ref = ref_mask.get((r["config"], r["op"]))
+            if ref and r["provider"] != "loop":
+                r["speedup_over_loop"] = ref / r["ms"]
+
+
+def _fmt(value, spec: str) -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+
+def _table(header: list[str], lines: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*l) for l in lines])
+
+
+def format_table(rows: list[dict], meta: dict, primary: str = "coreattn") -> str:
+    parts = [f"device: {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | commit {meta['git_commit']}"]
+    if not meta["performance_data"]:
+        parts.append(NOT_PERF)
+    attn = [r for r in rows if r["kind"] == "attention" and r["status"] != "skipped"]
+    if attn:
+        lines = []
+        for r in attn:
+            status = "" if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
+            lines.append([r["config"], r["mode"], r["dtype"], r["provider"], _fmt(r.get("ms"), ".3f"),
+                          _fmt(r.get("tflops"), ".4g"), _fmt(r.get(f"speedup_of_{primary}"), ".2f"), status])
+        parts.append(_table(["config", "mode", "dtype", "provider", "ms", "TFLOP/s", f"{primary} x", "note"], lines))
+    masks = [r for r in rows if r["kind"] == "masks" and r["status"] != "skipped"]
+    if masks:
+        lines = []
+        for r in masks:
+            status = "" if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
+            lines.append([r["config"], r["op"], r["provider"], _fmt(r.get("ms"), ".3f"),
+                          _fmt(r.get("speedup_over_loop"), ".2f"), _fmt(r.get("output_bytes"), ",d"), status])
+        parts.append(_table(["masks", "op", "provider", "ms", "vs loop x", "out bytes", "note"], lines))
+    skipped = Counter((r["kind"], r["provider"], r["reason"]) for r in rows if r["status"] == "skipped")
+    if skipped:
+        parts.append("skipped:\n" + "\n".join(f"  {kind} {provider}: {reason} ({n} case{'s' if n > 1 else ''})"
+                                                for (kind, provider, reason), n in skipped.items()))
+    if not meta["performance_data"]:
+        parts.append(NOT_PERF)
+    return "\n\n".join(parts)
+
+
+def write_json(path: Path, meta: dict, args: dict, rows: list[dict]) -> None:
+    doc = {
+        "meta": meta,
+        "note": None if meta["performance_data"] else NOT_PERF,
+        "flop_model": ("visible (q, k) pairs counted exactly per sequence; per query head forward "
+                       "2*pairs*(Dqk+Dv), backward 2*pairs*(3*Dqk+2*Dv); the same useful FLOPs for every "
+                       "provider (padding and zero-padded V count as overhead, not work)"),
+        "forward_timing": "training forward: inputs require grad, autograd records the graph",
+        "args": args,
+        "results": rows,
+    }
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")

@@ -1,0 +1,55 @@
+"""Timing: triton.testing.do_bench medians on GPU, a plain wall-clock median on CPU.
+
+Callers pass several input sets; the timed function cycles through them so that a set is not
+re-read straight from cache (do_bench also flushes L2 before every run).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+
+class Timing(NamedTuple):
+    ms: float  # median
+    ms_p20: float
+    ms_p80: float
+    method: str
+
+
+def rotating(calls: Sequence[Callable[[], object]]) -> Callable[[], object]:
+    """One callable that runs ``calls[0]``, ``calls[1]``, ... in turn."""
+    order = itertools.cycle(calls)
+    return lambda: next(order)()
+
+
+def time_gpu(fn: Callable[[], object], grad_to_none=None, quick: bool = False) -> Timing:
+    from triton.testing import do_bench
+
+    warmup, rep = (5, 20) if quick else (25, 100)
+    p20, p50, p80 = do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, quantiles=[0.2, 0.5, 0.8])
+    return Timing(p50, p20, p80, f"triton.testing.do_bench(warmup={warmup}ms, rep={rep}ms), median")
+
+
+def time_cpu(fn: Callable[[], object], grad_to_none=None, quick: bool = False) -> Timing:
+    reps = 3 if quick else 10
+    fn()  # warm-up
+    samples = []
+    for _ in range(reps):
+        for t in grad_to_none or ():
+            t.grad = None
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    q = statistics.quantiles(samples, n=5, method="inclusive")
+    return Timing(statistics.median(samples), q[0], q[3], f"time.perf_counter, {reps} runs, median")
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, grad_to_none=None, quick: bool = False) -> Timing:
+    if device.type == "cuda":
+        return time_gpu(fn, grad_to_none, quick)
+    return time_cpu(fn, grad_to_none, quick)

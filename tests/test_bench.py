@@ -1,0 +1,137 @@
+"""The benchmark suite: its FLOP model against brute force, and a quick CPU run end to end."""
+
+import itertools
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from bench import cli
+from bench.flops import attention_flops, batch_pairs, visible_pairs
+from bench.seqlens import DISTRIBUTIONS, draw_seqlens
+from coreattn.layers.checks import VarlenParams
+from coreattn.layers.torch_backend import visible_mask
+
+
+def brute_force_pairs(lq, lk, causal, window, bottom_right):
+    left, right = window
+    if causal:
+        right = 0
+    shift = lk - lq if bottom_right else 0
+    return sum(1 for i in range(lq) for j in range(lk)
+               if (left < 0 or j >= i + shift - left) and (right < 0 or j <= i + shift + right))
+
+
+LENGTHS = [(0, 5), (1, 1), (1, 7), (7, 1), (5, 5), (6, 13), (13, 6), (17, 17)]
+WINDOWS = [(-1, -1), (0, 0), (3, -1), (-1, 2), (2, 4), (0, 5)]
+
+
+@pytest.mark.parametrize("bottom_right", [True, False], ids=["bottom_right", "top_left"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"win{w[0]}_{w[1]}")
+def test_visible_pairs_matches_brute_force(window, causal, bottom_right):
+    for lq, lk in LENGTHS:
+        assert visible_pairs(lq, lk, causal, window, bottom_right) == brute_force_pairs(lq, lk, causal, window, bottom_right), (lq, lk)
+
+
+@pytest.mark.parametrize("bottom_right", [True, False], ids=["bottom_right", "top_left"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_batch_pairs_matches_coreattn_mask(causal, bottom_right):
+    lens_q, lens_k = [3, 0, 9, 12], [5, 4, 9, 7]
+    window = (4, 1)
+    right = 0 if causal else window[1]
+    vis = visible_mask(torch.tensor(lens_q), torch.tensor(lens_k), max(lens_q), max(lens_k),
+                       VarlenParams(1.0, window[0], right, bottom_right))
+    assert batch_pairs(lens_q, lens_k, causal, window, bottom_right) == int(vis.sum())
+
+
+def test_closed_forms():
+    assert visible_pairs(4096, 4096, causal=True) == 4096 * 4097 // 2
+    assert visible_pairs(4096, 4096) == 4096 ** 2
+    pairs = 1000
+    assert attention_flops(pairs, 32, 192, 128, "fwd") == 2 * pairs * 320 * 32
+    assert attention_flops(pairs, 32, 192, 128, "bwd") == 2 * pairs * (3 * 192 + 2 * 128) * 32
+    assert attention_flops(pairs, 1, 64, 64, "fwdbwd") == 2 * pairs * (128 + 320)
+    with pytest.raises(ValueError):
+        attention_flops(pairs, 1, 64, 64, "backward")
+
+
+@pytest.mark.parametrize("dist", DISTRIBUTIONS)
+@pytest.mark.parametrize("total", [16384, 65536])
+def test_seqlens_fill_the_batch_and_are_reproducible(dist, total):
+    lens = draw_seqlens(dist, total)
+    assert sum(lens) == total and min(lens) > 0
+    assert lens == draw_seqlens(dist, total)
+
+
+def _stub_masks():
+    """A minimal coreattn.masks, so the mask section's plumbing is tested before the real one lands."""
+    m = types.ModuleType("coreattn.masks")
+    m.padding_mask_from_seqlens = lambda seqlens, max_len: torch.arange(max_len)[None, :] < seqlens[:, None]
+    m.cu_seqlens_from_seqlens = lambda seqlens: torch.nn.functional.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
+    m.position_ids_from_cu_seqlens = lambda cu, total: (
+        torch.arange(total) - torch.repeat_interleave(cu[:-1], (cu[1:] - cu[:-1]).long()))
+    m.unpad = lambda x, keep: x[keep]
+    m.megatron_mask_from_keep_mask = lambda keep, causal: ~(keep[:, None, :, None] & keep[:, None, None, :]
+                                                            & torch.ones(keep.shape[1], keep.shape[1], dtype=torch.bool).tril())
+    return m  # no `pad`: exercises the "has no builder" skip
+
+
+def _run_quick(tmp_path, capsys, monkeypatch, masks_module):
+    monkeypatch.setitem(sys.modules, "coreattn.masks", masks_module)
+    assert cli.main(["--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    return json.loads((tmp_path / "results.json").read_text()), capsys.readouterr().out
+
+
+def test_quick_run_on_cpu(tmp_path, capsys, monkeypatch):
+    doc, out = _run_quick(tmp_path, capsys, monkeypatch, _stub_masks())
+    meta = doc["meta"]
+    assert meta["performance_data"] is False and "NOT PERFORMANCE DATA" in doc["note"]
+    assert "NOT PERFORMANCE DATA" in out
+    for key in ("device", "torch", "triton", "git_commit", "date"):
+        assert meta[key]
+    rows = doc["results"]
+    assert all(r["status"] in ("ok", "skipped", "error") for r in rows)
+    assert all(r.get("reason") for r in rows if r["status"] != "ok")
+    assert not [r for r in rows if r["status"] == "error"]
+
+    attn = [r for r in rows if r["kind"] == "attention"]
+    ok = {(r["config"], r["mode"], r["provider"]): r for r in attn if r["status"] == "ok"}
+    for cfg in ("hdim128x128-gqa4-causal-uniform-256", "hdim192x128-gqa4-causal-uniform-256"):
+        for mode in ("fwd", "fwdbwd"):
+            core = ok[(cfg, mode, "coreattn")]
+            assert core["info"]["backend"] == "torch"  # never Triton's interpreter
+            assert core["ms"] > 0 and core["tflops"] == pytest.approx(core["flops"] / core["ms"] / 1e9)
+            assert ok[(cfg, mode, "sdpa-padded")]["speedup_of_coreattn"] > 0
+    assert ("hdim192x128-gqa4-causal-uniform-256", "fwdbwd", "padded-v") in ok
+    assert ("hdim128x128-gqa4-causal-uniform-256", "fwd", "flex") in ok
+    skipped = {r["provider"]: r["reason"] for r in attn if r["status"] == "skipped"}
+    assert "megatron-local" in skipped and "torch-varlen" in skipped
+
+    masks = {(r["op"], r["provider"]): r for r in rows if r["kind"] == "masks"}
+    for op in ("padding_mask", "cu_seqlens", "position_ids", "unpad", "dense_4d_causal"):
+        assert masks[(op, "loop")]["status"] == "ok"
+        assert masks[(op, "coreattn")]["status"] == "ok" and masks[(op, "coreattn")]["speedup_over_loop"] > 0
+        assert masks[(op, "coreattn-triton")]["status"] == "skipped"
+    assert masks[("pad", "coreattn")]["status"] == "skipped"
+    assert masks[("dense_4d_causal", "torch-dense")]["dense_bytes"] == 8 * 2048 * 2048
+
+    pngs = {p.name for p in tmp_path.glob("*.png")}
+    assert {"attention_tflops_bfloat16_fwd.png", "attention_speedup_bfloat16_fwdbwd.png", "masks_ms.png"} <= pngs
+    assert all((tmp_path / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_masks_skipped_with_reason_when_module_missing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "coreattn.masks", None)  # import raises ImportError
+    assert cli.main(["--quick", "--device", "cpu", "--what", "masks", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert [r["status"] for r in rows] == ["skipped"] and "coreattn.masks" in rows[0]["reason"]
+
+
+def test_list_and_filters(capsys):
+    assert cli.main(["--list", "--device", "cpu", "--configs", "hdim192x128", "--providers", "coreattn", "flex"]) == 0
+    out = capsys.readouterr().out
+    assert "hdim192x128-mha-causal-uniform-256" in out and "hdim64x64" not in out
+    assert "provider flex" in out and "provider sdpa-padded" not in out
