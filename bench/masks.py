@@ -1,6 +1,6 @@
-"""Mask benchmarks: per-sample Python loops vs coreattn.masks' vectorized builders (and its
-Triton path where a builder takes ``backend=``), plus the dense ``[B, 1, S, S]`` mask for
-reference (its time and bytes are what the compact forms avoid).
+"""Mask benchmarks: per-sample Python loops vs coreattn.masks' vectorized builders (which use
+their Triton kernels on CUDA tensors), plus the dense ``[B, 1, S, S]`` mask for reference (its
+time and bytes are what the compact forms avoid).
 
 coreattn.masks is imported lazily: without it the section is skipped with one reason.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import itertools
 import random
 from typing import Callable, Iterable, NamedTuple
@@ -20,7 +19,7 @@ from bench.configs import MaskConfig
 from bench.seqlens import SEED
 from bench.timing import time_fn
 
-PROVIDERS = ("loop", "torch-dense", "coreattn", "coreattn-triton")
+PROVIDERS = ("loop", "torch-dense", "coreattn")
 
 
 class MaskInputs(NamedTuple):
@@ -30,6 +29,7 @@ class MaskInputs(NamedTuple):
     cu_seqlens: torch.Tensor  # int32 [B+1]
     padded: torch.Tensor  # [B, S, hidden]
     packed: torch.Tensor  # [T, hidden]
+    indices: torch.Tensor  # int64 [T], flat positions of the real tokens in [B*S]
     seqlen: int
 
 
@@ -50,7 +50,8 @@ def make_mask_inputs(cfg: MaskConfig, dtype: torch.dtype, device: torch.device) 
     cu = torch.zeros(cfg.batch + 1, dtype=torch.int32, device=device)
     cu[1:] = seqlens.cumsum(0)
     padded = torch.randn(cfg.batch, cfg.seqlen, cfg.hidden, device=device).to(dtype)
-    return MaskInputs(seqlens, lens, keep, cu, padded, padded[keep], cfg.seqlen)
+    indices = keep.reshape(-1).nonzero().squeeze(1)
+    return MaskInputs(seqlens, lens, keep, cu, padded, padded[keep], indices, cfg.seqlen)
 
 
 # Per-sample loops, written the way model code often does it (host lists, one op per sample).
@@ -104,6 +105,7 @@ class MaskOp(NamedTuple):
     loop: Callable[[MaskInputs], torch.Tensor]
     builder: str  # coreattn.masks function
     args: Callable[[MaskInputs], tuple]
+    kwargs: Callable[[MaskInputs], dict] = lambda i: {}
     dense: bool = False
 
 
@@ -112,9 +114,12 @@ OPS = (
     MaskOp("cu_seqlens", loop_cu_seqlens, "cu_seqlens_from_seqlens", lambda i: (i.seqlens,)),
     MaskOp("position_ids", loop_position_ids, "position_ids_from_cu_seqlens",
            lambda i: (i.cu_seqlens, i.packed.shape[0])),
-    MaskOp("unpad", loop_unpad, "unpad", lambda i: (i.padded, i.keep)),
-    MaskOp("pad", loop_pad, "pad", lambda i: (i.packed, i.keep)),
-    MaskOp("dense_4d_causal", loop_dense_causal, "megatron_mask_from_keep_mask", lambda i: (i.keep, True), True),
+    # total and max_seqlen given, as a training loop that knows its batch does: no host sync
+    MaskOp("unpad", loop_unpad, "unpad", lambda i: (i.padded, i.keep),
+           lambda i: dict(total=i.packed.shape[0], max_seqlen=max(i.lens))),
+    MaskOp("pad", loop_pad, "pad", lambda i: (i.packed, i.indices, len(i.lens), i.seqlen)),
+    MaskOp("dense_4d_causal", loop_dense_causal, "megatron_mask_from_keep_mask", lambda i: (i.keep, True),
+           dense=True),
 )
 
 
@@ -138,17 +143,7 @@ def _callable_for(provider: str, op: MaskOp, masks, inp: MaskInputs, device: tor
     builder = getattr(masks, op.builder, None)
     if builder is None:
         return None, f"coreattn.masks has no {op.builder}"
-    if provider == "coreattn":
-        return functools.partial(builder, *op.args(inp)), None
-    try:
-        has_backend = "backend" in inspect.signature(builder).parameters
-    except (TypeError, ValueError):
-        has_backend = False
-    if not has_backend:
-        return None, f"coreattn.masks.{op.builder} has no backend= argument (no Triton path)"
-    if device.type != "cuda":
-        return None, "the Triton path needs a CUDA device"
-    return functools.partial(builder, *op.args(inp), backend="triton"), None
+    return functools.partial(builder, *op.args(inp), **op.kwargs(inp)), None
 
 
 def _output_bytes(out) -> int:

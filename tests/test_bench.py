@@ -3,7 +3,6 @@
 import itertools
 import json
 import sys
-import types
 
 import pytest
 import torch
@@ -66,27 +65,13 @@ def test_seqlens_fill_the_batch_and_are_reproducible(dist, total):
     assert lens == draw_seqlens(dist, total)
 
 
-def _stub_masks():
-    """A minimal coreattn.masks, so the mask section's plumbing is tested before the real one lands."""
-    m = types.ModuleType("coreattn.masks")
-    m.padding_mask_from_seqlens = lambda seqlens, max_len: torch.arange(max_len)[None, :] < seqlens[:, None]
-    m.cu_seqlens_from_seqlens = lambda seqlens: torch.nn.functional.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
-    m.position_ids_from_cu_seqlens = lambda cu, total: (
-        torch.arange(total) - torch.repeat_interleave(cu[:-1], (cu[1:] - cu[:-1]).long()))
-    m.unpad = lambda x, keep: x[keep]
-    m.megatron_mask_from_keep_mask = lambda keep, causal: ~(keep[:, None, :, None] & keep[:, None, None, :]
-                                                            & torch.ones(keep.shape[1], keep.shape[1], dtype=torch.bool).tril())
-    return m  # no `pad`: exercises the "has no builder" skip
-
-
-def _run_quick(tmp_path, capsys, monkeypatch, masks_module):
-    monkeypatch.setitem(sys.modules, "coreattn.masks", masks_module)
+def _run_quick(tmp_path, capsys):
     assert cli.main(["--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
     return json.loads((tmp_path / "results.json").read_text()), capsys.readouterr().out
 
 
-def test_quick_run_on_cpu(tmp_path, capsys, monkeypatch):
-    doc, out = _run_quick(tmp_path, capsys, monkeypatch, _stub_masks())
+def test_quick_run_on_cpu(tmp_path, capsys):
+    doc, out = _run_quick(tmp_path, capsys)
     meta = doc["meta"]
     assert meta["performance_data"] is False and "NOT PERFORMANCE DATA" in doc["note"]
     assert "NOT PERFORMANCE DATA" in out
@@ -111,11 +96,9 @@ def test_quick_run_on_cpu(tmp_path, capsys, monkeypatch):
     assert "megatron-local" in skipped and "torch-varlen" in skipped
 
     masks = {(r["op"], r["provider"]): r for r in rows if r["kind"] == "masks"}
-    for op in ("padding_mask", "cu_seqlens", "position_ids", "unpad", "dense_4d_causal"):
+    for op in ("padding_mask", "cu_seqlens", "position_ids", "unpad", "pad", "dense_4d_causal"):
         assert masks[(op, "loop")]["status"] == "ok"
         assert masks[(op, "coreattn")]["status"] == "ok" and masks[(op, "coreattn")]["speedup_over_loop"] > 0
-        assert masks[(op, "coreattn-triton")]["status"] == "skipped"
-    assert masks[("pad", "coreattn")]["status"] == "skipped"
     assert masks[("dense_4d_causal", "torch-dense")]["dense_bytes"] == 8 * 2048 * 2048
 
     pngs = {p.name for p in tmp_path.glob("*.png")}
