@@ -154,3 +154,33 @@ def test_bad_keep_masks_raise(bad, exc, match):
     q, k, v = _padded_inputs("bshd", "cpu")
     with pytest.raises(exc, match=match):
         coreattn.padded_attn(q, k, v, backend="torch", **bad)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_spans_on_packed_tensors(backend):
+    """Span descriptors on a thd tensor (stride_b = 0): each query chunk sees only the first
+    ``k_len`` keys of its sequence, bottom-right causal, as context-parallel chunks need."""
+    gen = torch.Generator().manual_seed(7)
+    t, dqk, dv = 40, 32, 16
+    q, k = (torch.randn(t, 2, dqk, generator=gen).to(KERNEL_DEVICE) for _ in range(2))
+    v = torch.randn(t, 2, dv, generator=gen).to(KERNEL_DEVICE)
+    i32 = dict(dtype=torch.int32, device=q.device)
+    q_start, q_len = torch.tensor([0, 10, 25], **i32), torch.tensor([10, 15, 0], **i32)
+    k_start, k_len = torch.tensor([0, 0, 25], **i32), torch.tensor([12, 25, 3], **i32)
+    from coreattn.layers.checks import VarlenParams
+    from coreattn.layers.dispatch import run_attention
+
+    params = VarlenParams(dqk ** -0.5, -1, 0, True)
+    out, lse = run_attention(q, k, v, Packing("thd", q_start, q_len), Packing("thd", k_start, k_len), 15, 25,
+                             params, True, backend)
+    assert out.shape == (t, 2, dv) and lse.shape == (2, t)
+    assert not out[35:].any() and torch.isneginf(lse[:, 35:]).all(), "rows outside every span stay empty"
+    for b in range(3):
+        qs, ql, ks, kl = (int(x[b]) for x in (q_start, q_len, k_start, k_len))
+        if ql == 0:
+            continue
+        cq = torch.tensor([0, ql], **i32)
+        ck = torch.tensor([0, kl], **i32)
+        ref = coreattn.varlen_attn(q[qs:qs + ql], k[ks:ks + kl], v[ks:ks + kl], cq, ck, ql, kl, causal=True,
+                                   backend="torch")
+        torch.testing.assert_close(out[qs:qs + ql], ref, rtol=0, atol=2e-6)

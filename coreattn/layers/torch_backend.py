@@ -47,7 +47,8 @@ def _scatter(vals: torch.Tensor, like: torch.Tensor, pack: Packing, keep: torch.
     """Inverse of _gather for [B, S, ...] values: packed rows, or a padded tensor laid out like ``like``."""
     if not pack.spans:
         return vals[keep]
-    out = torch.full(like.shape[:2] + vals.shape[2:], fill, dtype=vals.dtype, device=vals.device)
+    token_dims = 1 if pack.fmt == "thd" else 2
+    out = torch.full(like.shape[:token_dims] + vals.shape[2:], fill, dtype=vals.dtype, device=vals.device)
     idx = tuple(i[keep] for i in _token_index(like, pack, tok))
     return out.index_put(idx, vals[keep])
 
