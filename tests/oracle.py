@@ -31,6 +31,20 @@ def _mask(len_q, len_k, causal, window, bottom_right, device):
     return torch.tensor(rows, dtype=torch.bool, device=device).reshape(len_q, len_k)
 
 
+def _one_sequence(qs, ks, vs, m, scale, dtype, upcast):
+    """Attention of one sequence in the work dtype: qs [Lq, H, Dqk], ks/vs [Lk, H, D] (heads
+    already repeated), m [Lq, Lk] visibility. Returns out [Lq, H, Dv] and lse [H, Lq]."""
+    s = (torch.einsum("ihd,jhd->hij", qs, ks) * scale).masked_fill(~m, float("-inf"))  # [H, Lq, Lk]
+    row_max = s.amax(-1, keepdim=True) if ks.shape[0] > 0 else s.new_zeros(s.shape[:-1] + (1,))
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
+    e = torch.exp(s - row_max)
+    denom = e.sum(-1, keepdim=True)
+    p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
+    if not upcast:
+        p = p.to(dtype).to(s.dtype)
+    return torch.einsum("hij,jhd->ihd", p, vs), (row_max + torch.log(denom)).squeeze(-1)
+
+
 def attention_ref(q, k, v, cu_q, cu_k, *, causal=False, window=(-1, -1), bottom_right=True,
                   softmax_scale=None, upcast=True):
     """Returns out [Tq, Hq, Dv] and lse [Hq, Tq] (float64 when upcast, else out in q.dtype)."""
@@ -44,19 +58,10 @@ def attention_ref(q, k, v, cu_q, cu_k, *, causal=False, window=(-1, -1), bottom_
         qs = q[cu_q[b]:cu_q[b + 1]].to(work)
         ks = k[cu_k[b]:cu_k[b + 1]].to(work).repeat_interleave(group, dim=1)
         vs = v[cu_k[b]:cu_k[b + 1]].to(work).repeat_interleave(group, dim=1)
-        lq, lk = qs.shape[0], ks.shape[0]
-        s = torch.einsum("ihd,jhd->hij", qs, ks) * scale  # [H, Lq, Lk]
-        m = _mask(lq, lk, causal, window, bottom_right, q.device)
-        s = s.masked_fill(~m, float("-inf"))
-        row_max = s.amax(-1, keepdim=True) if lk > 0 else s.new_zeros(s.shape[:-1] + (1,))
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
-        e = torch.exp(s - row_max)
-        denom = e.sum(-1, keepdim=True)
-        p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
-        if not upcast:
-            p = p.to(dtype).to(work)
-        outs.append(torch.einsum("hij,jhd->ihd", p, vs))
-        lses.append((row_max + torch.log(denom)).squeeze(-1))
+        m = _mask(qs.shape[0], ks.shape[0], causal, window, bottom_right, q.device)
+        out, lse = _one_sequence(qs, ks, vs, m, scale, dtype, upcast)
+        outs.append(out)
+        lses.append(lse)
     out = torch.cat(outs) if outs else q.new_zeros((0, q.shape[1], v.shape[-1]), dtype=work)
     lse = torch.cat(lses, dim=1)
     if not upcast:
@@ -81,14 +86,6 @@ def padded_attention_ref(q, k, v, q_keep, k_keep, *, causal=False, window=(-1, -
         ks = k[b].to(work).repeat_interleave(group, dim=1)
         vs = v[b].to(work).repeat_interleave(group, dim=1)
         m = band & (q_keep[b] != 0)[:, None] & (k_keep[b] != 0)[None, :]
-        s = (torch.einsum("ihd,jhd->hij", qs, ks) * scale).masked_fill(~m, float("-inf"))
-        row_max = s.amax(-1, keepdim=True)
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
-        e = torch.exp(s - row_max)
-        denom = e.sum(-1, keepdim=True)
-        p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
-        if not upcast:
-            p = p.to(dtype).to(work)
-        outs.append(torch.einsum("hij,jhd->ihd", p, vs))
+        outs.append(_one_sequence(qs, ks, vs, m, scale, dtype, upcast)[0])
     out = torch.stack(outs)
     return out if upcast else out.to(dtype)

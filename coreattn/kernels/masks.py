@@ -86,40 +86,33 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return rows.view(torch.uint8) if rows.dtype == torch.bool else rows
 
 
-def gather_rows(src: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """out[i] = src[indices[i]] for src [N, ...] and int32/int64 indices [n] -> [n, ...].
-
-    Indices are assumed in [0, N) (checked by the caller)."""
-    n = indices.numel()
-    out = torch.empty((n,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
-    src_rows, out_rows = _as_rows(src), _as_rows(out)
-    row_len = src_rows.shape[1]
+def _copy_rows(src: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, gather: bool) -> torch.Tensor:
+    src_rows, out_rows = _as_rows(src), _as_rows(out)  # out is fresh and contiguous: a view
+    n, row_len = indices.numel(), src_rows.shape[1]
     if n == 0 or row_len == 0:
         return out
     programs, block_d, _ = _launch_sizes(src.device)
     _copy_rows_kernel[(min(n, programs),)](
         src_rows, out_rows, indices, n, row_len, src_rows.stride(0), out_rows.stride(0),
-        GATHER=True, BLOCK_D=min(block_d, triton.next_power_of_2(row_len)),
+        GATHER=gather, BLOCK_D=min(block_d, triton.next_power_of_2(row_len)),
     )
     return out
+
+
+def gather_rows(src: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """out[i] = src[indices[i]] for src [N, ...] and int32/int64 indices [n] -> [n, ...].
+
+    Indices are assumed in [0, N) (checked by the caller)."""
+    out = torch.empty((indices.numel(),) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
+    return _copy_rows(src, indices, out, gather=True)
 
 
 def scatter_rows(src: torch.Tensor, indices: torch.Tensor, n_out: int) -> torch.Tensor:
     """out[indices[i]] = src[i], zeros elsewhere: src [n, ...] -> [n_out, ...].
 
     Indices are assumed unique and in [0, n_out) (checked by the caller)."""
-    n = indices.numel()
     out = torch.zeros((n_out,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
-    src_rows, out_rows = _as_rows(src), _as_rows(out)
-    row_len = src_rows.shape[1]
-    if n == 0 or row_len == 0:
-        return out
-    programs, block_d, _ = _launch_sizes(src.device)
-    _copy_rows_kernel[(min(n, programs),)](
-        src_rows, out_rows, indices, n, row_len, src_rows.stride(0), out_rows.stride(0),
-        GATHER=False, BLOCK_D=min(block_d, triton.next_power_of_2(row_len)),
-    )
-    return out
+    return _copy_rows(src, indices, out, gather=False)
 
 
 def token_ids(cu_seqlens: torch.Tensor, total: int, pos_dtype: torch.dtype | None,
