@@ -50,6 +50,11 @@ BAD = [
     ("scale-nan", dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
     ("alignment", dict(causal_alignment="middle"), ValueError, "causal_alignment"),
     ("backend-unknown", dict(backend="cuda"), ValueError, "backend='cuda' is not a coreattn backend"),
+    ("seqused-dtype", dict(seqused_q=torch.tensor([4, 6])), TypeError, "seqused_q must be int32"),
+    ("seqused-count", dict(seqused_k=CU(4, 6, 0)), ValueError, "seqused_k has 3 entries"),
+    ("seqused-too-long", dict(seqused_q=CU(5, 6)), ValueError, "seqused_q\\[0\\] = 5 does not fit"),
+    ("seqused-negative", dict(seqused_k=CU(4, -1)), ValueError, "seqused_k\\[1\\] = -1"),
+    ("seqused-above-max", dict(seqused_q=CU(4, 6), max_seqlen_q=5), ValueError, "max_seqlen_q = 5 is smaller than the longest used"),
 ]
 
 

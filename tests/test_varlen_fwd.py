@@ -82,3 +82,24 @@ def test_flash_attn_varlen_func_matches_varlen_attn():
     out2 = coreattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
     assert torch.equal(out, out2)
     _check_forward(case, torch.float16, out, lse, q, k, v, cu_q, cu_k)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_seqused_matches_dense_packing(backend):
+    """seqused (flash-attn 3's name): slots laid out by cu_seqlens, only the first seqused[b]
+    tokens used; equals the same sequences packed densely, with zeros in the unused tails."""
+    lens, slots = (5, 0, 13, 1), (8, 2, 13, 6)
+    gen = torch.Generator().manual_seed(0)
+    total = sum(slots)
+    q, k, v = (torch.randn(total, h, d, generator=gen).to(KERNEL_DEVICE) for h, d in ((4, 40), (2, 40), (2, 24)))
+    cu_slots = torch.tensor([0, 8, 10, 23, 29], dtype=torch.int32, device=KERNEL_DEVICE)
+    used = torch.tensor(lens, dtype=torch.int32, device=KERNEL_DEVICE)
+    out = coreattn.varlen_attn(q, k, v, cu_slots, cu_slots, 13, 13, causal=True, seqused_q=used, seqused_k=used,
+                               backend=backend)
+    real = torch.cat([torch.arange(s, s + n) for s, n in zip((0, 8, 10, 23), lens)]).to(KERNEL_DEVICE)
+    cu = torch.tensor([0, 5, 5, 18, 19], dtype=torch.int32, device=KERNEL_DEVICE)
+    dense = coreattn.varlen_attn(q[real], k[real], v[real], cu, cu, 13, 13, causal=True, backend=backend)
+    torch.testing.assert_close(out[real], dense, rtol=0, atol=1e-6)
+    unused = torch.ones(total, dtype=torch.bool, device=KERNEL_DEVICE)
+    unused[real] = False
+    assert not out[unused].any()

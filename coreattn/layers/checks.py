@@ -58,8 +58,9 @@ def check_cu_seqlens(name: str, cu, device: torch.device) -> None:
         raise ValueError(f"{name} is on {cu.device} but q is on {device}")
 
 
-def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, max_name: str, max_seqlen: int) -> None:
-    """Checks that read cu_seqlens' values: free on CPU, a host sync elsewhere."""
+def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, max_name: str, max_seqlen: int | None) -> None:
+    """Checks that read cu_seqlens' values: free on CPU, a host sync elsewhere. ``max_seqlen``
+    None skips the longest-sequence check (with seqused the used counts are checked instead)."""
     vals = cu.tolist()
     if vals[0] != 0:
         raise ValueError(f"{name} must start at 0, got {vals[0]}")
@@ -68,7 +69,7 @@ def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, max_name: s
         raise ValueError(f"{name} must be non-decreasing, got {vals}")
     if vals[-1] != total:
         raise ValueError(f"{name}[-1] = {vals[-1]} must equal the token count {total}")
-    if max(lens) > max_seqlen:
+    if max_seqlen is not None and max(lens) > max_seqlen:
         raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest sequence ({max(lens)})")
 
 
@@ -133,8 +134,10 @@ def check_options(head_dim_qk: int, dropout_p, softmax_scale, causal, window_siz
 
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                        softmax_scale, causal, window_size, causal_alignment) -> tuple[VarlenParams, int, int]:
-    """Validate the packed (thd) attention arguments; returns the params and max_seqlen_q/k."""
+                        softmax_scale, causal, window_size, causal_alignment,
+                        seqused: bool = False) -> tuple[VarlenParams, int, int]:
+    """Validate the packed (thd) attention arguments; returns the params and max_seqlen_q/k.
+    With ``seqused`` max_seqlen bounds the used counts (check_seqused), not the cu_seqlens slots."""
     check_qkv(q, k, v, "thd")
     params = check_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, causal_alignment)
     check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
@@ -145,8 +148,8 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
     if cu_seqlens_q.device.type == "cpu" or validation_enabled():
-        check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
-        check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
+        check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", None if seqused else max_seqlen_q)
+        check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", None if seqused else max_seqlen_k)
     return params, max_seqlen_q, max_seqlen_k
 
 
@@ -174,6 +177,28 @@ def check_spans(start_name: str, start, len_name: str, length, batch: int, seqle
             raise ValueError(f"span {i} ({start_name}={int(start[i])}, {len_name}={int(length[i])}) "
                              f"does not fit in the padded length {seqlen}")
     return start, length
+
+
+def check_seqused(name: str, used, cu: torch.Tensor, max_name: str, max_seqlen: int) -> torch.Tensor:
+    """Per-sequence used-token counts inside cu_seqlens slots (None: the whole slot)."""
+    if used is None:
+        used = (cu[1:] - cu[:-1]).to(torch.int32)
+    _check_tensor(name, used, 1)
+    if used.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {used.dtype}")
+    if used.numel() != cu.numel() - 1:
+        raise ValueError(f"{name} has {used.numel()} entries but cu_seqlens describes {cu.numel() - 1} sequences")
+    if used.device != cu.device:
+        raise ValueError(f"{name} is on {used.device} but cu_seqlens is on {cu.device}")
+    if cu.device.type == "cpu" or validation_enabled():
+        if used.numel() and int(used.max()) > max_seqlen:
+            raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest used sequence ({int(used.max())})")
+        bad = (used < 0) | (used > cu[1:] - cu[:-1])
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"{name}[{i}] = {int(used[i])} does not fit in sequence {i}'s slot of "
+                             f"{int(cu[i + 1] - cu[i])} tokens")
+    return used
 
 
 def check_keep_mask(name: str, mask, batch: int, seqlen: int, device: torch.device) -> torch.Tensor | None:

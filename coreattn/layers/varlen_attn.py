@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from coreattn.adapters.backends import Backend
-from coreattn.kernels.packing import packed
-from coreattn.layers.checks import check_varlen_inputs
+from coreattn.kernels.packing import Packing, packed
+from coreattn.layers.checks import check_seqused, check_varlen_inputs
 from coreattn.layers.dispatch import run_attention
 
 
@@ -16,6 +16,7 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
                 window_size: tuple[int, int] = (-1, -1), return_lse: bool = False, *,
                 causal_alignment: str = "bottom_right", deterministic: bool = True,
+                seqused_q: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None,
                 backend: str | Backend | None = None):
     """Flash attention over packed variable-length sequences; V's head dim may differ from Q/K's.
 
@@ -39,6 +40,11 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             differentiable; backpropagating through ``out`` alone is supported.
         deterministic: the backward is always deterministic (no atomics); accepted so callers can
             state it.
+        seqused_q, seqused_k: optional int32 ``[B]`` (flash-attn 3's names): only the first
+            ``seqused[b]`` tokens of sequence b's slot ``[cu[b], cu[b+1])`` take part, e.g.
+            Megatron's ``cu_seqlens_*_padded`` layout with the real lengths. Unused query rows
+            get zeros (lse -inf) and no gradient; unused keys are seen by no query. Causal
+            alignment and windows count within the used tokens.
         backend: ``"triton"`` or ``"torch"`` to override the per-device choice (see
             ``coreattn.adapters.backends``); raises if it cannot run.
 
@@ -53,9 +59,14 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     params, max_seqlen_q, max_seqlen_k = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-        causal, window_size, causal_alignment)
-    out, lse = run_attention(q, k, v, packed(cu_seqlens_q), packed(cu_seqlens_k), max_seqlen_q, max_seqlen_k,
-                             params, deterministic, backend)
+        causal, window_size, causal_alignment, seqused=seqused_q is not None or seqused_k is not None)
+    q_pack, k_pack = packed(cu_seqlens_q), packed(cu_seqlens_k)
+    if seqused_q is not None or seqused_k is not None:
+        q_pack = Packing("thd", cu_seqlens_q[:-1], check_seqused("seqused_q", seqused_q, cu_seqlens_q,
+                                                                     "max_seqlen_q", max_seqlen_q))
+        k_pack = Packing("thd", cu_seqlens_k[:-1], check_seqused("seqused_k", seqused_k, cu_seqlens_k,
+                                                                     "max_seqlen_k", max_seqlen_k))
+    out, lse = run_attention(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params, deterministic, backend)
     return (out, lse) if return_lse else out
 
 

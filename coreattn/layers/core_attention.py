@@ -1,0 +1,213 @@
+"""CoreAttention: a Megatron-Core ``core_attention`` module on coreattn's kernels.
+
+Drop it into a layer spec (``coreattn.adapters.megatron.use_coreattn`` does it for a whole
+spec). It takes what Megatron passes a core attention (megatron-core 0.13 to current, including
+MLA's ``k_channels``/``v_channels``), runs sbhd/bshd batches in place and packed thd batches
+(with ``cu_seqlens_*_padded`` gaps) on the backend selected per device, and V's head dim may
+differ from Q/K's, so MLA needs no zero-padded V.
+
+Masks follow Megatron / Transformer Engine: boolean, True = masked out. ``causal`` is top-left
+aligned, ``causal_bottom_right`` bottom-right; ``padding``/``padding_causal`` read a
+``[b, 1, 1, s]`` mask as per-token keep masks in the kernels (no S×S tensor); a dense
+``[b, 1, sq, sk]`` mask (``arbitrary``, or a dense padding mask) runs a correct O(S²) torch path.
+The mask is ignored for ``causal``/``no_mask``/``causal_bottom_right`` and on thd batches (cu_seqlens
+carry the padding there), as Transformer Engine does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from coreattn.adapters.backends import ENV_BACKEND, Backend, parse_backend, select_backend
+from coreattn.layers.dense_mask_attn import dense_mask_attn
+from coreattn.layers.padded_attn import padded_attn
+from coreattn.layers.varlen_attn import varlen_attn
+
+CONFIG_BACKEND_ATTR = "coreattn_backend"
+
+_CAUSAL_ALIGNMENT = {
+    AttnMaskType.causal: "top_left",
+    AttnMaskType.padding_causal: "top_left",
+    AttnMaskType.causal_bottom_right: "bottom_right",
+}
+_PADDING = (AttnMaskType.padding, AttnMaskType.padding_causal)
+
+
+def _tp_size(pg_collection, model_comm_pgs) -> int:
+    """Tensor-parallel world size from the process groups Megatron passed (1 when unknown)."""
+    pgs = pg_collection if pg_collection is not None else model_comm_pgs
+    tp = getattr(pgs, "tp", None)
+    if tp is not None:
+        return tp.size()
+    try:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_world_size()
+    except (AssertionError, AttributeError, RuntimeError):
+        return 1
+
+
+def _layer_window(config, layer_number: int) -> tuple[int, int]:
+    """config.window_size for layers that use a sliding window (Megatron's window_attn_skip_freq rule)."""
+    window = getattr(config, "window_size", None)
+    if not window:
+        return (-1, -1)
+    skip = getattr(config, "window_attn_skip_freq", None)
+    if isinstance(skip, int) and layer_number % skip == 0:
+        return (-1, -1)
+    if isinstance(skip, (list, tuple)) and not skip[layer_number - 1]:
+        return (-1, -1)
+    return tuple(window)
+
+
+def _masked_bool(mask: torch.Tensor) -> torch.Tensor:
+    """Megatron mask (True / nonzero = masked out) as bool."""
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise TypeError(f"attention_mask must be bool or integer (True = masked out), got {mask.dtype}; "
+                        "additive float masks are not supported")
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+class CoreAttention(MegatronModule):
+    """Megatron-Core core attention on coreattn (see the module docstring).
+
+    Args beyond Megatron's: ``backend`` (``"triton"``/``"torch"``/``Backend``) overrides the
+    per-device choice; so does ``config.coreattn_backend`` and the ``COREATTN_BACKEND``
+    environment variable, in that order of precedence. An override that cannot run raises.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 k_channels: int | None = None, v_channels: int | None = None, num_splits: int | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None, model_comm_pgs=None,
+                 backend: str | Backend | None = None):
+        super().__init__(config=config)
+        self.config = config
+        if getattr(config, "context_parallel_size", 1) > 1:
+            raise NotImplementedError(
+                f"CoreAttention does not support context parallelism yet (context_parallel_size="
+                f"{config.context_parallel_size}); set context_parallel_size=1")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise NotImplementedError(f"softmax_type={config.softmax_type!r} is not supported by CoreAttention; "
+                                      "use 'vanilla'")
+        if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
+            raise NotImplementedError("qk_clip / log_max_attention_logit need the max attention logit, which "
+                                      "CoreAttention does not compute; turn them off")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.attention_dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.num_splits = num_splits  # accepted for Transformer Engine signature parity; unused
+        self.cp_comm_type = cp_comm_type
+
+        self.hidden_size_per_attention_head_k = k_channels if k_channels is not None else config.kv_channels
+        self.hidden_size_per_attention_head_v = v_channels if v_channels is not None else config.kv_channels
+        self.hidden_size_per_attention_head = self.hidden_size_per_attention_head_k
+        tp = _tp_size(pg_collection, model_comm_pgs)
+        self.num_attention_heads_per_partition = config.num_attention_heads // tp
+        self.num_query_groups_per_partition = max(1, (config.num_query_groups or config.num_attention_heads) // tp)
+        self.hidden_size_per_partition = self.num_attention_heads_per_partition * self.hidden_size_per_attention_head_v
+        # Megatron divides by layer_number under apply_query_key_layer_scaling and multiplies it
+        # back inside its fp32 softmax: the net scale is unchanged, so it is not applied here.
+        self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head_k)
+                              if softmax_scale is None else softmax_scale)
+        self.window_size = _layer_window(config, self.layer_number)
+        self.current_max_attn_logits = None  # read by Megatron's qk-clip code paths
+
+        override = backend if backend is not None else getattr(config, CONFIG_BACKEND_ATTR, None)
+        source = "backend" if backend is not None else f"config.{CONFIG_BACKEND_ATTR}"
+        self.backend = None if override is None else parse_backend(override, source)
+
+    def _backend_for(self, device: torch.device) -> Backend:
+        return select_backend(device, self.backend)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask=None,
+                attn_mask_type: AttnMaskType | None = None, attention_bias=None, packed_seq_params=None,
+                **kwargs) -> torch.Tensor:
+        """sbhd: q ``[sq, b, np, dk]`` -> ``[sq, b, np*dv]``; bshd likewise; thd: q ``[t, np, dk]`` -> ``[t, np*dv]``."""
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported by CoreAttention")
+        if self.training and self.attention_dropout > 0.0:
+            raise NotImplementedError(
+                f"attention dropout ({self.attention_dropout}) is not supported by CoreAttention; set "
+                "TransformerConfig.attention_dropout=0.0 (Megatron's default is 0.1)")
+        if packed_seq_params is not None and getattr(packed_seq_params, "cp_group", None) is not None \
+                and packed_seq_params.cp_group.size() > 1:
+            raise NotImplementedError("CoreAttention does not support context parallelism yet "
+                                      "(packed_seq_params.cp_group has more than one rank)")
+        backend = self._backend_for(query.device)
+        causal = mask_type in _CAUSAL_ALIGNMENT
+        alignment = _CAUSAL_ALIGNMENT.get(mask_type, "bottom_right")
+        fmt = getattr(packed_seq_params, "qkv_format", None) or "sbhd"
+        opts = dict(softmax_scale=self.softmax_scale, causal=causal, window_size=self.window_size,
+                    causal_alignment=alignment, backend=backend)
+        if fmt == "thd":
+            return self._forward_thd(query, key, value, attention_mask, mask_type, packed_seq_params, opts)
+        if fmt not in ("sbhd", "bshd"):
+            raise ValueError(f"packed_seq_params.qkv_format={fmt!r} is not supported (use 'sbhd', 'bshd' or 'thd')")
+        out = self._forward_padded(query, key, value, attention_mask, mask_type, fmt, opts)
+        return out.reshape(*out.shape[:2], -1)
+
+    def _forward_padded(self, q, k, v, attention_mask, mask_type, layout, opts) -> torch.Tensor:
+        if attention_mask is None or mask_type not in _PADDING + (AttnMaskType.arbitrary,):
+            return padded_attn(q, k, v, layout=layout, **opts)
+        masked = _masked_bool(attention_mask)
+        if masked.dim() != 4:
+            raise ValueError(f"attention_mask must be [b, 1, sq, sk] or [b, 1, 1, sk], got {tuple(masked.shape)}")
+        if masked.shape[-2] == 1 and masked.shape[1] == 1:
+            # [b, 1, 1, sk] padding mask: keep masks read in the kernels, no S×S tensor.
+            k_keep = ~masked[:, 0, 0, :]
+            self_attn = q.shape[:2] == k.shape[:2]
+            q_keep = k_keep if mask_type in _PADDING and self_attn else None
+            return padded_attn(q, k, v, layout=layout, q_keep_mask=q_keep, k_keep_mask=k_keep, **opts)
+        return self._forward_dense(q, k, v, masked, layout, opts)
+
+    def _forward_dense(self, q, k, v, masked, layout, opts) -> torch.Tensor:
+        """Dense [b, 1|h, sq, sk] masks: the O(S²) torch path, with causal/window masks folded in."""
+        sq, sk = (q.shape[0], k.shape[0]) if layout == "sbhd" else (q.shape[1], k.shape[1])
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        shift = sk - sq if opts["causal_alignment"] == "bottom_right" else 0
+        left, right = opts["window_size"]
+        if opts["causal"]:
+            right = 0
+        if left >= 0:
+            masked = masked | (j < i + shift - left)
+        if right >= 0:
+            masked = masked | (j > i + shift + right)
+        return dense_mask_attn(q, k, v, masked, layout, self.softmax_scale)
+
+    def _forward_thd(self, q, k, v, attention_mask, mask_type, params, opts) -> torch.Tensor:
+        if mask_type == AttnMaskType.arbitrary and attention_mask is not None:
+            raise NotImplementedError("an arbitrary attention_mask is not supported with packed (thd) sequences")
+        cu_q, cu_k = params.cu_seqlens_q, params.cu_seqlens_kv
+        cu_q_pad = getattr(params, "cu_seqlens_q_padded", None)
+        cu_k_pad = getattr(params, "cu_seqlens_kv_padded", None)
+        used_q = used_k = None
+        if cu_q_pad is not None or cu_k_pad is not None:
+            # t is the padded total: cu_seqlens_*_padded lay the slots out, cu_seqlens_* count real tokens.
+            used_q, used_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+            cu_q = cu_q if cu_q_pad is None else cu_q_pad
+            cu_k = cu_k if cu_k_pad is None else cu_k_pad
+        max_q = _max_seqlen(getattr(params, "max_seqlen_q", None), cu_q)
+        max_k = _max_seqlen(getattr(params, "max_seqlen_kv", None), cu_k)
+        out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q=used_q, seqused_k=used_k, **opts)
+        return out.reshape(out.shape[0], -1)
+
+
+def _max_seqlen(value, cu: torch.Tensor) -> int:
+    """PackedSeqParams.max_seqlen_* as an int (a tensor in megatron-core < 0.14; None: computed
+    from cu_seqlens, a host sync). It only sizes the kernel grid."""
+    if value is None:
+        return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    if isinstance(value, torch.Tensor):
+        return int(value)
+    return int(value)
+
+
+__all__ = ["CoreAttention", "CONFIG_BACKEND_ATTR", "ENV_BACKEND"]
