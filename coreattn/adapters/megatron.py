@@ -54,6 +54,12 @@ def _swap(node, entry, seen: dict):
     return node
 
 
+def replace_core_attention(spec, core_attention):
+    """Return a copy of ``spec`` with every ``core_attention`` field set to ``core_attention``
+    (a module class or ModuleSpec); the input spec is not modified."""
+    return _swap(copy.deepcopy(spec), core_attention, {})
+
+
 def use_coreattn(spec, backend: str | Backend | None = None):
     """Return a copy of ``spec`` whose every core attention is :class:`CoreAttention`.
 
@@ -62,8 +68,7 @@ def use_coreattn(spec, backend: str | Backend | None = None):
     spec is not modified. ``backend`` pins the backend for these layers (else per device, see
     ``coreattn.adapters.backends``).
     """
-    entry = _core_attention_entry(None if backend is None else parse_backend(backend))
-    return _swap(copy.deepcopy(spec), entry, {})
+    return replace_core_attention(spec, _core_attention_entry(None if backend is None else parse_backend(backend)))
 
 
 def patch_mla_native_value_dim() -> bool:
@@ -100,4 +105,4 @@ def patch_mla_native_value_dim() -> bool:
     return True
 
 
-__all__ = ["CoreAttention", "use_coreattn", "patch_mla_native_value_dim"]
+__all__ = ["CoreAttention", "use_coreattn", "replace_core_attention", "patch_mla_native_value_dim"]
