@@ -57,6 +57,11 @@ def format_table(rows: list[dict], meta: dict, primary: str = "coreattn") -> str
             lines.append([r["config"], r["op"], r["provider"], _fmt(r.get("ms"), ".3f"),
                           _fmt(r.get("speedup_over_loop"), ".2f"), _fmt(r.get("output_bytes"), ",d"), status])
         parts.append(_table(["masks", "op", "provider", "ms", "vs loop x", "out bytes", "note"], lines))
+    cp = _cp_lines(rows)
+    if cp:
+        parts.append("context parallelism, per layer per rank (bytes COMPUTED from shapes, not measured):\n" +
+                     _table(["config", "cp", "dtype", "all-gather MiB", "reduce-scatter MiB", "all_reduce fallback MiB",
+                             "K/V held MiB", "own K/V MiB", "rank fwd+bwd ms", "TFLOP/s"], cp))
     skipped = Counter((r["kind"], r["provider"], r["reason"]) for r in rows if r["status"] == "skipped")
     if skipped:
         parts.append("skipped:\n" + "\n".join(f"  {kind} {provider}: {reason} ({n} case{'s' if n > 1 else ''})"
@@ -64,6 +69,26 @@ def format_table(rows: list[dict], meta: dict, primary: str = "coreattn") -> str
     if not meta["performance_data"]:
         parts.append(NOT_PERF)
     return "\n\n".join(parts)
+
+
+def _mib(value) -> str:
+    return _fmt(value / 2**20 if isinstance(value, (int, float)) else None, ".1f")
+
+
+def _cp_lines(rows: list[dict]) -> list[list[str]]:
+    """One line per (config, cp, dtype): the computed volumes and, where timed, the rank's compute."""
+    timed = {(r["config"], r["cp_size"], r["dtype"]): r for r in rows
+             if r["kind"] == "cp" and r.get("op") == "rank_fwdbwd" and r["status"] == "ok"}
+    lines = []
+    for r in rows:
+        if r["kind"] != "cp" or r.get("op") != "comm":
+            continue
+        t = timed.get((r["config"], r["cp_size"], r["dtype"]), {})
+        lines.append([r["config"], str(r["cp_size"]), r["dtype"], _mib(r["allgather_kv_bytes"]),
+                      _mib(r["reducescatter_dkv_bytes"]), _mib(r["allreduce_fallback_dkv_bytes"]),
+                      _mib(r["kv_held_bytes"]), _mib(r["kv_local_bytes"]), _fmt(t.get("ms"), ".3f"),
+                      _fmt(t.get("tflops"), ".4g")])
+    return lines
 
 
 def write_json(path: Path, meta: dict, args: dict, rows: list[dict]) -> None:

@@ -117,3 +117,18 @@ def megatron_mask(keep: torch.Tensor, causal: bool) -> torch.Tensor:
                 if keep[b, i] != 0 and keep[b, j] != 0 and (not causal or j <= i):
                     out[b, 0, i, j] = False
     return out
+
+
+def cp_partition(padded_lens: list[int], cp: int, rank: int) -> torch.Tensor:
+    """Global positions rank `rank` holds, sequence after sequence: chunk rank, then chunk 2*cp-1-rank
+    of each sequence cut into 2*cp equal chunks (Megatron/TE's zig-zag context-parallel split)."""
+    out, start = [], 0
+    for n in padded_lens:
+        if cp == 1:
+            out += list(range(start, start + n))
+        else:
+            c = n // (2 * cp)
+            for chunk in (rank, 2 * cp - 1 - rank):
+                out += [start + chunk * c + i for i in range(c)]
+        start += n
+    return torch.tensor(out, dtype=torch.int64)

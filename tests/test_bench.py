@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from bench import cli
+from bench import context_parallel as cp_bench
 from bench.flops import attention_flops, batch_pairs, visible_pairs
 from bench.seqlens import DISTRIBUTIONS, draw_seqlens
+from coreattn import masks
 from coreattn.layers.checks import VarlenParams
 from coreattn.layers.torch_backend import visible_mask
 
@@ -101,6 +103,12 @@ def test_quick_run_on_cpu(tmp_path, capsys):
         assert masks[(op, "coreattn")]["status"] == "ok" and masks[(op, "coreattn")]["speedup_over_loop"] > 0
     assert masks[("dense_4d_causal", "torch-dense")]["dense_bytes"] == 8 * 2048 * 2048
 
+    cp = [r for r in rows if r["kind"] == "cp"]
+    comm = {r["cp_size"]: r for r in cp if r["op"] == "comm"}
+    assert set(comm) == {1, 2, 4} and all(r["status"] == "ok" and "not measured" in r["method"] for r in comm.values())
+    assert all(r["status"] == "skipped" for r in cp if r["op"] != "comm")  # CPU: nothing timed
+    assert "context parallelism, per layer per rank (bytes COMPUTED" in out
+
     pngs = {p.name for p in tmp_path.glob("*.png")}
     assert {"attention_tflops_bfloat16_fwd.png", "attention_speedup_bfloat16_fwdbwd.png", "masks_ms.png"} <= pngs
     assert all((tmp_path / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
@@ -118,3 +126,40 @@ def test_list_and_filters(capsys):
     out = capsys.readouterr().out
     assert "hdim192x128-mha-causal-uniform-256" in out and "hdim64x64" not in out
     assert "provider flex" in out and "provider sdpa-padded" not in out
+
+
+def test_cp_comm_volume_closed_form():
+    cfg = cp_bench.CPConfig()  # 64k tokens, Hkv 8, Dqk 192, Dv 128
+    per_token = 8 * (192 + 128) * 2  # bf16
+    for cp in (1, 2, 4):
+        vol = cp_bench.comm_volume(cfg, cp, 2)
+        ring = (cp - 1) * (65536 // cp) * per_token
+        assert vol["allgather_kv_bytes"] == vol["reducescatter_dkv_bytes"] == ring
+        assert vol["allreduce_fallback_dkv_bytes"] == 2 * ring
+        assert vol["kv_held_bytes"] == 65536 * per_token
+    assert cp_bench.comm_volume(cfg, 2, 2)["allgather_kv_bytes"] == 160 * 2**20
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_cp_rank_pairs_are_balanced_and_cover_the_sequence(causal):
+    cfg = cp_bench.CPConfig(total_tokens=96, causal=causal)
+    full = visible_pairs(96, 96, causal)
+    assert cp_bench.rank_pairs(cfg, 1) == full
+    for cp in (2, 4):
+        per_rank = [cp_bench.rank_pairs(cfg, cp, r) for r in range(cp)]
+        assert sum(per_rank) == full and len(set(per_rank)) == 1
+
+
+def test_cp_rank_compute_is_rank0_of_full_attention():
+    """The timed closure computes rank 0's rows of global causal attention (torch backend on CPU)."""
+    cfg = cp_bench.CPConfig(total_tokens=32, heads_q=4, heads_kv=2, head_dim_qk=16, head_dim_v=8)
+    fn, (q, k, v) = cp_bench.rank_compute(cfg, 2, torch.float64, torch.device("cpu"), backend="torch")
+    out = fn()
+    pos = masks.cp_partition_indices(torch.tensor([0, 32], dtype=torch.int32), 2, 0)  # rank 0's global positions
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    s = torch.einsum("ihd,jhd->hij", q, kk) / 16 ** 0.5
+    s = s.masked_fill(torch.arange(32)[None, None, :] > pos[None, :, None], float("-inf"))
+    ref = torch.einsum("hij,jhd->ihd", s.softmax(-1), vv)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    out.sum().backward()
+    assert q.grad is not None and k.grad is not None and v.grad is not None

@@ -256,6 +256,40 @@ def test_align_seqlens(tp, cp):
     assert torch.equal(got.cu_seqlens_padded, naive.cu_seqlens(ref_padded.tolist()))
 
 
+# ---- context-parallel partition
+
+
+CP_LENS = [8, 0, 24, 16, 0, 8]  # multiples of 2*cp for cp in 1, 2, 4, with empty sequences
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_cp_partition_indices(cp):
+    cu = naive.cu_seqlens(CP_LENS)
+    held = []
+    for rank in range(cp):
+        got = masks.cp_partition_indices(cu, cp, rank)
+        assert got.dtype == torch.int64 and torch.equal(got, naive.cp_partition(CP_LENS, cp, rank))
+        assert torch.equal(masks.cp_partition_indices(cu, cp, rank, total=sum(CP_LENS)), got)
+        held.append(got)
+    assert torch.equal(torch.cat(held).sort().values, torch.arange(sum(CP_LENS)))
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_cp_partition_indices_sbhd_and_shard_roundtrip(cp):
+    seqlen = 8 * cp
+    idx = [masks.cp_partition_indices_sbhd(seqlen, cp, r) for r in range(cp)]
+    for rank in range(cp):
+        assert torch.equal(idx[rank], naive.cp_partition([seqlen], cp, rank))
+    x = torch.randn(seqlen, 3, 2, 5, requires_grad=True)  # sbhd
+    shards = [masks.cp_shard(x, i) for i in idx]
+    back = masks.cp_unshard(shards, idx)
+    assert torch.equal(back, x)
+    back.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+    xb = x.detach().transpose(0, 1)  # bshd: the sequence is dim 1
+    assert torch.equal(masks.cp_unshard([masks.cp_shard(xb, i, dim=1) for i in idx], idx, dim=1, size=seqlen), xb)
+
+
 # ---- 4D masks
 
 
@@ -360,6 +394,13 @@ BAD = [
     ("align-tp", lambda: masks.align_seqlens(B3, 0, 1), ValueError, "tp_size"),
     ("align-cp", lambda: masks.align_seqlens(B3, 2, 0), ValueError, "cp_size"),
     ("align-negative", lambda: masks.align_seqlens(torch.tensor([-2]), 2, 1), ValueError, "seqlens"),
+    ("cp-not-multiple", lambda: masks.cp_partition_indices(torch.tensor([0, 4, 10]), 2, 0), ValueError,
+     "sequence 1 has length 6, not a multiple of 2 \\* cp_size = 4"),
+    ("cp-rank", lambda: masks.cp_partition_indices(torch.tensor([0, 4]), 2, 2), ValueError, "cp_rank"),
+    ("cp-size", lambda: masks.cp_partition_indices(torch.tensor([0, 4]), 0, 0), ValueError, "cp_size"),
+    ("cp-total", lambda: masks.cp_partition_indices(torch.tensor([0, 4]), 2, 0, total=8), ValueError, "total"),
+    ("cp-sbhd-seqlen", lambda: masks.cp_partition_indices_sbhd(6, 2, 0), ValueError, "multiple of 2 \\* cp_size"),
+    ("cp-unshard-count", lambda: masks.cp_unshard([torch.zeros(2)], [torch.arange(3)]), ValueError, "indices"),
     ("4d-convention", lambda: masks.keep_mask_from_4d(KEEP, "keep_mask"), ValueError, "convention"),
     ("4d-convention-missing", lambda: masks.keep_mask_from_4d(KEEP), TypeError, "convention"),
     ("4d-3d", lambda: masks.keep_mask_from_4d(KEEP[:, None], "keep"), ValueError, "mask"),
@@ -396,6 +437,7 @@ def test_builders_do_not_sync_on_cuda(monkeypatch):
     seqlens = torch.tensor(lens, device=dev)
     total, max_seqlen = sum(lens), max(lens)
     x = make_x(3, 5, 16, (4, 8)).to(dev).requires_grad_()
+    cp_total = int(naive.align(lens, 2, 2)[0].sum())
     ref_keep = naive.padding_mask(lens, 16)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -412,6 +454,7 @@ def test_builders_do_not_sync_on_cuda(monkeypatch):
         pos = masks.position_ids_from_cu_seqlens(cu, total)
         seq = masks.sequence_ids_from_cu_seqlens(cu, total)
         aligned = masks.align_seqlens(seqlens, 2, 2)
+        cp_idx = masks.cp_partition_indices(aligned.cu_seqlens_padded, 2, 1, total=cp_total)
         meg = masks.megatron_mask_from_keep_mask(keep, causal=True)
         back = masks.keep_mask_from_4d(meg.int(), "megatron")
         npu = masks.npu_compressed_causal_mask(dev)
@@ -429,6 +472,7 @@ def test_builders_do_not_sync_on_cuda(monkeypatch):
     ref_pos, ref_seq = naive.token_ids(ref_cu.tolist(), total)
     assert torch.equal(pos.cpu(), ref_pos) and torch.equal(seq.cpu(), ref_seq)
     assert torch.equal(aligned.seqlens_padded.cpu(), naive.align(lens, 2, 2)[0])
+    assert torch.equal(cp_idx.cpu(), naive.cp_partition(naive.align(lens, 2, 2)[0].tolist(), 2, 1))
     assert npu.device.type == "cuda" and npu.shape == (2048, 2048)
 
 

@@ -1,9 +1,10 @@
 """Autograd Functions, the public functional API, the torch reference backend and the Megatron module."""
 
+from coreattn.layers.context_parallel import cp_attn
 from coreattn.layers.padded_attn import padded_attn
 from coreattn.layers.varlen_attn import flash_attn_varlen_func, varlen_attn
 
-__all__ = ["varlen_attn", "flash_attn_varlen_func", "padded_attn", "CoreAttention"]
+__all__ = ["varlen_attn", "flash_attn_varlen_func", "padded_attn", "cp_attn", "CoreAttention"]
 
 
 def __getattr__(name):

@@ -1,0 +1,359 @@
+"""Context parallelism for self-attention over Megatron's cp_group: all-gather K/V, two span calls.
+
+Layout (Megatron-Core ``get_batch_on_this_cp_rank`` / TE ``thd_get_partitioned_indices``): each
+sequence, padded to L_b (a multiple of 2*cp), is cut into 2*cp chunks of c_b = L_b / (2*cp)
+tokens; rank r holds chunks r and 2*cp-1-r. cu_seqlens stay global.
+
+Algorithm: K and V are all-gathered once (one autograd Function; its backward reduce-scatters
+dK/dV) and reordered to global token order. Each local chunk j of sequence b then attends, in
+span mode, to the global key prefix it may see: with bottom-right alignment, query i of the chunk
+sees keys <= j*c_b + i, exactly global causal. The two local chunk sets run as two calls, so the
+key spans of one call never overlap (the dK/dV kernel writes each sequence's key range once).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from coreattn.adapters.backends import Backend
+from coreattn.kernels.packing import Packing
+from coreattn.layers.checks import (VarlenParams, check_cu_seqlens, check_max_seqlen, check_options, check_qkv,
+                                    validation_enabled)
+from coreattn.layers.dispatch import run_attention
+from coreattn.layers.masks import _zigzag_positions
+
+LAYOUTS = ("thd", "sbhd")
+
+# Process-group backends whose reduce_scatter_tensor raised "unsupported" once (gloo before it
+# gained one); dK/dV then go through all_reduce + slice, twice the traffic of a reduce-scatter.
+_NO_REDUCE_SCATTER: set[str] = set()
+
+
+class _Call(NamedTuple):
+    """One attention call: the local chunk set with global chunk index j (per sequence)."""
+
+    q_pack: Packing
+    k_pack: Packing
+    max_q: int
+    max_k: int
+
+
+class CPPlan(NamedTuple):
+    """Everything a rank needs besides q/k/v: span descriptors and the K/V reorder indices."""
+
+    cp_size: int
+    cp_rank: int
+    calls: tuple[_Call, ...]
+    gather_order: torch.Tensor | None  # [T] int64: row of the rank-major gather buffer for each global token
+    scatter_order: torch.Tensor | None  # [T] int64: global token of each row of the rank-major buffer
+
+
+def _group_size_rank(cp_group) -> tuple[int, int]:
+    if cp_group is None:
+        return 1, 0
+    if not isinstance(cp_group, dist.ProcessGroup):
+        raise TypeError(f"cp_group must be a torch.distributed.ProcessGroup or None, got {type(cp_group).__name__}")
+    return dist.get_world_size(cp_group), dist.get_rank(cp_group)
+
+
+def _window_is_causal(params: VarlenParams, window_size) -> bool:
+    """True: causal (optionally a left window); False: full attention. Other windows raise."""
+    if params.window_right == 0:
+        return True
+    if params.window_left == -1 and params.window_right == -1:
+        return False
+    raise NotImplementedError(
+        f"window_size={tuple(window_size)!r} is not supported under context parallelism: only no window "
+        "(-1, -1) or causal sliding windows (left >= 0 with causal=True, or right = 0) map onto the chunk layout")
+
+
+def _lens(cu: torch.Tensor) -> torch.Tensor:
+    return cu[1:] - cu[:-1]
+
+
+def _first_bad(mask: torch.Tensor) -> int | None:
+    return int(mask.nonzero()[0]) if bool(mask.any()) else None
+
+
+def _check_values_thd(n_local: int, cp_size: int, cu_q, cu_kv, pad_q, pad_kv, pad_q_name: str,
+                      max_seqlen_q: int, max_seqlen_kv: int) -> None:
+    """Checks that read cu_seqlens' values: free on CPU, a host sync elsewhere."""
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv), (pad_q_name, pad_q)):
+        if int(cu[0]) != 0:
+            raise ValueError(f"{name} must start at 0, got {int(cu[0])}")
+        if bool((_lens(cu) < 0).any()):
+            raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
+    if not (torch.equal(cu_q, cu_kv) and torch.equal(pad_q, pad_kv)):
+        raise ValueError("self-attention under context parallelism: cu_seqlens_kv(_padded) must equal "
+                         "cu_seqlens_q(_padded) (q, k and v share one token layout)")
+    real, padded = _lens(cu_q), _lens(pad_q)
+    if (i := _first_bad(real > padded)) is not None:
+        raise ValueError(f"sequence {i} has {int(real[i])} real tokens but {pad_q_name} gives it only "
+                         f"{int(padded[i])} (real tokens must fit in the padded sequence)")
+    if cp_size > 1 and (i := _first_bad(padded % (2 * cp_size) != 0)) is not None:
+        raise ValueError(f"{pad_q_name}: sequence {i} has length {int(padded[i])}, not a multiple of "
+                         f"2 * cp_size = {2 * cp_size} (pad each sequence, e.g. with coreattn.masks.align_seqlens)")
+    total = int(pad_q[-1])
+    if total != n_local * cp_size:
+        raise ValueError(f"q has {n_local} local tokens but {pad_q_name}[-1] = {total} global tokens / "
+                         f"cp_size {cp_size} = {total / cp_size:g}")
+    longest = int(padded.max())
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
+        if value < longest:
+            raise ValueError(f"{name} = {value} is smaller than the longest (padded) sequence ({longest}); "
+                             "pass the global maximum, as Megatron's PackedSeqParams does")
+
+
+def _spans(j, chunk, real_q, real_k, causal: bool, q_base, k_base) -> tuple[torch.Tensor, ...]:
+    """int32 spans of chunk j (an int or a [B] tensor) for every sequence: the chunk's real query tokens
+    and the global key prefix they may see."""
+    zero = torch.zeros_like(real_q)
+    q_len = torch.minimum(torch.maximum(real_q - j * chunk, zero), zero + chunk)
+    k_len = torch.minimum(real_k, (j + 1) * chunk + zero) if causal else real_k
+    k_len = torch.where(q_len > 0, k_len, zero)  # a chunk of padding does no work
+    as32 = lambda t: t.to(torch.int32)  # noqa: E731
+    return as32(q_base), as32(q_len), as32(k_base + zero), as32(k_len)
+
+
+def build_cp_plan(layout: str, cp_size: int, cp_rank: int, n_local: int, causal: bool, *, batch: int = 1,
+                  cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_kv: torch.Tensor | None = None,
+                  cu_seqlens_padded: torch.Tensor | None = None, max_seqlen_q: int = 0, max_seqlen_kv: int = 0,
+                  device: torch.device | None = None) -> CPPlan:
+    """Span descriptors and reorder indices for one rank (inputs already checked; no host sync).
+
+    thd: ``n_local`` local tokens; cu_seqlens_* global int32 [B+1] (cu_seqlens_padded: the padded
+    layout). sbhd: ``n_local`` = local sequence length 2c, ``batch`` samples; cu_seqlens_q/kv
+    (optional) hold the real lengths, every sample is padded to n_local * cp_size.
+    """
+    # cp 1: whole sequences, one call; otherwise 2*cp chunks and one call per local chunk set
+    n_chunks = 2 * cp_size if cp_size > 1 else 1
+    chunk_ids = (cp_rank, n_chunks - 1 - cp_rank) if cp_size > 1 else (0,)
+    calls = []
+    if layout == "thd":
+        real_q, real_k = _lens(cu_seqlens_q).long(), _lens(cu_seqlens_kv).long()
+        starts = cu_seqlens_padded[:-1].long()  # global; the local tokens of sequence b start at starts // cp
+        chunk = _lens(cu_seqlens_padded).long() // n_chunks  # [B]
+        chunk_max_q, chunk_max_k = math.ceil(max_seqlen_q / n_chunks), math.ceil(max_seqlen_kv / n_chunks)
+        for half, j in enumerate(chunk_ids):
+            spans = _spans(j, chunk, real_q, real_k, causal, starts // cp_size + half * chunk, starts)
+            max_k = min(max_seqlen_kv, (j + 1) * chunk_max_k) if causal else max_seqlen_kv
+            calls.append(_Call(Packing("thd", *spans[:2]), Packing("thd", *spans[2:]), chunk_max_q, max_k))
+        positions = cu_seqlens_padded
+    else:
+        seqlen = n_local * cp_size
+        chunk = seqlen // n_chunks
+        full = torch.full((batch,), seqlen, dtype=torch.long, device=device)
+        real_q = full if cu_seqlens_q is None else _lens(cu_seqlens_q).long()
+        real_k = full if cu_seqlens_kv is None else _lens(cu_seqlens_kv).long()
+        base = torch.zeros_like(full)
+        for half, j in enumerate(chunk_ids):
+            spans = _spans(j, chunk, real_q, real_k, causal, base + half * chunk, base)
+            max_k = min(seqlen, (j + 1) * chunk) if causal else seqlen
+            calls.append(_Call(Packing("sbhd", *spans[:2]), Packing("sbhd", *spans[2:]), chunk, max_k))
+        positions = torch.full((2,), seqlen, dtype=torch.int32, device=device)  # [0, S]: one sequence
+        positions[0] = 0
+    if cp_size == 1:
+        return CPPlan(1, 0, tuple(calls), None, None)
+    ranks = torch.arange(cp_size, device=positions.device)
+    scatter_order = _zigzag_positions(positions, cp_size, ranks, n_local).reshape(-1)  # buffer row -> global
+    gather_order = torch.empty_like(scatter_order).scatter_(
+        0, scatter_order, torch.arange(scatter_order.numel(), device=scatter_order.device))
+    return CPPlan(cp_size, cp_rank, tuple(calls), gather_order, scatter_order)
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _reduce_scatter(full: torch.Tensor, cp_size: int, group) -> torch.Tensor:
+    """Sum over ranks of ``full`` (rank-major rows), this rank's rows: reduce_scatter_tensor where the
+    backend has it (NCCL; gloo in recent torch), else all_reduce + slice (2x the traffic)."""
+    n = full.shape[0] // cp_size
+    backend = str(dist.get_backend(group))
+    if backend not in _NO_REDUCE_SCATTER:
+        out = full.new_empty((n,) + tuple(full.shape[1:]))
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        try:
+            fn(out, full, group=group)
+            return out
+        except (RuntimeError, NotImplementedError) as exc:  # raised before any data moves, on every rank alike
+            if "support" not in str(exc).lower():
+                raise
+            _NO_REDUCE_SCATTER.add(backend)
+    dist.all_reduce(full, group=group)
+    rank = dist.get_rank(group)
+    return full[rank * n:(rank + 1) * n]
+
+
+class GatherKVFunction(torch.autograd.Function):
+    """All-gather local K and V [n, (B,) H, D] into one global-order buffer [T, (B,) H*(Dqk+Dv)];
+    the backward reduce-scatters dK/dV back to the local rows."""
+
+    @staticmethod
+    def forward(ctx, k, v, group, cp_size: int, gather_order, scatter_order):
+        lead = tuple(k.shape[:-2])  # (n,) thd or (n, B) sbhd
+        width_k = k.shape[-2] * k.shape[-1]
+        send = torch.cat([k.reshape(lead + (width_k,)), v.reshape(lead + (-1,))], dim=-1)  # [n, (B,) W]
+        buf = send.new_empty((cp_size * lead[0],) + tuple(send.shape[1:]))  # rank-major
+        _all_gather(buf, send, group)
+        ctx.save_for_backward(scatter_order)
+        ctx.group, ctx.cp_size, ctx.width_k = group, cp_size, width_k
+        ctx.k_shape, ctx.v_shape = tuple(k.shape), tuple(v.shape)
+        return buf.index_select(0, gather_order)
+
+    @staticmethod
+    def backward(ctx, dkv):
+        (scatter_order,) = ctx.saved_tensors
+        dbuf = dkv.index_select(0, scatter_order)  # global order -> rank-major, a fresh contiguous tensor
+        dlocal = _reduce_scatter(dbuf, ctx.cp_size, ctx.group)  # [n, (B,) W]
+        dk = dlocal[..., :ctx.width_k].reshape(ctx.k_shape)
+        dv = dlocal[..., ctx.width_k:].reshape(ctx.v_shape)
+        return dk, dv, None, None, None, None
+
+
+def _gathered_kv(k, v, plan: CPPlan, group) -> tuple[torch.Tensor, torch.Tensor]:
+    kv = GatherKVFunction.apply(k, v, group, plan.cp_size, plan.gather_order, plan.scatter_order)
+    width_k = k.shape[-2] * k.shape[-1]
+    k_glob = kv[..., :width_k].unflatten(-1, tuple(k.shape[-2:]))  # views, last stride 1
+    v_glob = kv[..., width_k:].unflatten(-1, tuple(v.shape[-2:]))
+    return k_glob, v_glob
+
+
+def attend_local(q, k_glob, v_glob, plan: CPPlan, params: VarlenParams, deterministic: bool = True,
+                 backend: str | Backend | None = None) -> torch.Tensor:
+    """A rank's attention given global-order K/V: one span call per local chunk set, summed (each call
+    is zero outside its query spans)."""
+    out = None
+    for call in plan.calls:
+        part, _ = run_attention(q, k_glob, v_glob, call.q_pack, call.k_pack, call.max_q, call.max_k, params,
+                                deterministic, backend)
+        out = part if out is None else out + part
+    return out
+
+
+def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layout: str,
+            cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_kv: torch.Tensor | None = None,
+            cu_seqlens_q_padded: torch.Tensor | None = None, cu_seqlens_kv_padded: torch.Tensor | None = None,
+            max_seqlen_q: int | None = None, max_seqlen_kv: int | None = None, causal: bool = False,
+            softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
+            deterministic: bool = True, backend: str | Backend | None = None) -> torch.Tensor:
+    """Self-attention under Megatron context parallelism (zig-zag chunks over ``cp_group``).
+
+    Args:
+        q, k, v: this rank's tokens. ``layout="thd"``: q ``[t_local, Hq, Dqk]``, k ``[t_local, Hkv, Dqk]``,
+            v ``[t_local, Hkv, Dv]``; sequence b's local tokens sit at offsets
+            ``cu_seqlens_q_padded[b] / cp`` onwards: its chunk r, then its chunk 2*cp-1-r. ``"sbhd"``:
+            ``[s_local, B, H, D]``, rows ``[0, s_local/2)`` chunk r and the rest chunk 2*cp-1-r of every
+            sample. Prepare inputs with ``coreattn.masks.cp_partition_indices`` /
+            ``cp_partition_indices_sbhd`` and ``cp_shard``, or Megatron's ``get_batch_on_this_cp_rank``.
+            GQA (Hq a multiple of Hkv) and Dv != Dqk are fine.
+        cp_group: the context-parallel ``ProcessGroup`` (cp_size and rank come from it); None means
+            no context parallelism (one rank, no communication).
+        cu_seqlens_q, cu_seqlens_kv: GLOBAL int32 ``[B+1]`` real lengths (Megatron's PackedSeqParams).
+            Required for thd; optional for sbhd (per-sample real lengths, right padding; None: all
+            tokens are real). kv defaults to q and must equal it (self-attention).
+        cu_seqlens_q_padded, cu_seqlens_kv_padded: GLOBAL int32 ``[B+1]`` padded layout (thd only);
+            each padded length a multiple of 2*cp. None: the real lengths are the layout (they must
+            then be multiples of 2*cp). Real tokens sit at the start of each padded sequence.
+        max_seqlen_q, max_seqlen_kv: ints >= the longest GLOBAL padded sequence (thd; what
+            PackedSeqParams carries); they size the grid. None: computed with one host sync. Ignored
+            for sbhd (the padded length is s_local * cp).
+        causal: global causal mask (top-left = bottom-right here: q and k are the same tokens).
+        window_size: ``(left, 0)`` or ``(left, -1)`` with causal (sliding window) or ``(-1, -1)``;
+            other windows raise NotImplementedError when cp_size > 1.
+        softmax_scale, deterministic, backend: as in ``coreattn.varlen_attn``.
+
+    Returns:
+        out ``[t_local, Hq, Dv]`` (thd) or ``[s_local, B, Hq, Dv]`` (sbhd), q's dtype; padding tokens
+        output zeros and get zero gradients. Differentiable in q, k and v.
+
+    Communication per call: forward one all-gather of K and V ((cp-1)/cp of the global K/V bytes
+    received per rank); backward one reduce-scatter of dK/dV of the same size (with gloo backends
+    lacking reduce_scatter_tensor: all_reduce + slice, twice the traffic).
+
+    Memory trade-off: every rank holds, and saves for the backward, the FULL global K and V of the
+    layer (T * Hkv * (Dqk + Dv) elements, cp times its own share), plus a transient second copy
+    during the reorder. Simple and load-balanced, but K/V memory does not shrink with cp; with
+    many KV heads (MLA expands k_pos_emb to every head) a ring (P2P) exchange keeps less.
+
+    Host syncs: none with max_seqlen given and device tensors (spans and reorder indices are built
+    with vectorized torch ops). Value checks (lengths multiples of 2*cp, token counts, max_seqlen)
+    run when cu_seqlens are on the CPU or with ``COREATTN_VALIDATE=1`` (a sync on GPU).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    check_qkv(q, k, v, layout)
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"self-attention under context parallelism: q has {q.shape[0]} local tokens/rows but k has "
+                         f"{k.shape[0]}")
+    params = check_options(q.shape[-1], 0.0, softmax_scale, causal, window_size, "bottom_right")
+    cp_size, cp_rank = _group_size_rank(cp_group)
+    # one rank: a single call over whole sequences, exact for any window
+    causal_like = _window_is_causal(params, window_size) if cp_size > 1 else params.window_right == 0
+    n_local = q.shape[0]
+    check = None
+    if cu_seqlens_kv is None:
+        cu_seqlens_kv = cu_seqlens_q
+    if cu_seqlens_kv_padded is None:
+        cu_seqlens_kv_padded = cu_seqlens_q_padded
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv),
+                     ("cu_seqlens_q_padded", cu_seqlens_q_padded), ("cu_seqlens_kv_padded", cu_seqlens_kv_padded)):
+        if cu is not None:
+            check_cu_seqlens(name, cu, q.device)
+            check = cu if check is None else check
+            if cu.numel() != check.numel():
+                raise ValueError(f"{name} has {cu.numel()} entries but cu_seqlens_q has {check.numel()}")
+    reads = q.device.type == "cpu" or validation_enabled()
+
+    if layout == "thd":
+        if cu_seqlens_q is None:
+            raise ValueError("layout 'thd' needs cu_seqlens_q (global real lengths, int32 [B+1])")
+        pad_name = "cu_seqlens_q_padded" if cu_seqlens_q_padded is not None else "cu_seqlens_q"
+        pad_q = cu_seqlens_q_padded if cu_seqlens_q_padded is not None else cu_seqlens_q
+        pad_kv = cu_seqlens_kv_padded if cu_seqlens_kv_padded is not None else cu_seqlens_kv
+        if max_seqlen_q is None or max_seqlen_kv is None:
+            longest = int(_lens(pad_q).max())  # one host sync on a device
+            max_seqlen_q = longest if max_seqlen_q is None else max_seqlen_q
+            max_seqlen_kv = longest if max_seqlen_kv is None else max_seqlen_kv
+        max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
+        max_seqlen_kv = check_max_seqlen("max_seqlen_kv", max_seqlen_kv)
+        if reads:
+            _check_values_thd(n_local, cp_size, cu_seqlens_q, cu_seqlens_kv, pad_q, pad_kv, pad_name,
+                              max_seqlen_q, max_seqlen_kv)
+        plan = build_cp_plan("thd", cp_size, cp_rank, n_local, causal_like, cu_seqlens_q=cu_seqlens_q,
+                             cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_padded=pad_q, max_seqlen_q=max_seqlen_q,
+                             max_seqlen_kv=max_seqlen_kv, device=q.device)
+    else:
+        if cu_seqlens_q_padded is not None:
+            raise ValueError("layout 'sbhd' takes no cu_seqlens_q_padded/cu_seqlens_kv_padded: every sample is "
+                             "padded to s_local * cp_size")
+        batch = q.shape[1]
+        if cu_seqlens_q is not None and cu_seqlens_q.numel() != batch + 1:
+            raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel()} entries but the batch has {batch} samples")
+        for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
+            if value is not None:
+                check_max_seqlen(name, value)
+        if cp_size > 1 and n_local % 2:
+            raise ValueError(f"layout 'sbhd': the local sequence length {n_local} must be even (2 chunks of the "
+                             f"global length, a multiple of 2 * cp_size = {2 * cp_size})")
+        if reads and cu_seqlens_q is not None:
+            seqlen = n_local * cp_size
+            for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
+                lens = _lens(cu)
+                if int(cu[0]) != 0 or bool((lens < 0).any()) or bool((lens > seqlen).any()):
+                    raise ValueError(f"{name} must start at 0 with lengths in [0, {seqlen}] (the padded "
+                                     f"length s_local * cp_size), got {cu.tolist()}")
+            if not torch.equal(cu_seqlens_q, cu_seqlens_kv):
+                raise ValueError("self-attention under context parallelism: cu_seqlens_kv must equal cu_seqlens_q")
+        plan = build_cp_plan("sbhd", cp_size, cp_rank, n_local, causal_like, batch=batch,
+                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, device=q.device)
+
+    if cp_size == 1:
+        return attend_local(q, k, v, plan, params, deterministic, backend)
+    k_glob, v_glob = _gathered_kv(k, v, plan, cp_group)
+    return attend_local(q, k_glob, v_glob, plan, params, deterministic, backend)

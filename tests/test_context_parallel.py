@@ -1,0 +1,331 @@
+"""coreattn.cp_attn under real collectives: 2 and 4 CPU processes (gloo) against single-process attention.
+
+One spawn per world size runs every case and writes each rank's output and gradients to files;
+the parent reassembles the global tensors and compares them, on the real tokens, with the float64
+oracle (tests/oracle.py) and coreattn.varlen_attn by the flash-attention criterion; padding tokens
+must give exact zeros. Most cases use the torch backend (float64/float32); one tiny case runs the
+Triton kernels under the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import coreattn
+from attn_cases import assert_flash_criterion
+from coreattn import masks
+from coreattn.layers import context_parallel
+from coreattn.layers.context_parallel import cp_attn
+from oracle import attention_ref
+
+WORLDS = (2, 4)
+
+
+@dataclass(frozen=True)
+class CPCase:
+    name: str
+    layout: str = "thd"
+    dtype: torch.dtype = torch.float64
+    causal: bool = True
+    window: tuple[int, int] = (-1, -1)
+    hq: int = 4
+    hkv: int = 2
+    dqk: int = 32
+    dv: int = 16
+    lens: tuple[int, ...] = (5, 0, 13, 1, 8)  # thd: real lengths; sbhd: real length = S - lens[b] (clamped)
+    extra: tuple[int, ...] = (0, 0, 1, 0, 0)  # thd: extra 2*cp blocks of padding per sequence
+    unpadded: bool = False  # thd: real lengths are multiples of 2*cp, no cu_seqlens_padded
+    units: int = 3  # sbhd: S = units * 2 * cp
+    backend: str = "torch"
+    allreduce_fallback: bool = False  # dK/dV through all_reduce + slice instead of reduce_scatter_tensor
+    worlds: tuple[int, ...] = WORLDS
+
+    @property
+    def id(self) -> str:
+        return self.name
+
+
+CASES = [
+    CPCase("thd-causal-gqa2-f64"),
+    CPCase("thd-full-f32", causal=False, dtype=torch.float32, hq=2, hkv=2),
+    CPCase("thd-causal-hdim192x128-gqa4-f32", dtype=torch.float32, hq=4, hkv=1, dqk=192, dv=128),
+    CPCase("thd-causal-window3-f64", window=(3, 0), lens=(17, 2, 9), extra=(0, 1, 0)),
+    CPCase("thd-causal-nopadding-f64", lens=(1, 0, 3, 2), unpadded=True, hq=2, hkv=1),
+    CPCase("thd-full-allreduce-f64", causal=False, allreduce_fallback=True, lens=(7, 3), extra=(0, 0)),
+    CPCase("sbhd-causal-gqa2-f64", layout="sbhd", lens=(0, 5, 10_000, 1)),
+    CPCase("sbhd-full-hdim192x128-f32", layout="sbhd", causal=False, dtype=torch.float32, dqk=192, dv=128,
+           lens=(0, 3)),
+    CPCase("sbhd-causal-window2-f64", layout="sbhd", window=(2, 0), hq=2, hkv=1, lens=(4, 0)),
+    # the Triton kernels (span mode on packed and padded tensors) under the interpreter, tiny
+    CPCase("triton-thd-causal-gqa2-f32", dtype=torch.float32, hq=2, hkv=1, dqk=32, dv=16, lens=(7, 0, 12),
+           extra=(0, 0, 1), backend="triton", worlds=(2,)),
+    CPCase("triton-sbhd-full-f32", layout="sbhd", causal=False, dtype=torch.float32, hq=2, hkv=1, dqk=32, dv=16,
+           lens=(3, 0), units=2, backend="triton", worlds=(2,)),
+]
+
+
+def cases_for(world: int) -> list[CPCase]:
+    return [c for c in CASES if world in c.worlds]
+
+
+def case_inputs(case: CPCase, world: int) -> dict:
+    """Global tensors (identical in every process: a fixed seed) and the layout metadata."""
+    gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
+    two_cp = 2 * world
+    if case.layout == "thd":
+        real = [n * two_cp for n in case.lens] if case.unpadded else list(case.lens)
+        padded = [-(-n // two_cp) * two_cp + e * two_cp for n, e in zip(real, case.extra)]
+        if case.unpadded:
+            padded = list(real)
+        cu = masks.cu_seqlens_from_seqlens(torch.tensor(real, dtype=torch.int32))
+        cu_padded = masks.cu_seqlens_from_seqlens(torch.tensor(padded, dtype=torch.int32))
+        lead = (sum(padded),)
+        keep = torch.cat([torch.arange(p) < n for n, p in zip(real, padded)])  # [T] real tokens
+    else:
+        seqlen = case.units * two_cp
+        real = [max(0, seqlen - n) for n in case.lens]
+        cu = masks.cu_seqlens_from_seqlens(torch.tensor(real, dtype=torch.int32))
+        cu_padded = None
+        lead = (seqlen, len(real))
+        keep = torch.arange(seqlen)[:, None] < torch.tensor(real)[None, :]  # [S, B]
+
+    def rand(h, d):
+        return torch.randn(*lead, h, d, generator=gen, dtype=torch.float64).to(case.dtype)
+
+    q, k, v = rand(case.hq, case.dqk), rand(case.hkv, case.dqk), rand(case.hkv, case.dv)
+    dout = rand(case.hq, case.dv)
+    return dict(q=q, k=k, v=v, dout=dout, cu=cu, cu_padded=cu_padded, real=real, keep=keep,
+                max_seqlen=max(padded) if case.layout == "thd" else lead[0])
+
+
+def partition(case: CPCase, inp: dict, world: int, rank: int) -> torch.Tensor:
+    if case.layout == "thd":
+        return masks.cp_partition_indices(inp["cu_padded"], world, rank)
+    return masks.cp_partition_indices_sbhd(inp["q"].shape[0], world, rank)
+
+
+def run_case(case: CPCase, world: int, rank: int, group) -> dict:
+    inp = case_inputs(case, world)
+    idx = partition(case, inp, world, rank)
+    q, k, v = (masks.cp_shard(inp[n], idx).requires_grad_() for n in ("q", "k", "v"))
+    kwargs = dict(cp_group=group, layout=case.layout, cu_seqlens_q=inp["cu"], cu_seqlens_kv=inp["cu"],
+                  causal=case.causal, window_size=case.window, backend=case.backend)
+    if case.layout == "thd":
+        kwargs.update(max_seqlen_q=inp["max_seqlen"], max_seqlen_kv=inp["max_seqlen"])
+        if not case.unpadded:
+            kwargs.update(cu_seqlens_q_padded=inp["cu_padded"], cu_seqlens_kv_padded=inp["cu_padded"])
+    if case.allreduce_fallback:
+        context_parallel._NO_REDUCE_SCATTER.add(str(dist.get_backend(group)))
+    try:
+        out = cp_attn(q, k, v, **kwargs)
+        out.backward(masks.cp_shard(inp["dout"], idx))
+    finally:
+        context_parallel._NO_REDUCE_SCATTER.clear()
+    return dict(idx=idx, out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # recorded for the parent to assert on
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def bad_inputs(world: int, group) -> dict[str, str]:
+    """Each bad call's exception as 'Type: message' (run on every rank alike: no rank hangs)."""
+    two_cp = 2 * world
+    cu = torch.tensor([0, 5, 5 + 2 * two_cp], dtype=torch.int32)
+    cu_padded = torch.tensor([0, 2 * two_cp, 4 * two_cp], dtype=torch.int32)
+    n = 4 * two_cp // world
+
+    def qkv(tokens, lead=()):
+        return (torch.zeros(tokens, *lead, 2, 8), torch.zeros(tokens, *lead, 2, 8), torch.zeros(tokens, *lead, 2, 4))
+
+    def thd(tokens=n, **kw):
+        args = dict(cp_group=group, layout="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=cu_padded,
+                    max_seqlen_q=2 * two_cp, max_seqlen_kv=2 * two_cp, backend="torch")
+        args.update(kw)
+        return lambda: cp_attn(*qkv(tokens), **args)
+
+    odd_padded = torch.tensor([0, two_cp + 2, 4 * two_cp + 2], dtype=torch.int32)
+    return {
+        "padded_not_multiple": _error(thd(cu_seqlens_q_padded=odd_padded)),
+        "real_not_multiple": _error(thd(cu_seqlens_q_padded=None)),
+        "local_tokens": _error(thd(tokens=n + 2)),
+        "real_exceeds_padded": _error(thd(cu_seqlens_q=torch.tensor([0, 2 * two_cp + 1, 2 * two_cp + 6],
+                                                                    dtype=torch.int32))),
+        "max_seqlen_small": _error(thd(max_seqlen_q=two_cp)),
+        "kv_differs": _error(thd(cu_seqlens_kv=torch.tensor([0, 4, 9], dtype=torch.int32))),
+        "window": _error(thd(window_size=(2, 3))),
+        "window_noncausal_left": _error(thd(window_size=(2, -1))),
+        "sbhd_odd_local": _error(lambda: cp_attn(*qkv(3, (2,)), cp_group=group, layout="sbhd", backend="torch")),
+        "sbhd_padded": _error(lambda: cp_attn(*qkv(4, (2,)), cp_group=group, layout="sbhd",
+                                              cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
+                                              cu_seqlens_q_padded=torch.tensor([0, 4, 8], dtype=torch.int32))),
+    }
+
+
+def megatron_sbhd_check(world: int, rank: int, group) -> bool:
+    """Megatron-Core's own get_batch_on_this_cp_rank slices a [b, s] batch like cp_partition_indices_sbhd."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    tokens = torch.arange(3 * 8 * world).reshape(3, 8 * world)  # [b, s]
+    labels = tokens * 10
+    got = get_batch_on_this_cp_rank({"tokens": tokens.clone(), "labels": labels.clone()}, cp_group=group)
+    idx = masks.cp_partition_indices_sbhd(tokens.shape[1], world, rank)
+    return torch.equal(got["tokens"], masks.cp_shard(tokens, idx, dim=1)) and \
+        torch.equal(got["labels"], masks.cp_shard(labels, idx, dim=1))
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)  # world processes share two busy cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        group = dist.new_group(list(range(world)))  # a cp_group that is not the default group
+        results = {case.id: run_case(case, world, rank, group) for case in cases_for(world)}
+        results["errors"] = bad_inputs(world, group)
+        if world == 2:
+            results["megatron_sbhd"] = megatron_sbhd_check(world, rank, group)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def cp_results(tmp_path_factory):
+    cache = {}
+
+    def get(world: int) -> list[dict]:
+        if world not in cache:
+            d = tmp_path_factory.mktemp(f"cp{world}")
+            mp.spawn(_worker, args=(world, str(d / "init"), str(d)), nprocs=world, join=True)
+            cache[world] = [torch.load(d / f"rank{r}.pt") for r in range(world)]
+        return cache[world]
+
+    return get
+
+
+def _real_rows(x: torch.Tensor, keep: torch.Tensor, layout: str) -> torch.Tensor:
+    """Packed [t_real, H, D] real tokens, sequence after sequence, of a global thd or sbhd tensor."""
+    if layout == "thd":
+        return x[keep]
+    return x.transpose(0, 1)[keep.transpose(0, 1)]  # [B, S, ...] rows in sample order
+
+
+def _reference(case: CPCase, inp: dict):
+    """Oracle (float64 and naive same-dtype) and single-process coreattn.varlen_attn outputs and grads."""
+    layout = case.layout
+    real = [_real_rows(inp[n], inp["keep"], layout) for n in ("q", "k", "v", "dout")]
+    cu, longest = inp["cu"], max(inp["real"])
+    results = {}
+    for name in ("oracle", "naive", "varlen_attn"):
+        q, k, v = (t.detach().clone().requires_grad_() for t in real[:3])
+        if name == "varlen_attn":
+            out = coreattn.varlen_attn(q, k, v, cu, cu, longest, longest, causal=case.causal,
+                                       window_size=case.window, backend=case.backend)
+        else:
+            out, _ = attention_ref(q, k, v, cu, cu, causal=case.causal, window=case.window,
+                                   upcast=name == "oracle")
+        grads = torch.autograd.grad(out, (q, k, v), real[3].to(out.dtype))
+        results[name] = dict(zip(("out", "dq", "dk", "dv"), (out.detach(), *grads)))
+    return results
+
+
+@pytest.mark.parametrize("case,world", [pytest.param(c, w, id=f"{c.id}-cp{w}") for c in CASES for w in c.worlds])
+def test_cp_attn_matches_single_process(case, world, cp_results):
+    ranks = cp_results(world)
+    inp = case_inputs(case, world)
+    ref = _reference(case, inp)
+    dim_size = inp["q"].shape[0]
+    for name in ("out", "dq", "dk", "dv"):
+        got = masks.cp_unshard([r[case.id][name] for r in ranks], [r[case.id]["idx"] for r in ranks], size=dim_size)
+        assert got.dtype == case.dtype
+        pad = ~inp["keep"]
+        assert not got[pad].any(), f"{name}: padding tokens must be exactly zero"
+        got_real = _real_rows(got, inp["keep"], case.layout)
+        assert_flash_criterion(name, got_real, ref["naive"][name], ref["oracle"][name])
+        assert_flash_criterion(f"{name} vs varlen_attn", got_real, ref["varlen_attn"][name], ref["oracle"][name])
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"cp{w}")
+def test_partition_matches_what_each_rank_held(world, cp_results):
+    """Every global token is held by exactly one rank (the shards the workers used)."""
+    ranks = cp_results(world)
+    case = CASES[0]
+    idx = torch.cat([r[case.id]["idx"] for r in ranks])
+    total = case_inputs(case, world)["q"].shape[0]
+    assert torch.equal(idx.sort().values, torch.arange(total))
+
+
+def test_megatron_get_batch_on_this_cp_rank_agrees(cp_results):
+    assert all(r["megatron_sbhd"] for r in cp_results(2))
+
+
+BAD = {
+    "padded_not_multiple": ("ValueError", r"cu_seqlens_q_padded: sequence 0 has length \d+, not a multiple of 2 \* cp_size"),
+    "real_not_multiple": ("ValueError", r"cu_seqlens_q: sequence 0 has length 5, not a multiple of 2 \* cp_size"),
+    "local_tokens": ("ValueError", r"local tokens but cu_seqlens_q_padded\[-1\]"),
+    "real_exceeds_padded": ("ValueError", r"real tokens must fit in the padded sequence"),
+    "max_seqlen_small": ("ValueError", r"max_seqlen_q = \d+ is smaller than the longest"),
+    "kv_differs": ("ValueError", r"cu_seqlens_kv\(_padded\) must equal"),
+    "window": ("NotImplementedError", r"window_size=\(2, 3\)"),
+    "window_noncausal_left": ("NotImplementedError", r"window_size=\(2, -1\)"),
+    "sbhd_odd_local": ("ValueError", r"local sequence length 3 must be even"),
+    "sbhd_padded": ("ValueError", r"'sbhd' takes no cu_seqlens_q_padded"),
+}
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"cp{w}")
+@pytest.mark.parametrize("check", list(BAD))
+def test_bad_inputs_under_cp(check, world, cp_results):
+    kind, pattern = BAD[check]
+    for r in cp_results(world):
+        got = r["errors"][check]
+        assert got.startswith(kind + ":") and re.search(pattern, got), got
+
+
+# ---- in-process: no group (cp_size 1) and argument errors that need no collective
+
+
+@pytest.mark.parametrize("layout", ["thd", "sbhd"])
+@pytest.mark.parametrize("window", [(-1, -1), (2, 1)], ids=["full", "win2_1"])
+def test_without_group_is_plain_attention(layout, window):
+    case = CPCase("nogroup", layout=layout, causal=False, window=window, lens=(5, 0, 3) if layout == "thd" else (0, 4),
+                  extra=(0, 1, 0))
+    inp = case_inputs(case, 1)
+    q, k, v = (inp[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    kwargs = dict(cu_seqlens_q=inp["cu"], causal=False, window_size=window, backend="torch")
+    if layout == "thd":
+        kwargs.update(cu_seqlens_q_padded=inp["cu_padded"])
+    out = cp_attn(q, k, v, cp_group=None, layout=layout, **kwargs)
+    ref = _reference(case, inp)
+    assert not out.detach()[~inp["keep"]].any()
+    assert_flash_criterion("out", _real_rows(out.detach(), inp["keep"], layout), ref["naive"]["out"],
+                           ref["oracle"]["out"])
+
+
+def test_argument_errors_without_group():
+    q, k, v = torch.zeros(8, 2, 8), torch.zeros(8, 2, 8), torch.zeros(8, 2, 4)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        cp_attn(q, k, v, cp_group=None, layout="bshd", cu_seqlens_q=cu)
+    with pytest.raises(TypeError, match="cp_group must be a torch.distributed.ProcessGroup"):
+        cp_attn(q, k, v, cp_group=2, layout="thd", cu_seqlens_q=cu)
+    with pytest.raises(ValueError, match="needs cu_seqlens_q"):
+        cp_attn(q, k, v, cp_group=None, layout="thd")
+    with pytest.raises(ValueError, match="q has 8 local tokens/rows but k has 6"):
+        cp_attn(q, k[:6], v[:6], cp_group=None, layout="thd", cu_seqlens_q=cu)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        cp_attn(q, k, v, cp_group=None, layout="thd", cu_seqlens_q=cu.long())
+    with pytest.raises(ValueError, match="cu_seqlens_q has 2 entries but the batch has 8 samples"):
+        cp_attn(q[:, None].expand(8, 8, 2, 8), k[:, None].expand(8, 8, 2, 8), v[:, None].expand(8, 8, 2, 4),
+                cp_group=None, layout="sbhd", cu_seqlens_q=cu)
