@@ -93,10 +93,10 @@ class NaiveCoreAttention(RefCoreAttention):
     upcast = False
 
 
-def build_gpt(config, spec, seed=0):
+def build_gpt(config, spec, seed=0, position_embedding_type="rope"):
     torch.manual_seed(seed)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=128,
-                    position_embedding_type="rope")
+                    position_embedding_type=position_embedding_type)
 
 
 def clone_with(model, config, spec):

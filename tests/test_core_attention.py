@@ -270,9 +270,21 @@ class TestBadInput:
         with pytest.raises(NotImplementedError, match="attention_bias"):
             make_layer()(q, k, v, None, attention_bias=torch.zeros(1))
 
-    def test_context_parallel(self):
-        with pytest.raises(NotImplementedError, match="context_parallel_size"):
-            CoreAttention(make_config(context_parallel_size=2), 1, AttnMaskType.causal, "self")
+    def test_context_parallel_group_size_mismatch(self):
+        one_rank = type("Group", (), {"size": lambda self: 1})()
+        pgs = type("PGs", (), {"cp": one_rank, "tp": one_rank})()
+        with pytest.raises(ValueError, match="context_parallel_size=2 but the context-parallel group has 1"):
+            CoreAttention(make_config(context_parallel_size=2), 1, AttnMaskType.causal, "self", pg_collection=pgs)
+
+    @pytest.mark.parametrize("mask_type", [AttnMaskType.padding, AttnMaskType.arbitrary])
+    def test_masks_under_context_parallelism(self, mask_type):
+        two_ranks = type("Group", (), {"size": lambda self: 2})()
+        pgs = type("PGs", (), {"cp": two_ranks, "tp": type("Group", (), {"size": lambda self: 1})()})()
+        layer = CoreAttention(make_config(context_parallel_size=2), 1, mask_type, "self", v_channels=DV,
+                              pg_collection=pgs, backend="torch")
+        q, k, v = sbhd_inputs(6, 6, device="cpu")
+        with pytest.raises(NotImplementedError, match="not supported under context parallelism"):
+            layer(q, k, v, torch.zeros(B, 1, 1, 6, dtype=torch.bool))
 
     def test_float_mask(self):
         q, k, v = sbhd_inputs(5, 5, device="cpu")

@@ -23,6 +23,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from coreattn.adapters.backends import ENV_BACKEND, Backend, parse_backend, select_backend
+from coreattn.layers.context_parallel import cp_attn
 from coreattn.layers.dense_mask_attn import dense_mask_attn
 from coreattn.layers.padded_attn import padded_attn
 from coreattn.layers.varlen_attn import varlen_attn
@@ -37,9 +38,8 @@ _CAUSAL_ALIGNMENT = {
 _PADDING = (AttnMaskType.padding, AttnMaskType.padding_causal)
 
 
-def _tp_size(pg_collection, model_comm_pgs) -> int:
+def _tp_size(pgs) -> int:
     """Tensor-parallel world size from the process groups Megatron passed (1 when unknown)."""
-    pgs = pg_collection if pg_collection is not None else model_comm_pgs
     tp = getattr(pgs, "tp", None)
     if tp is not None:
         return tp.size()
@@ -49,6 +49,21 @@ def _tp_size(pg_collection, model_comm_pgs) -> int:
         return parallel_state.get_tensor_model_parallel_world_size()
     except (AssertionError, AttributeError, RuntimeError):
         return 1
+
+
+def _cp_group(pgs, config):
+    """The context-parallel group when config.context_parallel_size > 1 (else None)."""
+    size = getattr(config, "context_parallel_size", 1) or 1
+    if size == 1:
+        return None
+    group = getattr(pgs, "cp", None)
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_context_parallel_group()
+    if group.size() != size:
+        raise ValueError(f"config.context_parallel_size={size} but the context-parallel group has {group.size()} ranks")
+    return group
 
 
 def _layer_window(config, layer_number: int) -> tuple[int, int]:
@@ -87,10 +102,7 @@ class CoreAttention(MegatronModule):
                  backend: str | Backend | None = None):
         super().__init__(config=config)
         self.config = config
-        if getattr(config, "context_parallel_size", 1) > 1:
-            raise NotImplementedError(
-                f"CoreAttention does not support context parallelism yet (context_parallel_size="
-                f"{config.context_parallel_size}); set context_parallel_size=1")
+        pgs = pg_collection if pg_collection is not None else model_comm_pgs
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise NotImplementedError(f"softmax_type={config.softmax_type!r} is not supported by CoreAttention; "
                                       "use 'vanilla'")
@@ -107,7 +119,8 @@ class CoreAttention(MegatronModule):
         self.hidden_size_per_attention_head_k = k_channels if k_channels is not None else config.kv_channels
         self.hidden_size_per_attention_head_v = v_channels if v_channels is not None else config.kv_channels
         self.hidden_size_per_attention_head = self.hidden_size_per_attention_head_k
-        tp = _tp_size(pg_collection, model_comm_pgs)
+        tp = _tp_size(pgs)
+        self.cp_group = _cp_group(pgs, config)
         self.num_attention_heads_per_partition = config.num_attention_heads // tp
         self.num_query_groups_per_partition = max(1, (config.num_query_groups or config.num_attention_heads) // tp)
         self.hidden_size_per_partition = self.num_attention_heads_per_partition * self.hidden_size_per_attention_head_v
@@ -136,16 +149,19 @@ class CoreAttention(MegatronModule):
             raise NotImplementedError(
                 f"attention dropout ({self.attention_dropout}) is not supported by CoreAttention; set "
                 "TransformerConfig.attention_dropout=0.0 (Megatron's default is 0.1)")
-        if packed_seq_params is not None and getattr(packed_seq_params, "cp_group", None) is not None \
-                and packed_seq_params.cp_group.size() > 1:
-            raise NotImplementedError("CoreAttention does not support context parallelism yet "
-                                      "(packed_seq_params.cp_group has more than one rank)")
+        if getattr(packed_seq_params, "local_cp_size", None) is not None:
+            raise NotImplementedError("hybrid context parallelism (packed_seq_params.local_cp_size) is not "
+                                      "supported by CoreAttention")
         backend = self._backend_for(query.device)
         causal = mask_type in _CAUSAL_ALIGNMENT
         alignment = _CAUSAL_ALIGNMENT.get(mask_type, "bottom_right")
         fmt = getattr(packed_seq_params, "qkv_format", None) or "sbhd"
         opts = dict(softmax_scale=self.softmax_scale, causal=causal, window_size=self.window_size,
                     causal_alignment=alignment, backend=backend)
+        cp_group = getattr(packed_seq_params, "cp_group", None) or self.cp_group
+        if cp_group is not None and cp_group.size() > 1:
+            return self._forward_cp(query, key, value, attention_mask, mask_type, fmt, packed_seq_params, cp_group,
+                                    opts)
         if fmt == "thd":
             return self._forward_thd(query, key, value, attention_mask, mask_type, packed_seq_params, opts)
         if fmt not in ("sbhd", "bshd"):
@@ -198,6 +214,30 @@ class CoreAttention(MegatronModule):
         max_k = _max_seqlen(getattr(params, "max_seqlen_kv", None), cu_k)
         out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q=used_q, seqused_k=used_k, **opts)
         return out.reshape(out.shape[0], -1)
+
+    def _forward_cp(self, q, k, v, attention_mask, mask_type, fmt, params, cp_group, opts) -> torch.Tensor:
+        """Context parallelism (coreattn.cp_attn): Megatron's zig-zag chunks, K/V all-gathered."""
+        if mask_type == AttnMaskType.arbitrary or (fmt != "thd" and attention_mask is not None
+                                                   and mask_type in _PADDING):
+            raise NotImplementedError(
+                f"attention masks ({mask_type.name}) are not supported under context parallelism; pack the "
+                "samples as thd with cu_seqlens(_padded) instead")
+        if fmt not in ("thd", "sbhd"):
+            raise NotImplementedError(f"qkv_format={fmt!r} is not supported under context parallelism (use thd or sbhd)")
+        kw = dict(cp_group=cp_group, layout=fmt, causal=opts["causal"], softmax_scale=opts["softmax_scale"],
+                  window_size=opts["window_size"], backend=opts["backend"])
+        if fmt == "thd":
+            kw.update(cu_seqlens_q=params.cu_seqlens_q, cu_seqlens_kv=params.cu_seqlens_kv,
+                      cu_seqlens_q_padded=getattr(params, "cu_seqlens_q_padded", None),
+                      cu_seqlens_kv_padded=getattr(params, "cu_seqlens_kv_padded", None),
+                      max_seqlen_q=_max_or_none(getattr(params, "max_seqlen_q", None)),
+                      max_seqlen_kv=_max_or_none(getattr(params, "max_seqlen_kv", None)))
+        out = cp_attn(q, k, v, **kw)
+        return out.reshape(*out.shape[:-2], -1)
+
+
+def _max_or_none(value):
+    return None if value is None else int(value)
 
 
 def _max_seqlen(value, cu: torch.Tensor) -> int:
