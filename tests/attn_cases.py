@@ -120,3 +120,13 @@ def assert_lse_criterion(lse: torch.Tensor, naive: torch.Tensor, ref: torch.Tens
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref)), "lse: rows without keys differ"
     fin = torch.isfinite(ref)
     assert_flash_criterion("lse", lse[fin], naive[fin], ref[fin], eps)
+
+
+def assert_grad_criterion(out: torch.Tensor, ref: torch.Tensor, naive: torch.Tensor, leaves, g: torch.Tensor):
+    """Gradients of out, ref (float64 oracle) and naive (same dtype) w.r.t. leaves (q, k, v) under the
+    incoming gradient g, compared with the flash criterion."""
+    grads = torch.autograd.grad(out, leaves, g.to(out.device))
+    refs = torch.autograd.grad(ref, leaves, g.cpu().double())
+    naives = torch.autograd.grad(naive, leaves, g.cpu().to(naive.dtype))
+    for name, got, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
+        assert_flash_criterion(name, got.cpu(), n, r)

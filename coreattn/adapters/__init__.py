@@ -1,4 +1,4 @@
-"""Device and framework glue: backend selection (and later Megatron and NPU integration)."""
+"""Device and framework glue: backend selection, Ascend NPU detection (npu.py) and Megatron integration."""
 
 from coreattn.adapters.backends import Backend, select_backend
 

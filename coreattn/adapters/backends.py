@@ -4,7 +4,15 @@ Selection rule (first match wins):
 1. an explicit override: the ``backend=`` argument, else the ``COREATTN_BACKEND`` environment
    variable; it raises ``RuntimeError`` with the reason if that backend cannot run here;
 2. by device type: ``cuda`` -> Triton; ``cpu`` -> Triton through Triton's interpreter when
-   ``TRITON_INTERPRET=1`` was set before coreattn was imported, else the torch backend.
+   ``TRITON_INTERPRET=1`` was set before coreattn was imported, else the torch backend;
+   ``npu`` (Ascend) -> ``npu_fused``, torch_npu's ``npu_fusion_attention``: the vendor's fused
+   kernel is the mature path there (forward and backward, tuned per chip), while coreattn's Triton
+   kernels on Ascend (triton-ascend, persistent grid) have only been checked under Triton's CPU
+   interpreter. ``backend="triton"`` runs them on an NPU when the active Triton is triton-ascend.
+   Other device types have no default: pass ``backend="torch"``.
+
+Backends: ``triton`` (CUDA; Ascend via triton-ascend; CPU under ``TRITON_INTERPRET=1``),
+``torch`` (any device) and ``npu_fused`` (``npu`` tensors with torch_npu importable).
 
 The choice for each device type is logged once on the ``coreattn`` logger.
 """
@@ -18,6 +26,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from coreattn.adapters import npu
+
 logger = logging.getLogger("coreattn")
 
 ENV_BACKEND = "COREATTN_BACKEND"
@@ -26,6 +36,7 @@ ENV_BACKEND = "COREATTN_BACKEND"
 class Backend(str, enum.Enum):
     TRITON = "triton"
     TORCH = "torch"
+    NPU_FUSED = "npu_fused"
 
 
 class Availability(NamedTuple):
@@ -39,6 +50,13 @@ def _triton_available(device: torch.device) -> Availability:
     except ImportError as exc:  # triton missing or broken
         return Availability(False, f"triton cannot be imported ({exc})")
     interpreted = runs_in_interpreter()
+    if device.type == "npu":
+        if interpreted:
+            return Availability(False, "kernels were built for Triton's interpreter (TRITON_INTERPRET=1), which runs on CPU tensors")
+        if not npu.triton_is_ascend():
+            return Availability(False, f"the active Triton is not triton-ascend on an NPU "
+                                       f"(driver backend: {npu.triton_backend()!r})")
+        return Availability(True, "Ascend NPU through triton-ascend (persistent grid)")
     if device.type == "cuda":
         if interpreted:
             return Availability(False, "kernels were built for Triton's interpreter (TRITON_INTERPRET=1), which runs on CPU tensors")
@@ -54,9 +72,18 @@ def _torch_available(device: torch.device) -> Availability:
     return Availability(True, "pure torch, any device")
 
 
+def _npu_fused_available(device: torch.device) -> Availability:
+    if device.type != "npu":
+        return Availability(False, f"torch_npu.npu_fusion_attention runs on npu tensors, not {device.type}")
+    if npu.torch_npu_module() is None:
+        return Availability(False, npu.torch_npu_reason())
+    return Availability(True, "torch_npu.npu_fusion_attention (Ascend fused attention)")
+
+
 _REGISTRY: dict[Backend, Callable[[torch.device], Availability]] = {
     Backend.TRITON: _triton_available,
     Backend.TORCH: _torch_available,
+    Backend.NPU_FUSED: _npu_fused_available,
 }
 
 _logged: set[tuple[str, Backend]] = set()
@@ -83,6 +110,12 @@ def _default_for(device: torch.device) -> Backend:
         return Backend.TRITON
     if device.type == "cpu":
         return Backend.TRITON if is_available(Backend.TRITON, device).ok else Backend.TORCH
+    if device.type == "npu":
+        avail = is_available(Backend.NPU_FUSED, device)
+        if not avail.ok:
+            raise RuntimeError(f"npu tensors default to the npu_fused backend, which cannot run: {avail.reason}; "
+                               f"pass backend='triton' (triton-ascend) or 'torch' (or set {ENV_BACKEND})")
+        return Backend.NPU_FUSED
     raise RuntimeError(
         f"coreattn has no default backend for device type {device.type!r} yet; "
         f"pass backend='torch' (or set {ENV_BACKEND}=torch) to run the pure-torch backend there"

@@ -6,7 +6,8 @@ Three kernels, all deterministic (no atomics):
    over the query blocks that see its keys and over every q head of its GQA group, in a fixed
    order, and stores once;
 3. ``_attn_bwd_dq_kernel``: one program per (query block, sequence, q head) accumulates dQ.
-Masks, block skipping, layouts and the NaN answer to malformed cu_seqlens follow the forward.
+Masks, block skipping, layouts and the NaN answer to malformed cu_seqlens follow the forward,
+and so does ``PERSISTENT`` (Ascend: each kernel's programs run as tasks of a core-count 1D grid).
 """
 
 from __future__ import annotations
@@ -17,31 +18,50 @@ import triton.language as tl
 
 from coreattn.kernels.attn_common import (_key_range, _layout_ok, _load_keep, _poison_program_rows, _query_range,
                                           _seq_span, _visible)
-from coreattn.kernels.attn_fwd import LOG2E, check_grid, dot_precision, mask_flags
-from coreattn.kernels.config import bwd_config, head_block
+from coreattn.kernels.attn_fwd import LOG2E, dot_precision, launch_grid, mask_flags
+from coreattn.kernels.config import bwd_config, head_block, target_of
 from coreattn.kernels.packing import (Packing, keep_args, new_like, new_rowstat, rowstat_strides, seq_len_dim,
                                       seq_strides)
 
 
-@triton.jit(do_not_specialize=["seqlen_total"])
-def _attn_bwd_preprocess_kernel(out_ptr, do_ptr, delta_ptr, seqlen_total,
-                                stride_ob, stride_ot, stride_oh, stride_db, stride_dt, stride_dh,
-                                stride_lb, stride_lh,
-                                HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr):
-    # grid: (row blocks, batch (1 when packed), heads); rows outside any sequence get harmless values
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    head = tl.program_id(2).to(tl.int64)
+@triton.jit
+def _preprocess_program(pid_m, b, head, out_ptr, do_ptr, delta_ptr, seqlen_total,
+                        stride_ob, stride_ot, stride_oh, stride_db, stride_dt, stride_dh, stride_lb, stride_lh,
+                        HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row block pid_m of sample b (0 when packed), head ``head``; rows outside any sequence get
+    harmless values."""
+    b = b.to(tl.int64)
+    head = head.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_DV)
     r0 = pid_m.to(tl.int64) * BLOCK_M
-    mask = (r0 + offs_m[:, None] < seqlen_total) & (offs_d[None, :] < HEAD_DIM_V)
+    row_ok = offs_m < seqlen_total - pid_m * BLOCK_M  # int32 vector compare (Ascend: no int64 vectors)
+    mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM_V)
     o = tl.load(out_ptr + b * stride_ob + head * stride_oh + r0 * stride_ot
                 + offs_m[:, None] * stride_ot + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(do_ptr + b * stride_db + head * stride_dh + r0 * stride_dt
                  + offs_m[:, None] * stride_dt + offs_d[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(delta_ptr + b * stride_lb + head * stride_lh + r0 + offs_m, delta, mask=r0 + offs_m < seqlen_total)
+    tl.store(delta_ptr + b * stride_lb + head * stride_lh + r0 + offs_m, delta, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["seqlen_total", "grid_m", "batch"])
+def _attn_bwd_preprocess_kernel(out_ptr, do_ptr, delta_ptr, seqlen_total, grid_m, batch, heads,
+                                stride_ob, stride_ot, stride_oh, stride_db, stride_dt, stride_dh,
+                                stride_lb, stride_lh,
+                                HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                                PERSISTENT: tl.constexpr):
+    # grid: (grid_m row blocks, batch (1 when packed), heads); PERSISTENT: those programs as
+    # tasks of a core-count 1D grid
+    if PERSISTENT:
+        for task in range(tl.program_id(0), grid_m * batch * heads, tl.num_programs(0)):
+            _preprocess_program(task % grid_m, task // (grid_m * heads), (task // grid_m) % heads, out_ptr, do_ptr,
+                                delta_ptr, seqlen_total, stride_ob, stride_ot, stride_oh, stride_db, stride_dt,
+                                stride_dh, stride_lb, stride_lh, HEAD_DIM_V, BLOCK_DV, BLOCK_M)
+    else:
+        _preprocess_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), out_ptr, do_ptr, delta_ptr,
+                            seqlen_total, stride_ob, stride_ot, stride_oh, stride_db, stride_dt, stride_dh,
+                            stride_lb, stride_lh, HEAD_DIM_V, BLOCK_DV, BLOCK_M)
 
 
 @triton.jit
@@ -87,25 +107,22 @@ def _dkdv_q_steps(dk, dv, k, v, k_keep, q_base, do_base, lse_base, delta_base, q
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["batch", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right"])
-def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
-    batch, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
-    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
-    stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    SPANS: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    # grid: (key-block programs per sequence, sequences, kv heads)
-    pid_n = tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
-    num_pid_n = tl.num_programs(0)
+@triton.jit
+def _dkdv_program(pid_n, seq, kv_head, num_pid_n,
+                  q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                  q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
+                  batch, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
+                  stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                  stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb,
+                  stride_kks, stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
+                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+                  SPANS: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """One program of the (key-block programs, sequences, kv heads) grid: key blocks pid_n,
+    pid_n + num_pid_n, ... of sequence ``seq`` for kv head ``kv_head``."""
     seq64 = seq.to(tl.int64)
     kv64 = kv_head.to(tl.int64)
     dk_head = dk_ptr + seq64 * stride_dkb + kv64 * stride_dkh
@@ -174,6 +191,46 @@ def _attn_bwd_dkdv_kernel(
                              HEAD_DIM_V, BLOCK_DV, BLOCK_N, SPANS)
 
 
+@triton.jit(do_not_specialize=["batch", "grid_n", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right"])
+def _attn_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
+    batch, heads, grid_n, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
+    stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    SPANS: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    # grid: (grid_n key-block programs per sequence, sequences, kv heads = ``heads``);
+    # PERSISTENT: those programs as tasks of a core-count 1D grid
+    if PERSISTENT:
+        for task in range(tl.program_id(0), grid_n * batch * heads, tl.num_programs(0)):
+            _dkdv_program(task % grid_n, task // (grid_n * heads), (task // grid_n) % heads, grid_n,
+                          q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, q_seq_ptr, q_len_ptr,
+                          k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, batch, seqlen_q_total, seqlen_k_total, group,
+                          sm_scale, sm_scale_log2, window_left, window_right, stride_qb, stride_qt, stride_qh,
+                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot,
+                          stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
+                          stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
+                          HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B,
+                          HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, HAS_Q_KEEP, HAS_K_KEEP, DOT_PRECISION)
+    else:
+        _dkdv_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0),
+                      q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, q_seq_ptr, q_len_ptr,
+                      k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, batch, seqlen_q_total, seqlen_k_total, group,
+                      sm_scale, sm_scale_log2, window_left, window_right, stride_qb, stride_qt, stride_qh,
+                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot,
+                      stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
+                      stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
+                      HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B,
+                      HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, HAS_Q_KEEP, HAS_K_KEEP, DOT_PRECISION)
+
+
 @triton.jit
 def _dq_kv_steps(dq, q, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt, stride_kks,
                  rows, n_lo, n_hi, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
@@ -206,25 +263,22 @@ def _dq_kv_steps(dq, q, do, lse, delta, q_keep, k_base, v_base, k_keep_base, str
     return dq
 
 
-@triton.jit(do_not_specialize=["batch", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right"])
-def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-    q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
-    batch, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
-    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
-    stride_dqb, stride_dqt, stride_dqh,
-    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    SPANS: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    # grid: (query-block programs per sequence, sequences, q heads)
-    pid_m = tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
-    num_pid_m = tl.num_programs(0)
+@triton.jit
+def _dq_program(pid_m, seq, head, num_pid_m,
+                q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+                q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
+                batch, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
+                stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb,
+                stride_kks, stride_dqb, stride_dqt, stride_dqh,
+                HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+                SPANS: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """One program of the (query-block programs, sequences, q heads) grid: query blocks pid_m,
+    pid_m + num_pid_m, ... of sequence ``seq`` for q head ``head``."""
     seq64 = seq.to(tl.int64)
     h64 = head.to(tl.int64)
     dq_head = dq_ptr + seq64 * stride_dqb + h64 * stride_dqh
@@ -281,6 +335,44 @@ def _attn_bwd_dq_kernel(
                              HEAD_DIM_QK, BLOCK_DQK, BLOCK_M, SPANS)
 
 
+@triton.jit(do_not_specialize=["batch", "grid_m", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right"])
+def _attn_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
+    batch, heads, grid_m, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
+    stride_dqb, stride_dqt, stride_dqh,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    SPANS: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    # grid: (grid_m query-block programs per sequence, sequences, q heads = ``heads``);
+    # PERSISTENT: those programs as tasks of a core-count 1D grid
+    if PERSISTENT:
+        for task in range(tl.program_id(0), grid_m * batch * heads, tl.num_programs(0)):
+            _dq_program(task % grid_m, task // (grid_m * heads), (task // grid_m) % heads, grid_m,
+                        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr,
+                        k_len_ptr, q_keep_ptr, k_keep_ptr, batch, seqlen_q_total, seqlen_k_total, group, sm_scale,
+                        sm_scale_log2, window_left, window_right, stride_qb, stride_qt, stride_qh, stride_kb,
+                        stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
+                        stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dqb, stride_dqt,
+                        stride_dqh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B,
+                        HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, HAS_Q_KEEP, HAS_K_KEEP, DOT_PRECISION)
+    else:
+        _dq_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0),
+                    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr,
+                    k_len_ptr, q_keep_ptr, k_keep_ptr, batch, seqlen_q_total, seqlen_k_total, group, sm_scale,
+                    sm_scale_log2, window_left, window_right, stride_qb, stride_qt, stride_qh, stride_kb,
+                    stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
+                    stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dqb, stride_dqt,
+                    stride_dqh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B,
+                    HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, HAS_Q_KEEP, HAS_K_KEEP, DOT_PRECISION)
+
+
 def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int,
                     softmax_scale: float, window_left: int = -1, window_right: int = -1, bottom_right: bool = True,
@@ -303,34 +395,39 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     seqlen_q_total, seqlen_k_total = seq_len_dim(q, q_pack.fmt), seq_len_dim(k, k_pack.fmt)
     if batch == 0 or (q.numel() == 0 and k.numel() == 0):
         return dq, dk, dv
-    check_grid(batch, heads_q)
+    target = target_of(q.device)
     block_dqk, block_dv = head_block(dim_qk), head_block(dim_v)
-    cfg = bwd_config(q.device, block_dqk, block_dv)
+    cfg = bwd_config(q.device, block_dqk, block_dv, q.element_size())
 
     delta = new_rowstat(q, q_pack, fill=0.0)  # [H, T] or [B, H, S]
     if q.numel() > 0:
         pre_batch = 1 if q_pack.fmt == "thd" else batch
-        _attn_bwd_preprocess_kernel[(triton.cdiv(seqlen_q_total, cfg.block_m), pre_batch, heads_q)](
-            out, dout, delta, seqlen_q_total, *seq_strides(out, q_pack.fmt), *seq_strides(dout, q_pack.fmt),
-            *rowstat_strides(delta, q_pack),
-            HEAD_DIM_V=dim_v, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m,
+        grid, grid_x, persistent = launch_grid(q.device, target, triton.cdiv(seqlen_q_total, cfg.block_m), pre_batch,
+                                               heads_q, hint=False, vector_only=True)
+        _attn_bwd_preprocess_kernel[grid](
+            out, dout, delta, seqlen_q_total, grid_x, pre_batch, heads_q, *seq_strides(out, q_pack.fmt),
+            *seq_strides(dout, q_pack.fmt), *rowstat_strides(delta, q_pack),
+            HEAD_DIM_V=dim_v, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m, PERSISTENT=persistent,
         )
     common = dict(HEAD_DIM_QK=dim_qk, HEAD_DIM_V=dim_v, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype, target),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **mask_flags(window_left, window_right, bottom_right, q_pack, k_pack))
-    scalars = (batch, seqlen_q_total, seqlen_k_total, heads_q // heads_kv, softmax_scale, softmax_scale * LOG2E,
+    scalars = (seqlen_q_total, seqlen_k_total, heads_q // heads_kv, softmax_scale, softmax_scale * LOG2E,
                window_left, window_right)
     strides = (*seq_strides(q, q_pack.fmt), *seq_strides(k, k_pack.fmt), *seq_strides(v, k_pack.fmt),
                *seq_strides(dout, q_pack.fmt), *rowstat_strides(lse, q_pack), *keep_args(q_pack)[1:],
                *keep_args(k_pack)[1:])
     layout = (q_pack.seq, q_pack.lens, k_pack.seq, k_pack.lens, keep_args(q_pack)[0], keep_args(k_pack)[0])
     if k.numel() > 0:
-        grid_n = (max(1, triton.cdiv(max_seqlen_k, cfg.block_n)), batch, heads_kv)
-        _attn_bwd_dkdv_kernel[grid_n](q, k, v, dout, lse, delta, dk, dv, *layout, *scalars, *strides,
-                                      *seq_strides(dk, k_pack.fmt), *seq_strides(dv, k_pack.fmt), **common)
+        grid, grid_n, persistent = launch_grid(q.device, target, max(1, triton.cdiv(max_seqlen_k, cfg.block_n)),
+                                               batch, heads_kv)
+        _attn_bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, *layout, batch, heads_kv, grid_n, *scalars,
+                                    *strides, *seq_strides(dk, k_pack.fmt), *seq_strides(dv, k_pack.fmt),
+                                    PERSISTENT=persistent, **common)
     if q.numel() > 0:
-        grid_m = (max(1, triton.cdiv(max_seqlen_q, cfg.block_m)), batch, heads_q)
-        _attn_bwd_dq_kernel[grid_m](q, k, v, dout, lse, delta, dq, *layout, *scalars, *strides,
-                                    *seq_strides(dq, q_pack.fmt), **common)
+        grid, grid_m, persistent = launch_grid(q.device, target, max(1, triton.cdiv(max_seqlen_q, cfg.block_m)),
+                                               batch, heads_q)
+        _attn_bwd_dq_kernel[grid](q, k, v, dout, lse, delta, dq, *layout, batch, heads_q, grid_m, *scalars, *strides,
+                                  *seq_strides(dq, q_pack.fmt), PERSISTENT=persistent, **common)
     return dq, dk, dv

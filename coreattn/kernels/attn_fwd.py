@@ -4,7 +4,8 @@ One kernel for every case: causal/window masks are constexpr flags, head dims ar
 (HEAD_DIM_*) plus padded power-of-two blocks (BLOCK_D*). Lengths and token counts are runtime
 ints that never specialize, so a new packed batch never recompiles. max_seqlen only sizes the
 grid: each program strides over its sequence's query blocks, so a too-small max_seqlen costs
-speed, not correctness.
+speed, not correctness. ``PERSISTENT`` (Ascend) runs the same programs as tasks of a
+core-count 1D grid (kernels/config.py).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import triton
 import triton.language as tl
 
 from coreattn.kernels.attn_common import _key_range, _layout_ok, _load_keep, _poison_program_rows, _seq_span, _visible
-from coreattn.kernels.config import fwd_config, head_block
+from coreattn.kernels.config import fwd_config, head_block, persistent_grid, target_of
 from coreattn.kernels.packing import (Packing, keep_args, kernel_flags, new_like, new_rowstat, rowstat_strides, seq_len_dim,
                                       seq_strides)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MAX_GRID_YZ = 65535
+MAX_TASKS = 2**31 - 1  # persistent launches index their tasks with int32
 CU_SCAN_BLOCK = 128  # fixed, so the batch size never enters a compile key
 
 
@@ -107,24 +109,20 @@ def _fwd_q_block(q_base, k_base, v_base, o_base, lse_base, q_keep_base, k_keep_b
     tl.store(lse_base + tl.cast(m0, tl.int64) + offs_m, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["batch", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right"])
-def _varlen_attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
-    batch, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
-    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
-    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    SPANS: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    # grid: (query-block programs per sequence, sequences, q heads). seqlen_*_total is the
-    # token count T (thd) or the padded length S (bshd/sbhd); see kernels/packing.py.
-    pid_m = tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
-    num_pid_m = tl.num_programs(0)
+@triton.jit
+def _fwd_program(pid_m, seq, head, num_pid_m,
+                 q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr,
+                 k_keep_ptr, batch, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
+                 stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                 stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
+                 HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                 BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+                 SPANS: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """What one program of the (query-block programs, sequences, q heads) grid does: the query
+    blocks pid_m, pid_m + num_pid_m, ... of sequence ``seq`` for q head ``head``."""
     o_head = out_ptr + seq.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
     lse_head = lse_ptr + seq.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
     ok = _layout_ok(q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, seq, batch, seqlen_q_total, seqlen_k_total,
@@ -155,14 +153,71 @@ def _varlen_attn_fwd_kernel(
         _poison_program_rows(lse_head, pid_m, seq, num_pid_m, batch, seqlen_q_total, 1, 1, 1, BLOCK_M, SPANS)
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs run at IEEE precision (no TF32); 16-bit inputs use the native MMA."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+@triton.jit(do_not_specialize=["batch", "grid_m", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right"])
+def _varlen_attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
+    batch, heads, grid_m, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    SPANS: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    # grid: (grid_m query-block programs per sequence, sequences, q heads). PERSISTENT (Ascend):
+    # a 1D grid of core-count programs, each running a share of those same (pid_m, seq, head)
+    # tasks in turn. seqlen_*_total is the token count T (thd) or the padded length S
+    # (bshd/sbhd); see kernels/packing.py.
+    if PERSISTENT:
+        for task in range(tl.program_id(0), grid_m * batch * heads, tl.num_programs(0)):
+            _fwd_program(task % grid_m, task // (grid_m * heads), (task // grid_m) % heads, grid_m,
+                         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr,
+                         q_keep_ptr, k_keep_ptr, batch, seqlen_q_total, seqlen_k_total, group, sm_scale_log2,
+                         window_left, window_right, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                         stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+                         stride_qkb, stride_qks, stride_kkb, stride_kks, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
+                         BLOCK_M, BLOCK_N, BLOCK_B, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, HAS_Q_KEEP, HAS_K_KEEP,
+                         DOT_PRECISION)
+    else:
+        _fwd_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0),
+                     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr,
+                     q_keep_ptr, k_keep_ptr, batch, seqlen_q_total, seqlen_k_total, group, sm_scale_log2,
+                     window_left, window_right, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+                     stride_qkb, stride_qks, stride_kkb, stride_kks, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
+                     BLOCK_M, BLOCK_N, BLOCK_B, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, HAS_Q_KEEP, HAS_K_KEEP,
+                     DOT_PRECISION)
+
+
+def dot_precision(dtype: torch.dtype, target: str) -> str:
+    """fp32 inputs run at IEEE precision (no TF32); 16-bit inputs use the native MMA. Ascend
+    accepts only "ieee" and "hf32" (16-bit inputs are exact there either way)."""
+    return "ieee" if dtype == torch.float32 or target == "ascend" else "tf32"
 
 
 def check_grid(batch: int, heads: int) -> None:
     if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ:
         raise ValueError(f"batch ({batch}) and heads ({heads}) must each be <= {MAX_GRID_YZ} for the Triton grid")
+
+
+def launch_grid(device: torch.device, target: str, grid_x: int, batch: int, heads: int,
+                hint: bool = True, vector_only: bool = False) -> tuple[tuple[int, ...], int, bool]:
+    """(grid, grid_x, PERSISTENT) for a kernel whose programs are (grid_x, batch, heads).
+
+    CUDA and the interpreter launch that 3D grid. Ascend launches a persistent 1D grid of
+    core-count programs that loop over the grid_x * batch * heads tasks (kernels/config.py); the
+    task count must fit int32, so when grid_x only sizes a grid-stride loop (``hint``) it is
+    capped, costing speed, not correctness."""
+    if target != "ascend":
+        check_grid(batch, heads)
+        return (grid_x, batch, heads), grid_x, False
+    if hint:
+        grid_x = max(1, min(grid_x, MAX_TASKS // (batch * heads)))
+    if grid_x * batch * heads > MAX_TASKS:
+        raise ValueError(f"{grid_x} x {batch} x {heads} tasks do not fit the persistent grid's int32 task index")
+    return (persistent_grid(device, grid_x * batch * heads, vector_only),), grid_x, True
 
 
 def mask_flags(window_left: int, window_right: int, bottom_right: bool, q_pack: Packing, k_pack: Packing) -> dict:
@@ -191,20 +246,21 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
     seqlen_q_total = seq_len_dim(q, q_pack.fmt)
     if q.numel() == 0 or batch == 0:
         return out, lse
-    check_grid(batch, heads_q)
+    target = target_of(q.device)
     block_dqk, block_dv = head_block(dim_qk), head_block(dim_v)
-    cfg = fwd_config(q.device, block_dqk, block_dv)
-    grid = (max(1, triton.cdiv(max_seqlen_q, cfg.block_m)), batch, heads_q)
+    cfg = fwd_config(q.device, block_dqk, block_dv, q.element_size())
+    grid, grid_m, persistent = launch_grid(q.device, target, max(1, triton.cdiv(max_seqlen_q, cfg.block_m)),
+                                           batch, heads_q)
     _varlen_attn_fwd_kernel[grid](
         q, k, v, out, lse, q_pack.seq, q_pack.lens, k_pack.seq, k_pack.lens,
         keep_args(q_pack)[0], keep_args(k_pack)[0],
-        batch, seqlen_q_total, seq_len_dim(k, k_pack.fmt), heads_q // heads_kv, softmax_scale * LOG2E,
-        window_left, window_right,
+        batch, heads_q, grid_m, seqlen_q_total, seq_len_dim(k, k_pack.fmt), heads_q // heads_kv,
+        softmax_scale * LOG2E, window_left, window_right,
         *seq_strides(q, q_pack.fmt), *seq_strides(k, k_pack.fmt), *seq_strides(v, k_pack.fmt),
         *seq_strides(out, q_pack.fmt), *rowstat_strides(lse, q_pack), *keep_args(q_pack)[1:], *keep_args(k_pack)[1:],
         HEAD_DIM_QK=dim_qk, HEAD_DIM_V=dim_v, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
-        **mask_flags(window_left, window_right, bottom_right, q_pack, k_pack),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype, target),
+        PERSISTENT=persistent, **mask_flags(window_left, window_right, bottom_right, q_pack, k_pack),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

@@ -45,8 +45,9 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             Megatron's ``cu_seqlens_*_padded`` layout with the real lengths. Unused query rows
             get zeros (lse -inf) and no gradient; unused keys are seen by no query. Causal
             alignment and windows count within the used tokens.
-        backend: ``"triton"`` or ``"torch"`` to override the per-device choice (see
-            ``coreattn.adapters.backends``); raises if it cannot run.
+        backend: ``"triton"``, ``"torch"`` or ``"npu_fused"`` (Ascend's fused op, the default on
+            npu tensors) to override the per-device choice (see ``coreattn.adapters.backends``);
+            raises if it cannot run. ``npu_fused`` returns lse None.
 
     Returns:
         ``out`` ``[Tq, Hq, Dv]`` in q's dtype, or ``(out, lse)`` when ``return_lse``. A query that

@@ -1,0 +1,92 @@
+"""Compile the attention kernels through the Triton compiler without a device (run as a script).
+
+``python tests/kernel_compile.py cuda``: upstream Triton, sm90 target, both launch modes
+(3D grid and PERSISTENT), through ptxas to cubin (Triton ships ptxas).
+``python tests/kernel_compile.py ascend``: triton-ascend, PERSISTENT, Triton IR and then
+triton-adapter-opt's lowering to Linalg/HIVM (the last stage before the bisheng compiler, which
+needs the CANN toolkit). Prints one line per kernel and variant; exits non-zero on failure.
+TRITON_INTERPRET must be unset (the kernels must be JIT functions).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from coreattn.kernels.attn_bwd import (_attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel,  # noqa: E402
+                                       _attn_bwd_preprocess_kernel)
+from coreattn.kernels.attn_fwd import _varlen_attn_fwd_kernel  # noqa: E402
+
+POINTER_TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "q_seq_ptr": "*i32", "q_len_ptr": "*i32",
+                 "k_seq_ptr": "*i32", "k_len_ptr": "*i32", "q_keep_ptr": "*u8", "k_keep_ptr": "*u8"}
+SHAPES = dict(HEAD_DIM_QK=192, HEAD_DIM_V=128, BLOCK_DQK=256, BLOCK_DV=128, BLOCK_M=32, BLOCK_N=32, BLOCK_B=128)
+VARIANTS = {
+    "thd-causal-window": dict(HAS_LEFT=True, HAS_RIGHT=True, BOTTOM_RIGHT=True, SPANS=False, HAS_Q_KEEP=False,
+                              HAS_K_KEEP=False),
+    "spans-keep-masks": dict(HAS_LEFT=False, HAS_RIGHT=False, BOTTOM_RIGHT=False, SPANS=True, HAS_Q_KEEP=True,
+                             HAS_K_KEEP=True),
+}
+KERNELS = (_varlen_attn_fwd_kernel, _attn_bwd_preprocess_kernel, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel)
+
+
+def _signature(fn, consts: dict) -> dict:
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = POINTER_TYPES.get(name, "*fp16")
+        else:
+            sig[name] = "fp32" if name.startswith("sm_scale") else "i32"
+    return sig
+
+
+def _cuda(fn, consts: dict) -> str:
+    src = ASTSource(fn, _signature(fn, consts), {(fn.arg_names.index(k),): v for k, v in consts.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+    return f"cubin {len(compiled.asm['cubin'])} bytes"
+
+
+def _ascend(fn, consts: dict) -> str:
+    import triton._C.libtriton as libtriton
+    from triton.backends.ascend.compiler import AscendBackend, make_ttir, ttir_to_linalg
+
+    sig = {k: v for k, v in _signature(fn, consts).items() if v != "constexpr"}
+    backend = AscendBackend(GPUTarget("npu", "Ascend910B3", 0))
+    options = backend.parse_options({})
+    context = libtriton.ir.context()
+    libtriton.ir.load_dialects(context)
+    backend.load_dialects(context)
+    mod = ASTSource(fn, sig, consts).make_ir(options, backend.get_codegen_implementation(), backend.get_module_map(),
+                                             context)
+    metadata = {k: getattr(options, k, None) for k in ("enable_nd2nz_on_vector", "enable_select_analysis",
+                                                      "compile_on_910_95", "force_simt_template", "enable_linearize")}
+    metadata["hash"] = fn.__name__
+    mod = make_ttir(mod, metadata, options)
+    try:
+        linalg = ttir_to_linalg(mod, metadata, options, named_ops=True)
+    except Exception as exc:  # subprocess.CalledProcessError from triton-adapter-opt
+        raise RuntimeError((getattr(exc, "stderr", b"") or b"").decode()[-4000:]) from exc
+    return f"ttadapter {len(str(linalg))} chars"
+
+
+def main(which: str) -> None:
+    compile_one = _cuda if which == "cuda" else _ascend
+    precision = "tf32" if which == "cuda" else "ieee"  # triton-ascend accepts ieee and hf32 only
+    for variant, flags in VARIANTS.items():
+        for fn in KERNELS:
+            for persistent in ((False, True) if which == "cuda" else (True,)):
+                consts = dict(SHAPES, **flags, DOT_PRECISION=precision, PERSISTENT=persistent)
+                consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+                mode = "PERSISTENT" if persistent else "grid"
+                print(f"{which} {fn.__name__} {variant} {mode}: {compile_one(fn, consts)}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,407 @@
+"""The npu_fused backend and Ascend detection, on CPU: a fake torch_npu (tests/fake_torch_npu.py)
+implements npu_fusion_attention's documented semantics and records what coreattn passes it.
+
+There is no ``npu`` device type without torch_npu, so the backend's logic runs on CPU tensors
+(``attn_npu_fused`` directly, or through the public functions with the dispatch pinned to
+npu_fused) and device selection is tested with a stand-in device object.
+"""
+
+import math
+import sys
+from types import SimpleNamespace
+from typing import NamedTuple
+
+import pytest
+import torch
+
+import coreattn
+from attn_cases import CASES, LENS_K, Case, assert_flash_criterion, assert_grad_criterion, make_inputs
+from coreattn.adapters import backends, npu
+from coreattn.adapters.backends import Backend, is_available, select_backend
+from coreattn.kernels.config import ENV_TRITON_TARGET, target_of
+from coreattn.kernels.packing import Packing, packed
+from coreattn.layers import dispatch
+from coreattn.layers.checks import VarlenParams
+from coreattn.layers.npu_backend import INT_MAX, MAX_VARLEN_SEQUENCES, attn_npu_fused
+from fake_torch_npu import FakeTorchNpu
+from oracle import attention_ref, padded_attention_ref
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+class Device(NamedTuple):
+    """Stands in for torch.device("npu"), which needs torch_npu to exist."""
+
+    type: str
+    index: int | None = 0
+
+
+NPU = Device("npu")
+
+
+@pytest.fixture
+def fake_npu(monkeypatch):
+    fake = FakeTorchNpu()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake.module)
+    npu.cache_clear()
+    yield fake
+    npu.cache_clear()
+
+
+@pytest.fixture
+def no_npu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import raises ImportError
+    npu.cache_clear()
+    yield
+    npu.cache_clear()
+
+
+def _params(case: Case) -> VarlenParams:
+    right = 0 if case.causal else case.window[1]
+    return VarlenParams(case.dqk ** -0.5, case.window[0], right, case.bottom_right)
+
+
+def _expected_error(case: Case):
+    lens_k = case.lens_k if case.lens_k is not None else case.lens_q
+    if case.dv > case.dqk:
+        return ValueError, "Dqk >= Dv"
+    params = _params(case)
+    window = not (params.window_left < 0 and params.window_right in (-1, 0))
+    if window and not case.bottom_right and tuple(lens_k) != tuple(case.lens_q):
+        return NotImplementedError, "aligned bottom-right"
+    return None
+
+
+def _expected_mode(params: VarlenParams) -> tuple[int, int, int]:
+    """(sparse_mode, pre_tockens, next_tockens) coreattn must pass."""
+    left, right = params.window_left, params.window_right
+    if left < 0 and right < 0:
+        return 0, INT_MAX, INT_MAX
+    if left < 0 and right == 0:
+        return (3 if params.bottom_right else 2), INT_MAX, INT_MAX
+    return 4, (left if left >= 0 else INT_MAX), (right if right >= 0 else INT_MAX)
+
+
+def _check_call(call, params, hq, mode_expected=None):
+    mode, pre, nxt = mode_expected or _expected_mode(params)
+    assert call["sparse_mode"] == mode and call["head_num"] == hq
+    assert call["scale"] == params.softmax_scale and call["keep_prob"] == 1.0
+    if mode in (2, 3, 4):
+        assert call["atten_mask"] is coreattn.masks.npu_compressed_causal_mask("cpu")
+        assert call["atten_mask"].shape == (2048, 2048) and call["atten_mask"].dtype == torch.bool
+    if mode == 4:
+        assert (call["pre_tockens"], call["next_tockens"]) == (pre, nxt)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("case", CASES + [Case(dqk=64, dv=32, hq=4, hkv=2, lens_q=(0, 0, 9, 0), lens_k=(0, 4, 9, 0))],
+                         ids=lambda c: c.id)
+def test_packed_matches_oracle_and_passes_tnd(fake_npu, case, dtype):
+    q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(case, dtype, "cpu", requires_grad=True)
+    params = _params(case)
+    err = _expected_error(case)
+    if err is not None:
+        with pytest.raises(err[0], match=err[1]):
+            attn_npu_fused(q, k, v, packed(cu_q), packed(cu_k), max_q, max_k, params)
+        return
+    out, lse = attn_npu_fused(q, k, v, packed(cu_q), packed(cu_k), max_q, max_k, params)
+    assert lse is None and out.dtype == dtype and out.shape == (q.shape[0], case.hq, case.dv)
+
+    (call,) = fake_npu.calls
+    assert call["input_layout"] == "TND"
+    lens = [(b - a, d - c) for a, b, c, d in zip(cu_q.tolist(), cu_q.tolist()[1:], cu_k.tolist(), cu_k.tolist()[1:])]
+    kept = [(lq, lk) for lq, lk in lens if lq or lk]  # sequences empty on both sides are dropped
+    assert call["actual_seq_qlen"] == torch.tensor([lq for lq, _ in kept]).cumsum(0).tolist()
+    assert call["actual_seq_kvlen"] == torch.tensor([lk for _, lk in kept]).cumsum(0).tolist()
+    assert all(type(x) is int for x in call["actual_seq_qlen"] + call["actual_seq_kvlen"])
+    _check_call(call, params, case.hq)
+
+    opts = dict(causal=case.causal, window=case.window, bottom_right=case.bottom_right)
+    ref, _ = attention_ref(q, k, v, cu_q, cu_k, **opts)
+    naive, _ = attention_ref(q, k, v, cu_q, cu_k, upcast=False, **opts)
+    assert_flash_criterion("out", out, naive, ref)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    assert_grad_criterion(out, ref, naive, (q, k, v), g)
+
+
+def test_rows_without_keys_are_zeroed_with_invalid_row_handling(fake_npu):
+    """Bottom-right causal with Lq > Lk and an empty key sequence: those rows are the op's
+    business (the fake averages V there); coreattn asks for inner_precise=2 and zeroes them."""
+    case = Case(dqk=32, dv=32, hq=2, hkv=1, causal=True, lens_q=(6, 3), lens_k=(2, 0))
+    q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(case, torch.float32, "cpu")
+    out, _ = attn_npu_fused(q, k, v, packed(cu_q), packed(cu_k), max_q, max_k, _params(case))
+    assert fake_npu.calls[0]["inner_precise"] == 2
+    assert not out[:4].any() and not out[6:].any() and out[4:6].abs().sum() > 0
+    ref, _ = attention_ref(q, k, v, cu_q, cu_k, causal=True)
+    torch.testing.assert_close(out, ref.float(), rtol=0, atol=1e-5)
+
+
+def test_full_rows_ask_no_invalid_row_handling(fake_npu):
+    case = Case(dqk=32, dv=16, hq=2, hkv=2, causal=True, lens_q=(5, 7))
+    q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(case, torch.float32, "cpu")
+    attn_npu_fused(q, k, v, packed(cu_q), packed(cu_k), max_q, max_k, _params(case))
+    assert fake_npu.calls[0]["inner_precise"] == 0
+
+
+def test_too_many_sequences_raise(fake_npu):
+    n = MAX_VARLEN_SEQUENCES + 1
+    case = Case(dqk=16, dv=16, hq=1, hkv=1, lens_q=(1,) * n)
+    q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(case, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=f"{n} non-empty sequences"):
+        attn_npu_fused(q, k, v, packed(cu_q), packed(cu_k), max_q, max_k, _params(case))
+    assert not fake_npu.calls
+
+
+def test_no_token_at_all_needs_no_op_call(fake_npu):
+    case = Case(dqk=16, dv=8, lens_q=(0, 0), lens_k=(3, 0))
+    q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(case, torch.float32, "cpu", requires_grad=True)
+    out, _ = attn_npu_fused(q, k, v, packed(cu_q), packed(cu_k), max_q, max_k, _params(case))
+    assert out.shape == (0, 2, 8) and not fake_npu.calls
+
+
+def test_missing_torch_npu_raises(no_npu):
+    case = Case(dqk=16, dv=16, lens_q=(3,))
+    q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(case, torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match="needs torch_npu"):
+        attn_npu_fused(q, k, v, packed(cu_q), packed(cu_k), max_q, max_k, _params(case))
+
+
+# padded batches -----------------------------------------------------------------------------
+
+B, S, HQ, HKV = 3, 13, 4, 2
+
+
+def _padded(layout, dqk, dv, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(h, d):
+        x = torch.randn(B, S, h, d, generator=gen).to(dtype)
+        return (x.transpose(0, 1) if layout == "sbhd" else x).requires_grad_()
+
+    return rand(HQ, dqk), rand(HKV, dqk), rand(HKV, dv)
+
+
+def _bshd(x, layout):
+    return x.transpose(0, 1) if layout == "sbhd" else x
+
+
+def _pin_npu_fused(monkeypatch):
+    """Route the public functions' dispatch to npu_fused for CPU tensors."""
+    monkeypatch.setattr(dispatch, "select_backend", lambda device, override=None: Backend.NPU_FUSED)
+
+
+def _check_padded(out, q, k, v, keep, causal, window=(-1, -1), layout="bshd"):
+    leaves = [_bshd(t, layout) for t in (q, k, v)]
+    g = torch.randn(_bshd(out, layout).shape, generator=torch.Generator().manual_seed(4)).to(out.dtype)
+    opts = dict(causal=causal, window=window)
+    ref = padded_attention_ref(*leaves, keep, keep, **opts)
+    naive = padded_attention_ref(*leaves, keep, keep, upcast=False, **opts)
+    assert_flash_criterion("out", _bshd(out, layout), naive, ref)
+    assert_grad_criterion(_bshd(out, layout), ref, naive, (q, k, v), g)
+
+
+@pytest.mark.parametrize("layout, dqk, dv, expected", [("sbhd", 32, 32, "SBH"), ("sbhd", 48, 32, "BSND"),
+                                                        ("bshd", 48, 32, "BSND")])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_whole_rows_use_the_padded_layouts(fake_npu, monkeypatch, layout, dqk, dv, expected, causal):
+    _pin_npu_fused(monkeypatch)
+    q, k, v = _padded(layout, dqk, dv)
+    out = coreattn.padded_attn(q, k, v, layout=layout, causal=causal, causal_alignment="top_left")
+    (call,) = fake_npu.calls
+    assert call["input_layout"] == expected and call["actual_seq_qlen"] is None
+    if expected == "SBH":
+        assert call["query"].shape == (S, B, HQ * dqk) and call["value"].shape == (S, B, HKV * dv)
+    else:
+        assert call["query"].shape == (B, S, HQ, dqk)
+    _check_call(call, VarlenParams(1 / math.sqrt(dqk), -1, 0 if causal else -1, False), HQ)
+    assert out.shape == q.shape[:3] + (dv,)
+    _check_padded(out, q, k, v, torch.ones(B, S, dtype=torch.bool), causal, layout=layout)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+def test_spans_gather_into_tnd(fake_npu, monkeypatch, layout):
+    _pin_npu_fused(monkeypatch)
+    q, k, v = _padded(layout, 40, 24)
+    start = torch.tensor([0, 5, 13], dtype=torch.int32)  # right padding, left padding, an empty sample
+    length = torch.tensor([9, 8, 0], dtype=torch.int32)
+    out = coreattn.padded_attn(q, k, v, layout=layout, q_start=start, q_len=length, k_start=start, k_len=length,
+                               causal=True)
+    (call,) = fake_npu.calls
+    assert call["input_layout"] == "TND" and call["query"].shape == (17, HQ, 40)
+    assert call["actual_seq_qlen"] == [9, 17] and call["actual_seq_kvlen"] == [9, 17]
+    _check_call(call, VarlenParams(1 / math.sqrt(40), -1, 0, True), HQ)
+    keep = (torch.arange(S)[None] >= start[:, None]) & (torch.arange(S)[None] < (start + length)[:, None])
+    assert not _bshd(out, layout)[~keep].any(), "padding rows are zero"
+    _check_padded(out, q, k, v, keep, causal=True, layout=layout)
+
+
+def test_spans_on_packed_tensors_match_torch_backend(fake_npu):
+    gen = torch.Generator().manual_seed(7)
+    t = 40
+    q, k = (torch.randn(t, 2, 32, generator=gen).requires_grad_() for _ in range(2))
+    v = torch.randn(t, 2, 16, generator=gen).requires_grad_()
+    i32 = dict(dtype=torch.int32)
+    q_pack = Packing("thd", torch.tensor([0, 10, 25], **i32), torch.tensor([10, 15, 0], **i32))
+    k_pack = Packing("thd", torch.tensor([0, 0, 25], **i32), torch.tensor([12, 25, 3], **i32))  # overlapping
+    params = VarlenParams(32 ** -0.5, -1, 0, True)
+    out, _ = attn_npu_fused(q, k, v, q_pack, k_pack, 15, 25, params)
+    ref, _ = dispatch.attn_torch(q, k, v, q_pack, k_pack, 15, 25, params)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    assert fake_npu.calls[0]["actual_seq_qlen"] == [10, 25, 25] and fake_npu.calls[0]["actual_seq_kvlen"] == [12, 37, 40]
+    g = torch.randn(out.shape, generator=gen)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def _holey_keep():
+    gen = torch.Generator().manual_seed(5)
+    keep = torch.rand(B, S, generator=gen) < 0.7  # holes
+    keep[0, 10:] = False
+    keep[1, :4] = False
+    keep[2] = False
+    return keep
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64], ids=["bool", "int64"])
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (3, 2))],
+                         ids=["full", "causal", "window"])
+def test_keep_masks_become_a_b1ss_mask_and_stay_intact(fake_npu, monkeypatch, layout, causal, window, mask_dtype):
+    _pin_npu_fused(monkeypatch)
+    q, k, v = _padded(layout, 40, 24, torch.float16)
+    keep = _holey_keep().to(mask_dtype)
+    snapshot = keep.clone()
+    out = coreattn.padded_attn(q, k, v, layout=layout, q_keep_mask=keep, k_keep_mask=keep, causal=causal,
+                               window_size=window)
+    assert torch.equal(keep, snapshot) and keep.dtype == mask_dtype, "the caller's [B, S] mask is untouched"
+    (call,) = fake_npu.calls
+    mask = call["atten_mask"]
+    assert call["input_layout"] == "BSND" and call["sparse_mode"] == 0 and call["inner_precise"] == 2
+    assert mask.shape == (B, 1, S, S) and mask.dtype == torch.bool
+    # the derived Megatron-convention mask gives the keep mask back for post-processing
+    assert torch.equal(coreattn.masks.keep_mask_from_4d(mask, "megatron"), snapshot != 0)
+    derived = mask.clone()
+    _check_padded(out, q, k, v, keep, causal, window, layout)
+    assert torch.equal(mask, derived) and torch.equal(keep, snapshot), "backward leaves both masks intact"
+    assert not _bshd(out, layout)[~snapshot.bool()].any(), "dropped query rows are zero"
+
+
+def test_megatron_padding_mask_survives_keep_mask_round_trip(fake_npu, monkeypatch):
+    """A Megatron [B, 1, 1, S] padding mask (True = masked) -> keep mask -> npu_fused: the
+    caller's mask is unchanged and recoverable from the 4D mask the op received."""
+    _pin_npu_fused(monkeypatch)
+    q, k, v = _padded("sbhd", 32, 32)
+    megatron = ~_holey_keep()[:, None, None, :]
+    snapshot = megatron.clone()
+    keep = coreattn.masks.keep_mask_from_4d(megatron, "megatron")
+    coreattn.padded_attn(q, k, v, layout="sbhd", q_keep_mask=keep, k_keep_mask=keep, causal=True,
+                         causal_alignment="top_left")
+    assert torch.equal(megatron, snapshot)
+    recovered = coreattn.masks.keep_mask_from_4d(fake_npu.calls[0]["atten_mask"], "megatron")
+    assert torch.equal(recovered, keep) and torch.equal(~recovered[:, None, None, :], snapshot)
+
+
+def test_varlen_attn_through_dispatch_returns_no_lse(fake_npu, monkeypatch):
+    _pin_npu_fused(monkeypatch)
+    case = Case(dqk=64, dv=32, hq=4, hkv=2, causal=True, lens_k=LENS_K)
+    q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(case, torch.float16, "cpu")
+    out, lse = coreattn.varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, return_lse=True)
+    assert lse is None and fake_npu.calls[0]["sparse_mode"] == 3
+    ref, _ = attention_ref(q, k, v, cu_q, cu_k, causal=True)
+    naive, _ = attention_ref(q, k, v, cu_q, cu_k, causal=True, upcast=False)
+    assert_flash_criterion("out", out, naive, ref)
+
+
+# selection and detection --------------------------------------------------------------------
+
+def test_npu_defaults_to_npu_fused(fake_npu, monkeypatch):
+    monkeypatch.delenv(backends.ENV_BACKEND, raising=False)
+    assert select_backend(NPU) is Backend.NPU_FUSED
+    assert select_backend(NPU, "torch") is Backend.TORCH
+
+
+def test_npu_without_torch_npu_has_no_default(no_npu, monkeypatch):
+    monkeypatch.delenv(backends.ENV_BACKEND, raising=False)
+    with pytest.raises(RuntimeError, match="npu_fused backend, which cannot run: torch_npu cannot be imported"):
+        select_backend(NPU)
+
+
+def test_npu_fused_override_needs_an_npu_tensor(fake_npu, monkeypatch):
+    monkeypatch.delenv(backends.ENV_BACKEND, raising=False)
+    with pytest.raises(RuntimeError, match="backend='npu_fused' cannot run on cpu"):
+        select_backend(torch.device("cpu"), "npu_fused")
+    monkeypatch.setenv(backends.ENV_BACKEND, "npu_fused")
+    with pytest.raises(RuntimeError, match="COREATTN_BACKEND='npu_fused' cannot run on cpu"):
+        select_backend(torch.device("cpu"))
+
+
+def test_triton_on_npu_needs_triton_ascend(fake_npu, monkeypatch):
+    import coreattn.kernels
+
+    monkeypatch.delenv(backends.ENV_BACKEND, raising=False)
+    monkeypatch.setattr(coreattn.kernels, "runs_in_interpreter", lambda: False)
+    monkeypatch.setattr(npu, "triton_backend", lambda: "cuda")
+    with pytest.raises(RuntimeError, match="backend='triton' cannot run on npu: the active Triton is not triton-ascend"):
+        select_backend(NPU, "triton")
+    monkeypatch.setattr(npu, "triton_backend", lambda: "npu")
+    assert select_backend(NPU, "triton") is Backend.TRITON
+    assert select_backend(NPU) is Backend.NPU_FUSED  # Triton only by explicit choice
+
+
+def test_triton_on_npu_is_refused_under_the_interpreter(fake_npu, monkeypatch):
+    monkeypatch.setattr(npu, "triton_backend", lambda: "npu")
+    avail = is_available(Backend.TRITON, NPU)
+    assert not avail.ok and "interpreter" in avail.reason
+
+
+def _fake_driver(monkeypatch, active):
+    import triton.runtime
+
+    monkeypatch.setattr(triton.runtime, "driver", SimpleNamespace(active=active))
+    npu.cache_clear()
+
+
+def test_detection_never_raises_without_a_driver(monkeypatch):
+    class Missing:  # what both Tritons do on a machine without a device
+        def __getattr__(self, name):
+            raise RuntimeError("0 active drivers ([]). There should only be one.")
+
+    _fake_driver(monkeypatch, Missing())
+    assert npu.triton_backend() is None and not npu.triton_is_ascend()
+    npu.cache_clear()
+
+
+def test_triton_ascend_is_recognised_by_its_target(monkeypatch):
+    target = SimpleNamespace(backend="npu", arch="Ascend910B", warp_size=0)
+    _fake_driver(monkeypatch, SimpleNamespace(get_current_target=lambda: target))
+    assert npu.triton_is_ascend()
+    npu.cache_clear()
+
+
+def test_core_counts_come_from_the_driver(monkeypatch):
+    props = {"num_aicore": 24, "num_vectorcore": 48, "max_shared_mem": 1}
+    _fake_driver(monkeypatch, SimpleNamespace(utils=SimpleNamespace(get_device_properties=lambda dev: props)))
+    assert npu.ascend_core_counts(0) == (24, 48)
+    npu.cache_clear()
+
+
+def test_torch_npu_import_is_lazy_and_cached(fake_npu):
+    assert npu.torch_npu_module() is fake_npu.module and npu.torch_npu_reason() == "torch_npu imported"
+
+
+def test_no_torch_npu_import_at_coreattn_import():
+    import subprocess
+
+    code = "import sys, coreattn; assert 'torch_npu' not in sys.modules; print('ok')"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "ok"
+
+
+def test_ascend_target_for_npu_tensors_and_the_env_hook(monkeypatch):
+    monkeypatch.delenv(ENV_TRITON_TARGET, raising=False)
+    assert target_of(NPU) == "ascend"
+    assert target_of(torch.device("cpu")) != "ascend"
+    monkeypatch.setenv(ENV_TRITON_TARGET, "ascend")
+    assert target_of(torch.device("cpu")) == "ascend"
+    monkeypatch.setenv(ENV_TRITON_TARGET, "sm90")
+    with pytest.raises(ValueError, match="only 'ascend' can be forced"):
+        target_of(torch.device("cpu"))
