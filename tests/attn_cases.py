@@ -64,6 +64,9 @@ CASES = [
     Case(dqk=32, dv=16, hq=8, hkv=8, causal=True, lens_k=LENS_K),
     Case(dqk=32, dv=48, hq=4, hkv=2, window=(2, 6), bottom_right=False, lens_k=LENS_K),
     Case(dqk=48, dv=32, hq=4, hkv=4, causal=True, window=(7, 0), lens_k=LENS_K),
+    # windows wider than any sequence, up to int32's limit: unlimited, with no index overflow
+    Case(dqk=32, dv=32, hq=2, hkv=1, window=(2**31 - 1, 2**31 - 1), lens_k=LENS_K),
+    Case(dqk=16, dv=16, hq=2, hkv=2, causal=True, window=(2**31 - 1, 0), bottom_right=False, lens_k=LENS_K),
     # strided views of packed buffers
     Case(dqk=64, dv=32, hq=4, hkv=2, causal=True, noncontig=True),
     Case(dqk=192, dv=128, hq=2, hkv=1, window=(9, 9), noncontig=True, lens_k=LENS_K),

@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import (_key_range, _layout_ok, _load_keep, _poison_program_rows, _query_range,
-                                          _seq_span, _visible)
-from coreattn.kernels.attn_fwd import LOG2E, dot_precision, launch_grid, mask_flags
+from coreattn.kernels.attn_common import (LENGTH_STRIDES, _key_range, _layout_ok, _load_keep, _poison_program_rows,
+                                          _query_range, _seq_span, _visible)
+from coreattn.kernels.attn_fwd import LOG2E, dot_precision, kernel_window, launch_grid, mask_flags
 from coreattn.kernels.config import bwd_config, head_block, target_of
 from coreattn.kernels.packing import (Packing, keep_args, new_like, new_rowstat, rowstat_strides, seq_len_dim,
                                       seq_strides)
@@ -45,7 +45,7 @@ def _preprocess_program(pid_m, b, head, out_ptr, do_ptr, delta_ptr, seqlen_total
     tl.store(delta_ptr + b * stride_lb + head * stride_lh + r0 + offs_m, delta, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["seqlen_total", "grid_m", "batch"])
+@triton.jit(do_not_specialize=["seqlen_total", "grid_m", "batch", "stride_lb", "stride_lh"])
 def _attn_bwd_preprocess_kernel(out_ptr, do_ptr, delta_ptr, seqlen_total, grid_m, batch, heads,
                                 stride_ob, stride_ot, stride_oh, stride_db, stride_dt, stride_dh,
                                 stride_lb, stride_lh,
@@ -191,7 +191,8 @@ def _dkdv_program(pid_n, seq, kv_head, num_pid_n,
                              HEAD_DIM_V, BLOCK_DV, BLOCK_N, SPANS)
 
 
-@triton.jit(do_not_specialize=["batch", "grid_n", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["batch", "grid_n", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right",
+                             *LENGTH_STRIDES])
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
@@ -335,7 +336,8 @@ def _dq_program(pid_m, seq, head, num_pid_m,
                              HEAD_DIM_QK, BLOCK_DQK, BLOCK_M, SPANS)
 
 
-@triton.jit(do_not_specialize=["batch", "grid_m", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["batch", "grid_m", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right",
+                             *LENGTH_STRIDES])
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
@@ -395,6 +397,8 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     seqlen_q_total, seqlen_k_total = seq_len_dim(q, q_pack.fmt), seq_len_dim(k, k_pack.fmt)
     if batch == 0 or (q.numel() == 0 and k.numel() == 0):
         return dq, dk, dv
+    limit = max(seqlen_q_total, seqlen_k_total)
+    window_left, window_right = kernel_window(window_left, limit), kernel_window(window_right, limit)
     target = target_of(q.device)
     block_dqk, block_dv = head_block(dim_qk), head_block(dim_v)
     cfg = bwd_config(q.device, block_dqk, block_dv, q.element_size())

@@ -7,6 +7,11 @@ indices are int32 vectors; sequence and block base offsets are scalar int64.
 import triton
 import triton.language as tl
 
+# Strides that follow the token count or padded length (lse/delta [H, T] or [B, H, S]; keep masks
+# [B, S]): listed in the kernels' do_not_specialize with the lengths, or Triton would compile a
+# variant per divisibility class (T == 1, T % 16 == 0, other) of each new packed batch.
+LENGTH_STRIDES = ("stride_lb", "stride_lh", "stride_qkb", "stride_kkb")
+
 
 @triton.jit
 def _cu_seqlens_ok(cu_ptr, batch, total, BLOCK_B: tl.constexpr):

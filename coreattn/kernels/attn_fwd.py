@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import _key_range, _layout_ok, _load_keep, _poison_program_rows, _seq_span, _visible
+from coreattn.kernels.attn_common import (LENGTH_STRIDES, _key_range, _layout_ok, _load_keep, _poison_program_rows,
+                                          _seq_span, _visible)
 from coreattn.kernels.config import fwd_config, head_block, persistent_grid, target_of
 from coreattn.kernels.packing import (Packing, keep_args, kernel_flags, new_like, new_rowstat, rowstat_strides, seq_len_dim,
                                       seq_strides)
@@ -153,7 +154,8 @@ def _fwd_program(pid_m, seq, head, num_pid_m,
         _poison_program_rows(lse_head, pid_m, seq, num_pid_m, batch, seqlen_q_total, 1, 1, 1, BLOCK_M, SPANS)
 
 
-@triton.jit(do_not_specialize=["batch", "grid_m", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["batch", "grid_m", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right",
+                             *LENGTH_STRIDES])
 def _varlen_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
     batch, heads, grid_m, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
@@ -220,6 +222,13 @@ def launch_grid(device: torch.device, target: str, grid_x: int, batch: int, head
     return (persistent_grid(device, grid_x * batch * heads, vector_only),), grid_x, True
 
 
+def kernel_window(window: int, limit: int) -> int:
+    """A window at least as wide as every sequence (``limit``: the larger of the q and k token
+    counts or padded lengths) sees everything it would see unbounded, so clamp it there: the
+    kernels' int32 index arithmetic (``i + shift +- window``) then cannot overflow. -1 stays -1."""
+    return min(window, limit)
+
+
 def mask_flags(window_left: int, window_right: int, bottom_right: bool, q_pack: Packing, k_pack: Packing) -> dict:
     return dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, BOTTOM_RIGHT=bottom_right,
                 BLOCK_B=CU_SCAN_BLOCK, **kernel_flags(q_pack, k_pack))
@@ -243,9 +252,11 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
         out = new_like(q, q_pack, dim_v)
     if lse is None:
         lse = new_rowstat(q, q_pack)
-    seqlen_q_total = seq_len_dim(q, q_pack.fmt)
+    seqlen_q_total, seqlen_k_total = seq_len_dim(q, q_pack.fmt), seq_len_dim(k, k_pack.fmt)
     if q.numel() == 0 or batch == 0:
         return out, lse
+    limit = max(seqlen_q_total, seqlen_k_total)
+    window_left, window_right = kernel_window(window_left, limit), kernel_window(window_right, limit)
     target = target_of(q.device)
     block_dqk, block_dv = head_block(dim_qk), head_block(dim_v)
     cfg = fwd_config(q.device, block_dqk, block_dv, q.element_size())
@@ -254,7 +265,7 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
     _varlen_attn_fwd_kernel[grid](
         q, k, v, out, lse, q_pack.seq, q_pack.lens, k_pack.seq, k_pack.lens,
         keep_args(q_pack)[0], keep_args(k_pack)[0],
-        batch, heads_q, grid_m, seqlen_q_total, seq_len_dim(k, k_pack.fmt), heads_q // heads_kv,
+        batch, heads_q, grid_m, seqlen_q_total, seqlen_k_total, heads_q // heads_kv,
         softmax_scale * LOG2E, window_left, window_right,
         *seq_strides(q, q_pack.fmt), *seq_strides(k, k_pack.fmt), *seq_strides(v, k_pack.fmt),
         *seq_strides(out, q_pack.fmt), *rowstat_strides(lse, q_pack), *keep_args(q_pack)[1:], *keep_args(k_pack)[1:],

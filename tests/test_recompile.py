@@ -1,0 +1,90 @@
+"""A new packed batch never changes the attention kernels' compile key (no recompiles), checked on
+CPU by recording the launchers' arguments instead of launching.
+
+Triton specializes an int argument that is not in ``do_not_specialize`` on its value being 1
+(it becomes a constexpr) and on its divisibility by 16; the kernels would then compile a variant
+per class. So across batches of different lengths, every int argument outside
+``do_not_specialize`` must keep its class. (test_gpu.py checks the same on a real GPU cache.)
+"""
+
+import pytest
+import torch
+
+from coreattn.kernels import attn_bwd, attn_fwd
+from coreattn.kernels.packing import Packing, packed
+
+H, HKV, DQK, DV = 4, 2, 40, 24  # H * D multiples of 16, as in real models
+KERNELS = {"fwd": (attn_fwd, "_varlen_attn_fwd_kernel"),
+           "pre": (attn_bwd, "_attn_bwd_preprocess_kernel"),
+           "dkdv": (attn_bwd, "_attn_bwd_dkdv_kernel"),
+           "dq": (attn_bwd, "_attn_bwd_dq_kernel")}
+
+
+def _spec_class(value):
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return "one" if value == 1 else "div16" if value % 16 == 0 else "plain"
+
+
+class _Recorder:
+    """Stands in for a kernel: ``kernel[grid](*args, **kw)`` records the int arguments by name."""
+
+    def __init__(self, real, calls):
+        self.real, self.calls = real, calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            named = dict(zip(self.real.arg_names, args))
+            self.calls.append({k: v for k, v in named.items() if _spec_class(v) is not None})
+        return launch
+
+
+def _thd(lens):
+    t = sum(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    q, k, v = torch.zeros(t, H, DQK), torch.zeros(t, HKV, DQK), torch.zeros(t, HKV, DV)
+    return q, k, v, packed(cu), packed(cu), max(lens)
+
+
+def _padded(layout, seqlen, batch=2):
+    shape = (lambda h, d: (batch, seqlen, h, d)) if layout == "bshd" else (lambda h, d: (seqlen, batch, h, d))
+    q, k, v = torch.zeros(shape(H, DQK)), torch.zeros(shape(HKV, DQK)), torch.zeros(shape(HKV, DV))
+    start = torch.zeros(batch, dtype=torch.int32)
+    length = torch.full((batch,), seqlen, dtype=torch.int32)
+    keep = torch.ones(batch, seqlen, dtype=torch.uint8)
+    pack = Packing(layout, start, length, keep)
+    return q, k, v, pack, pack, seqlen
+
+
+def _record(monkeypatch, inputs):
+    calls = {name: [] for name in KERNELS}
+    for name, (module, attr) in KERNELS.items():
+        monkeypatch.setattr(module, attr, _Recorder(getattr(module, attr), calls[name]))
+    q, k, v, q_pack, k_pack, max_len = inputs
+    out, lse = attn_fwd.varlen_attn_fwd(q, k, v, q_pack, k_pack, max_len, 0.1, 3, 0, True)
+    attn_bwd.varlen_attn_bwd(torch.zeros_like(out), q, k, v, out, lse, q_pack, k_pack, max_len, max_len, 0.1, 3, 0,
+                             True)
+    monkeypatch.undo()
+    assert all(len(c) == 1 for c in calls.values()), {n: len(c) for n, c in calls.items()}
+    return {name: c[0] for name, c in calls.items()}
+
+
+BATCHES = {
+    "thd": [lambda: _thd((1,)), lambda: _thd((16,)), lambda: _thd((7,)), lambda: _thd((5, 0, 28))],
+    "bshd": [lambda s=s: _padded("bshd", s) for s in (1, 16, 7, 33)],
+    "sbhd": [lambda s=s: _padded("sbhd", s) for s in (1, 16, 7, 33)],
+}
+
+
+@pytest.mark.parametrize("layout", list(BATCHES))
+def test_new_lengths_keep_every_specialized_argument_class(monkeypatch, layout):
+    runs = [_record(monkeypatch, make()) for make in BATCHES[layout]]
+    for name, (module, attr) in KERNELS.items():
+        kernel = getattr(module, attr)
+        free = set(getattr(kernel, "kwargs", {}).get("do_not_specialize") or
+                   [p.name for p in kernel.params if p.do_not_specialize])
+        for arg in runs[0][name]:
+            if arg in free:
+                continue
+            classes = {_spec_class(run[name][arg]) for run in runs}
+            assert len(classes) == 1, f"{attr}: {arg} is specialized and takes {[r[name][arg] for r in runs]}"
