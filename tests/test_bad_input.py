@@ -34,6 +34,7 @@ BAD = [
     ("cu-dtype", dict(cu_seqlens_q=torch.tensor([0, 4, 10])), TypeError, "cu_seqlens_q must be int32"),
     ("cu-dim", dict(cu_seqlens_k=CU(0, 4, 10)[None]), ValueError, "cu_seqlens_k must have 1 dims"),
     ("cu-too-short", dict(cu_seqlens_q=CU(0)), ValueError, "cu_seqlens_q must have B\\+1 >= 2"),
+    ("cu-strided", dict(cu_seqlens_k=CU(0, 9, 4, 9, 10)[::2]), ValueError, "cu_seqlens_k must be contiguous"),
     ("batch-mismatch", dict(cu_seqlens_k=CU(0, 2, 4, 10)), ValueError, "q and k batch sizes must match"),
     ("cu-not-from-0", dict(cu_seqlens_q=CU(1, 4, 10)), ValueError, "cu_seqlens_q must start at 0"),
     ("cu-decreasing-2", dict(cu_seqlens_q=CU(0, 7, 3, 10), cu_seqlens_k=CU(0, 4, 4, 10)), ValueError, "non-decreasing"),
@@ -54,6 +55,7 @@ BAD = [
     ("seqused-count", dict(seqused_k=CU(4, 6, 0)), ValueError, "seqused_k has 3 entries"),
     ("seqused-too-long", dict(seqused_q=CU(5, 6)), ValueError, "seqused_q\\[0\\] = 5 does not fit"),
     ("seqused-negative", dict(seqused_k=CU(4, -1)), ValueError, "seqused_k\\[1\\] = -1"),
+    ("seqused-strided", dict(seqused_q=CU(4, 0, 6, 0)[::2]), ValueError, "seqused_q must be contiguous"),
     ("seqused-above-max", dict(seqused_q=CU(4, 6), max_seqlen_q=5), ValueError, "max_seqlen_q = 5 is smaller than the longest used"),
 ]
 

@@ -232,6 +232,21 @@ def test_token_ids_kernel_and_public(monkeypatch, cu, total):
             assert torch.equal(masks.sequence_ids_from_cu_seqlens(cu_t, dtype=torch.int64), ref_seq.long())
 
 
+def test_triton_paths_take_strided_index_views(monkeypatch):
+    """cu_seqlens and pad indices that are strided views (every other entry of a bigger tensor)."""
+    use_triton_everywhere(monkeypatch)
+    cu = [0, 3, 5, 9]
+    cu_strided = torch.tensor([c for c in cu for _ in (0, 1)], dtype=torch.int32)[::2]
+    ref_pos, ref_seq = naive.token_ids(cu, 9)
+    assert torch.equal(masks.position_ids_from_cu_seqlens(cu_strided, 9), ref_pos)
+    assert torch.equal(masks.sequence_ids_from_cu_seqlens(cu_strided, 9), ref_seq)
+    x = torch.randn(3, 4, 2)
+    keep = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 1], [1, 0, 1, 0]], dtype=torch.bool)
+    ref = masks.unpad(x, keep)
+    strided = torch.stack([ref.indices, torch.zeros_like(ref.indices)], dim=1)[:, 0]
+    assert torch.equal(masks.pad(ref.x_packed, strided, 3, 4), x * keep[:, :, None])
+
+
 @pytest.mark.parametrize("seed,batch,seqlen", BATCHES, ids=BATCH_IDS)
 def test_token_ids_random_batches(seed, batch, seqlen):
     cu = naive.cu_seqlens(random_lengths(seed, batch, seqlen))
@@ -497,7 +512,8 @@ def test_holes_on_a_device_are_reported_only_when_asked(monkeypatch):
     with pytest.raises(ValueError, match=r"holes .* rows \[0\]"):
         masks.spans_from_keep_mask(keep, check=True)
     with pytest.raises(ValueError, match="holes"):
-        masks.seqlens_from_padding_mask(keep, contiguous=True, check=True)
+        masks.seqlens_from_padding_mask(keep, contiguous=True)  # asking for spans is asking for the check
+    assert masks.seqlens_from_padding_mask(keep).tolist() == [3, 2]
     monkeypatch.setenv("COREATTN_VALIDATE", "1")
     with pytest.raises(ValueError, match="holes"):
         masks.spans_from_keep_mask(keep)

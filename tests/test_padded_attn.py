@@ -85,6 +85,7 @@ def test_span_outside_the_batch_gives_nan_on_device_path():
     (dict(k_start=torch.tensor([0, 5, 0], dtype=torch.int32), k_len=torch.tensor([1, 25, 0], dtype=torch.int32)),
      "does not fit"),
     (dict(q_len=torch.tensor([-1, 0, 0], dtype=torch.int32)), "does not fit"),
+    (dict(k_len=torch.tensor([4, 9, 5, 9, 6], dtype=torch.int32)[::2]), "k_len must be contiguous"),
 ])
 def test_bad_spans_raise(bad, match):
     q, k, v = _padded_inputs("bshd", "cpu")
@@ -149,6 +150,7 @@ def test_all_true_keep_mask_equals_no_mask():
     (dict(k_keep_mask=torch.ones(B, S + 1, dtype=torch.bool)), ValueError, "k_keep_mask has shape"),
     (dict(q_keep_mask=torch.ones(B, S)), TypeError, "q_keep_mask must be bool or integer"),
     (dict(q_keep_mask=torch.ones(B, S, 1, dtype=torch.bool)), ValueError, "q_keep_mask must have 2 dims"),
+    (dict(k_keep_mask=-torch.ones(B, S, dtype=torch.int64)), ValueError, "k_keep_mask is an integer mask.*only 0 and 1"),
 ])
 def test_bad_keep_masks_raise(bad, exc, match):
     q, k, v = _padded_inputs("bshd", "cpu")

@@ -88,6 +88,7 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 def _copy_rows(src: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, gather: bool) -> torch.Tensor:
     src_rows, out_rows = _as_rows(src), _as_rows(out)  # out is fresh and contiguous: a view
+    indices = indices.contiguous()  # the kernel reads index r at offset r
     n, row_len = indices.numel(), src_rows.shape[1]
     if n == 0 or row_len == 0:
         return out
@@ -122,6 +123,7 @@ def token_ids(cu_seqlens: torch.Tensor, total: int, pos_dtype: torch.dtype | Non
     A dtype of None skips that output. Tokens at or past cu_seqlens[-1] (a padded tail) get
     sequence index B and positions counting from cu_seqlens[-1]."""
     device = cu_seqlens.device
+    cu_seqlens = cu_seqlens.contiguous()  # the kernel reads entry b at offset b
     batch = cu_seqlens.numel() - 1
     pos = torch.empty(total, dtype=pos_dtype, device=device) if pos_dtype is not None else None
     seq = torch.empty(total, dtype=seq_dtype, device=device) if seq_dtype is not None else None

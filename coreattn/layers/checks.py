@@ -48,12 +48,19 @@ def check_max_seqlen(name: str, value) -> int:
     return value
 
 
+def _check_unit_stride(name: str, t: torch.Tensor) -> None:
+    """The kernels read per-sequence int32 tensors as plain arrays (element i at offset i)."""
+    if t.numel() > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous (stride 1), got stride {t.stride(0)}")
+
+
 def check_cu_seqlens(name: str, cu, device: torch.device) -> None:
     _check_tensor(name, cu, 1)
     if cu.dtype != torch.int32:
         raise TypeError(f"{name} must be int32, got {cu.dtype}")
     if cu.numel() < 2:
         raise ValueError(f"{name} must have B+1 >= 2 entries, got {cu.numel()}")
+    _check_unit_stride(name, cu)
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but q is on {device}")
 
@@ -164,6 +171,7 @@ def check_spans(start_name: str, start, len_name: str, length, batch: int, seqle
             raise TypeError(f"{name} must be int32, got {t.dtype}")
         if t.numel() != batch:
             raise ValueError(f"{name} has {t.numel()} entries but the batch has {batch} samples")
+        _check_unit_stride(name, t)
         if t.device != device:
             raise ValueError(f"{name} is on {t.device} but q is on {device}")
     if start is None:
@@ -188,6 +196,7 @@ def check_seqused(name: str, used, cu: torch.Tensor, max_name: str, max_seqlen: 
         raise TypeError(f"{name} must be int32, got {used.dtype}")
     if used.numel() != cu.numel() - 1:
         raise ValueError(f"{name} has {used.numel()} entries but cu_seqlens describes {cu.numel() - 1} sequences")
+    _check_unit_stride(name, used)
     if used.device != cu.device:
         raise ValueError(f"{name} is on {used.device} but cu_seqlens is on {cu.device}")
     if cu.device.type == "cpu" or validation_enabled():
@@ -202,7 +211,8 @@ def check_seqused(name: str, used, cu: torch.Tensor, max_name: str, max_seqlen: 
 
 
 def check_keep_mask(name: str, mask, batch: int, seqlen: int, device: torch.device) -> torch.Tensor | None:
-    """A [B, S] keep mask (bool or integer, nonzero = keep) as the uint8 tensor the kernels read."""
+    """A [B, S] keep mask (bool, or integer 0/1 with 1 = keep) as the uint8 tensor the kernels read.
+    Integer values other than 0/1 raise on the CPU (or with COREATTN_VALIDATE=1)."""
     if mask is None:
         return None
     _check_tensor(name, mask, 2)
@@ -212,6 +222,11 @@ def check_keep_mask(name: str, mask, batch: int, seqlen: int, device: torch.devi
         raise ValueError(f"{name} has shape {tuple(mask.shape)}, expected [B, S] = [{batch}, {seqlen}]")
     if mask.device != device:
         raise ValueError(f"{name} is on {mask.device} but q is on {device}")
+    if mask.dtype != torch.bool and (device.type == "cpu" or validation_enabled()):
+        # 0/1 only: an additive-style int mask (0 = keep, -1 = pad) would otherwise be read inverted
+        bad = (mask != 0) & (mask != 1)
+        if bool(bad.any()):
+            raise ValueError(f"{name} is an integer mask and must hold only 0 and 1, found {mask[bad][0].item()}")
     if mask.dtype == torch.bool:
         return mask.view(torch.uint8)
     return (mask != 0).view(torch.uint8)

@@ -131,18 +131,17 @@ def spans_from_keep_mask(keep_mask: torch.Tensor, *, check: bool = False) -> Kee
     return KeepSpans(start, length)
 
 
-def seqlens_from_padding_mask(keep_mask: torch.Tensor, *, contiguous: bool = False,
-                              check: bool = False) -> torch.Tensor:
+def seqlens_from_padding_mask(keep_mask: torch.Tensor, *, contiguous: bool = False) -> torch.Tensor:
     """int32 lengths [B]: the number of kept tokens per row of a [B, S] keep mask (bool or 0/1 int).
 
-    Right and left padding give the same lengths. ``contiguous=True`` also requires the kept
-    tokens of each row to be one run (what a caller that slices ``x[b, :len]`` or uses spans
-    assumes): rows with holes raise ValueError on the CPU, or on a device with ``check=True`` or
-    COREATTN_VALIDATE=1 (a host sync); otherwise nothing syncs. No host sync by default.
+    Right and left padding give the same lengths. No host sync by default. ``contiguous=True``
+    asks for contiguous spans (what a caller that slices ``x[b, :len]`` or uses spans assumes):
+    rows whose kept tokens are not one run (holes) then raise ValueError, which reads the mask (a
+    host sync on a device).
     """
     check_keep_mask("keep_mask", keep_mask)
     if contiguous:
-        return spans_from_keep_mask(keep_mask, check=check).length
+        return spans_from_keep_mask(keep_mask, check=True).length
     return _keep_bool(keep_mask).sum(dim=1, dtype=torch.int32)
 
 
@@ -399,8 +398,10 @@ def keep_mask_from_4d(mask: torch.Tensor, convention: str) -> torch.Tensor:
     """Recover the [B, S] keep mask (bool) from a 4D attention mask, bool or 0/1 integer.
 
     mask: ``[B, 1, S, S]`` (read on its diagonal: token i is kept iff it may attend to itself,
-    true for padding, padding+causal and HF-style key-padding masks), ``[B, 1, 1, S]`` (a key
-    padding mask, read as-is), or an already 2D ``[B, S]`` mask. convention, required:
+    true for padding, padding+causal and HF-style key-padding masks; not for masks whose fully
+    masked padding rows were unmasked again, as transformers' SDPA path does for left padding),
+    ``[B, 1, 1, S]`` (a key padding mask, read as-is), or an already 2D mask, always read as
+    ``[B, S]`` (a 2D ``[S, S]`` attention mask is not a keep mask). convention, required:
     ``"megatron"`` (True/1 = masked out, Megatron/TE/Ascend) or ``"keep"`` (True/1 = attends).
     No host sync on a device. On the CPU (or with COREATTN_VALIDATE=1) an integer mask with
     values other than 0/1, or a result with no kept token at all (usually the wrong convention),
@@ -460,4 +461,6 @@ def npu_compressed_causal_mask(device) -> torch.Tensor:
 
     The same tensor is returned on every call for a device: do not modify it in place.
     """
-    return _npu_compressed_causal_mask(torch.device(device))
+    # a tensor's device always carries an index: "npu" and "npu:0" share one cached mask, and an
+    # index-less device means the current one at this call, not at the first
+    return _npu_compressed_causal_mask(torch.empty(0, device=device).device)
