@@ -245,7 +245,7 @@ def test_spans_on_packed_tensors_match_torch_backend(fake_npu):
     k_pack = Packing("thd", torch.tensor([0, 0, 25], **i32), torch.tensor([12, 25, 3], **i32))  # overlapping
     params = VarlenParams(32 ** -0.5, -1, 0, True)
     out, _ = attn_npu_fused(q, k, v, q_pack, k_pack, 15, 25, params)
-    ref, _ = dispatch.attn_torch(q, k, v, q_pack, k_pack, 15, 25, params)
+    ref, _ = dispatch.attn_torch(q, k, v, q_pack, k_pack, params)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
     assert fake_npu.calls[0]["actual_seq_qlen"] == [10, 25, 25] and fake_npu.calls[0]["actual_seq_kvlen"] == [12, 37, 40]
     g = torch.randn(out.shape, generator=gen)

@@ -17,7 +17,7 @@ def run_attention(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, 
     The npu_fused backend returns no lse (None); see coreattn.layers.npu_backend."""
     chosen = select_backend(q.device, backend)
     if chosen is Backend.TORCH:
-        out, lse = attn_torch(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params)
+        out, lse = attn_torch(q, k, v, q_pack, k_pack, params)
         return out, lse.detach()
     if chosen is Backend.NPU_FUSED:
         from coreattn.layers.npu_backend import attn_npu_fused

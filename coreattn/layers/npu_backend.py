@@ -114,8 +114,7 @@ def _varlen(q, k, v, lens_q: list[int], lens_k: list[int], params: VarlenParams)
     lens_q, lens_k = [a for a, _ in pairs], [b for _, b in pairs]
     if sum(lens_q) == 0 or sum(lens_k) == 0:  # nothing for the op to attend: exact zeros from torch
         cu_q, cu_k = (torch.tensor([0] + lens, device=q.device).cumsum(0).int() for lens in (lens_q, lens_k))
-        return attn_torch(q, k, v, packed(cu_q), packed(cu_k), max(lens_q, default=0), max(lens_k, default=0),
-                          params)[0]
+        return attn_torch(q, k, v, packed(cu_q), packed(cu_k), params)[0]
     cum_q, cum_k = torch.tensor(lens_q).cumsum(0).tolist(), torch.tensor(lens_k).cumsum(0).tolist()
     empty = _rows_without_keys(lens_q, lens_k, params)
     opts = dict(_band(params, lens_q == lens_k, q.device), scale=params.softmax_scale,
@@ -214,7 +213,7 @@ def attn_npu_fused(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int,
     if q.numel() == 0 or k.numel() == 0:
         # no query or no key token at all: nothing for a kernel to do; the torch backend gives
         # the zeros (and zero gradients) exactly
-        return attn_torch(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params)[0], None
+        return attn_torch(q, k, v, q_pack, k_pack, params)[0], None
     if q_pack.keep is not None or k_pack.keep is not None:
         return _keep_masks(q, k, v, q_pack, k_pack, params), None
     if q_pack.spans:

@@ -5,6 +5,10 @@ see coreattn/kernels/packing.py) is gathered into a padded [B, S, H, D] batch, t
 mask is built from positions and lengths, and rows that see no key give zeros and lse = -inf
 without NaN in the forward or the backward. Memory is O(B * H * Sq * Sk): meant for CPU and
 small shapes, not as a fast path. Gradients come from autograd.
+
+The padded batch is sized by the true lengths, read from cu_seqlens or the spans (free on the
+CPU, one host sync on a device), never by a caller's max_seqlen; malformed layouts raise here
+even where the public functions skip their value checks (device tensors, no COREATTN_VALIDATE).
 """
 
 from __future__ import annotations
@@ -21,6 +25,23 @@ def _spans(pack: Packing) -> tuple[torch.Tensor, torch.Tensor]:
     return pack.seq.long(), pack.lens.long()
 
 
+def _longest(pack: Packing, n_tokens: int) -> int:
+    """The longest sequence of a well-formed layout (one read of device values); raises
+    ValueError on malformed cu_seqlens or spans."""
+    starts, lens = _spans(pack)
+    if lens.numel() == 0:
+        return 0
+    bad = (starts < 0) | (lens < 0) | (starts + lens > n_tokens)
+    if not pack.spans:
+        bad = bad | (pack.seq[0] != 0) | (pack.seq[-1] != n_tokens)
+    longest, malformed = torch.stack([lens.max(), bad.any().long()]).tolist()
+    if malformed:
+        what = "spans (start/length or seqused)" if pack.spans else "cu_seqlens"
+        raise ValueError(f"malformed {what}: a sequence does not fit in the {n_tokens} tokens (or cu_seqlens does "
+                         "not run from 0 to the token count without decreasing)")
+    return longest
+
+
 def _token_index(x: torch.Tensor, pack: Packing, tok: torch.Tensor):
     """Index tuple selecting token positions ``tok`` [B, S] of x in its layout."""
     b = torch.arange(tok.shape[0], device=tok.device)[:, None].expand_as(tok)
@@ -29,16 +50,16 @@ def _token_index(x: torch.Tensor, pack: Packing, tok: torch.Tensor):
     return (b, tok) if pack.fmt == "bshd" else (tok, b)
 
 
-def _gather(x: torch.Tensor, pack: Packing, max_len: int):
-    """x -> padded [B, S, H, D] of each sequence's tokens, the in-sequence mask [B, S], lengths
-    [B] and token positions [B, S]."""
-    starts, lens = _spans(pack)
-    pos = torch.arange(max_len, device=x.device)
-    keep = pos[None, :] < lens[:, None]
+def _gather(x: torch.Tensor, pack: Packing):
+    """x -> padded [B, S, H, D] of each sequence's tokens (S: the longest), the in-sequence mask
+    [B, S], lengths [B] and token positions [B, S]."""
     n = seq_len_dim(x, pack.fmt)
+    starts, lens = _spans(pack)
+    pos = torch.arange(_longest(pack, n), device=x.device)
+    keep = pos[None, :] < lens[:, None]
     tok = (starts[:, None] + pos[None, :]).clamp(0, max(n - 1, 0))
-    if n == 0:
-        return x.new_zeros(tok.shape + x.shape[-2:]), keep, lens, tok
+    if n == 0:  # no token to index; 0 * x.sum() keeps the (empty) input in the autograd graph
+        return x.new_zeros(tok.shape + x.shape[-2:]) + 0 * x.sum(), keep, lens, tok
     return x[_token_index(x, pack, tok)] * keep[:, :, None, None].to(x.dtype), keep, lens, tok
 
 
@@ -74,18 +95,17 @@ def visible_mask(lens_q, lens_k, max_q: int, max_k: int, params: VarlenParams) -
     return vis
 
 
-def attn_torch(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int,
-               params: VarlenParams) -> tuple[torch.Tensor, torch.Tensor]:
+def attn_torch(q, k, v, q_pack: Packing, k_pack: Packing, params: VarlenParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns out (q's layout and dtype, last dim Dv) and lse float32 ([Hq, Tq] packed, [B, Hq, Sq] padded)."""
     hq, hkv = q.shape[-2], k.shape[-2]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qp, keep_q, lens_q, tok_q = _gather(q.to(compute), q_pack, max_seqlen_q)
-    kp, _, lens_k, tok_k = _gather(k.to(compute), k_pack, max_seqlen_k)
-    vp, _, _, _ = _gather(v.to(compute), k_pack, max_seqlen_k)
+    qp, keep_q, lens_q, tok_q = _gather(q.to(compute), q_pack)
+    kp, _, lens_k, tok_k = _gather(k.to(compute), k_pack)
+    vp, _, _, _ = _gather(v.to(compute), k_pack)
     b, sq = qp.shape[:2]
     qp = qp.view(b, sq, hkv, hq // hkv, qp.shape[-1])  # [B, Sq, Hkv, G, Dqk]
     scores = torch.einsum("bshgd,bthd->bhgst", qp, kp) * params.softmax_scale  # [B, Hkv, G, Sq, Sk]
-    vis = visible_mask(lens_q, lens_k, max_seqlen_q, max_seqlen_k, params)
+    vis = visible_mask(lens_q, lens_k, sq, kp.shape[1], params)
     vis = vis & _keep_at(q_pack, tok_q)[:, :, None] & _keep_at(k_pack, tok_k)[:, None, :]
     vis = vis[:, None, None]
     scores = scores.masked_fill(~vis, float("-inf"))
