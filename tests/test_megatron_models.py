@@ -222,6 +222,19 @@ def test_use_coreattn_replaces_every_core_attention(kind):
                for v in pinned)
 
 
+def test_use_coreattn_keeps_core_attentions_that_are_not_dense(caplog):
+    """A sparse attention with parameters of its own (DSA's kind) is not swapped for dense attention."""
+    sparse = type("SparseIndexedAttention", (torch.nn.Module,), {})
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True)
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=sparse)
+    dense = get_gpt_layer_local_spec()
+    with caplog.at_level("WARNING", logger="coreattn"):
+        swapped = use_coreattn([spec, dense])
+    assert swapped[0].submodules.self_attention.submodules.core_attention.module is sparse
+    assert swapped[1].submodules.self_attention.submodules.core_attention is CoreAttention
+    assert "SparseIndexedAttention" in caplog.text
+
+
 def test_use_coreattn_backend_reaches_the_module():
     model = build_gpt(gqa_config(), use_coreattn(get_gpt_layer_local_spec(), backend="torch"))
     assert model.decoder.layers[1].self_attention.core_attention.backend.value == "torch"
@@ -248,3 +261,5 @@ def test_patch_mla_native_value_dim(monkeypatch):
     assert value is v and not need_pad and orig == padded == 12
     value, need_pad, orig, padded = patched(theirs, q, v, None)
     assert value.shape[-1] == 24 and need_pad and (orig, padded) == (12, 24)
+    ours.cache_mla_latents = True  # inference's latent cache pads V for its own flash decode
+    assert patched(ours, q, v, None)[0].shape[-1] == 24

@@ -19,6 +19,10 @@ from coreattn.layers.core_attention import CoreAttention
 logger = logging.getLogger("coreattn")
 
 _PATCH_MARK = "_coreattn_native_value_dim"
+# Megatron's dense softmax core attentions (local, Transformer Engine), matched by class name so
+# Transformer Engine need not be importable. Others, e.g. DSA's sparse attention with its own
+# indexer parameters, compute something else and are left alone by use_coreattn.
+_DENSE_CORE_ATTENTIONS = ("DotProductAttention", "TEDotProductAttention", "CoreAttention")
 
 
 def _core_attention_entry(backend: Backend | None):
@@ -29,46 +33,71 @@ def _core_attention_entry(backend: Backend | None):
     return ModuleSpec(module=CoreAttention, params={"backend": backend})
 
 
-def _swap(node, entry, seen: dict):
-    """Replace every ``core_attention`` field in a spec tree, in place on a private copy."""
+def _module_of(entry):
+    """The module class behind a spec entry: a class, a ModuleSpec or a functools.partial."""
+    if isinstance(entry, ModuleSpec):
+        return entry.module
+    return entry.func if isinstance(entry, functools.partial) else entry
+
+
+def _is_dense_core_attention(entry) -> bool:
+    module = _module_of(entry)
+    return isinstance(module, type) and any(c.__name__ in _DENSE_CORE_ATTENTIONS for c in module.__mro__)
+
+
+def _swap(node, entry, seen: dict, accept, kept: list):
+    """Replace the ``core_attention`` fields that ``accept`` in a spec tree (others go to ``kept``),
+    in place on a private copy."""
     if id(node) in seen:
         return seen[id(node)]
     seen[id(node)] = node
     if isinstance(node, ModuleSpec):
-        node.submodules = _swap(node.submodules, entry, seen)
+        node.submodules = _swap(node.submodules, entry, seen, accept, kept)
         for key, value in list(node.params.items()):
-            node.params[key] = _swap(value, entry, seen)
+            node.params[key] = _swap(value, entry, seen, accept, kept)
         return node
     if isinstance(node, (list, tuple)):
-        swapped = [_swap(item, entry, seen) for item in node]
+        swapped = [_swap(item, entry, seen, accept, kept) for item in node]
         return swapped if isinstance(node, list) else type(node)(swapped)
     if isinstance(node, dict):
-        return {key: _swap(value, entry, seen) for key, value in node.items()}
+        return {key: _swap(value, entry, seen, accept, kept) for key, value in node.items()}
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         for f in dataclasses.fields(node):
             value = getattr(node, f.name)
             if f.name == "core_attention" and value is not None:
-                setattr(node, f.name, entry)
+                if accept(value):
+                    setattr(node, f.name, entry)
+                else:
+                    kept.append(value)
             else:
-                setattr(node, f.name, _swap(value, entry, seen))
+                setattr(node, f.name, _swap(value, entry, seen, accept, kept))
     return node
 
 
 def replace_core_attention(spec, core_attention):
     """Return a copy of ``spec`` with every ``core_attention`` field set to ``core_attention``
     (a module class or ModuleSpec); the input spec is not modified."""
-    return _swap(copy.deepcopy(spec), core_attention, {})
+    return _swap(copy.deepcopy(spec), core_attention, {}, lambda entry: True, [])
 
 
 def use_coreattn(spec, backend: str | Backend | None = None):
-    """Return a copy of ``spec`` whose every core attention is :class:`CoreAttention`.
+    """Return a copy of ``spec`` whose every dense core attention is :class:`CoreAttention`.
 
     Walks layer specs, decoder/MoE block specs (``layer_specs`` lists), MLA specs and MTP block
-    specs: any submodules dataclass with a ``core_attention`` field gets CoreAttention. The input
-    spec is not modified. ``backend`` pins the backend for these layers (else per device, see
-    ``coreattn.adapters.backends``).
+    specs: a ``core_attention`` field holding Megatron's dense attention (``DotProductAttention``,
+    ``TEDotProductAttention``, as a class, ModuleSpec or partial) gets CoreAttention. Other core
+    attentions (e.g. DSA's sparse attention, which has parameters of its own) are kept, with a
+    warning. The input spec is not modified. ``backend`` pins the backend for these layers (else
+    per device, see ``coreattn.adapters.backends``).
     """
-    return replace_core_attention(spec, _core_attention_entry(None if backend is None else parse_backend(backend)))
+    entry = _core_attention_entry(None if backend is None else parse_backend(backend))
+    kept = []
+    swapped = _swap(copy.deepcopy(spec), entry, {}, _is_dense_core_attention, kept)
+    if kept:
+        names = sorted({getattr(_module_of(e), "__name__", repr(e)) for e in kept})
+        logger.warning("coreattn: use_coreattn kept %d core attention(s) that are not dense attention: %s",
+                       len(kept), ", ".join(names))
+    return swapped
 
 
 def patch_mla_native_value_dim() -> bool:
@@ -78,7 +107,8 @@ def patch_mla_native_value_dim() -> bool:
     attention on thd (``_prepare_mla_core_attention_value``) and slices the output back, because
     flash-attn 2 needs equal head dims; CoreAttention does not, so the pad only costs FLOPs and
     memory. After this patch, MLA layers whose core attention is a CoreAttention skip the pad;
-    other core attentions keep Megatron's behaviour. CoreAttention is correct either way.
+    other core attentions, and MLA's latent-cache inference path (its own flash decode), keep
+    Megatron's behaviour. CoreAttention is correct either way.
 
     Returns True when the hook is installed (or already was), False when this megatron-core has
     no such pad (older releases pass V unpadded already).
@@ -94,7 +124,10 @@ def patch_mla_native_value_dim() -> bool:
 
     @functools.wraps(prepare)
     def prepare_native(parallel_attention, query, value, packed_seq_params, *args, **kwargs):
-        if isinstance(getattr(parallel_attention, "core_attention", None), CoreAttention) and value is not None:
+        # cache_mla_latents (inference) also pads V for its own flash decode, which is not CoreAttention
+        native = (isinstance(getattr(parallel_attention, "core_attention", None), CoreAttention)
+                  and not getattr(parallel_attention, "cache_mla_latents", False))
+        if native and value is not None:
             dim = value.shape[-1]
             return value, False, dim, dim
         return prepare(parallel_attention, query, value, packed_seq_params, *args, **kwargs)
