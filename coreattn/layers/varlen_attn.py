@@ -56,7 +56,9 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Malformed cu_seqlens (not starting at 0, decreasing, last entry != T) or a max_seqlen below
     the longest sequence raise ``ValueError`` when cu_seqlens is on the CPU or
     ``COREATTN_VALIDATE=1`` (a host sync on GPU). Otherwise the GPU kernel turns malformed
-    cu_seqlens into NaN outputs, and an underestimated max_seqlen only costs speed.
+    cu_seqlens into NaN outputs, and an underestimated max_seqlen only costs speed. With
+    ``seqused_*`` the kernel checks each used span against the token count but not the order of
+    the slots: unvalidated decreasing cu_seqlens there are the caller's responsibility.
     """
     params, max_seqlen_q, max_seqlen_k = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
