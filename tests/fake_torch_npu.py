@@ -3,8 +3,9 @@
 Tests install ``FakeTorchNpu().module`` as ``sys.modules["torch_npu"]``; every call's arguments are
 recorded in ``calls``. What it implements, from torch_npu's documentation of the op:
 - layouts "TND" (with ``actual_seq_qlen``/``actual_seq_kvlen``: cumulative ends, no leading 0,
-  last = T), "BSND" ``[B, S, N, D]`` and "SBH" ``[S, B, N*D]`` (D = H / head_num; the kv head
-  count is H_kv / D);
+  last = T, strictly increasing: real CANN versions read a zero length specially, so an empty
+  sequence is rejected), "BSND" ``[B, S, N, D]`` and "SBH" ``[S, B, N*D]`` (D = H / head_num; the
+  kv head count is H_kv / D);
 - GQA: head_num q heads, a multiple of the kv heads; Dq = Dk >= Dv;
 - ``scale`` multiplies q @ k^T; ``keep_prob`` must be 1 here (no dropout);
 - atten_mask bool/uint8 with 1 = masked out; sparse_mode 0 (no mask: full attention; with a mask
@@ -130,8 +131,11 @@ class FakeTorchNpu:
             if len(seq_q) > 1024:
                 raise ValueError("TND takes at most 1024 sequences")
             for name, ends, total in (("qlen", seq_q, query.shape[0]), ("kvlen", seq_k, key.shape[0])):
-                if not all(isinstance(e, int) for e in ends) or list(ends) != sorted(ends) or ends[-1] != total:
-                    raise ValueError(f"actual_seq_{name} must be non-decreasing host ints ending at {total}: {ends}")
+                bounds = [0] + list(ends)
+                if not ends or not all(isinstance(e, int) for e in ends) or ends[-1] != total \
+                        or any(a >= b for a, b in zip(bounds, bounds[1:])):
+                    raise ValueError(f"actual_seq_{name} must be strictly increasing host ints without the leading 0, "
+                                     f"ending at {total}: {ends}")
             q_bounds, k_bounds = [0] + list(seq_q), [0] + list(seq_k)
             seqs = [(query[q_bounds[b]:q_bounds[b + 1]], key[k_bounds[b]:k_bounds[b + 1]],
                      value[k_bounds[b]:k_bounds[b + 1]]) for b in range(len(seq_q))]

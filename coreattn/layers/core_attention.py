@@ -9,7 +9,8 @@ differ from Q/K's, so MLA needs no zero-padded V.
 Masks follow Megatron / Transformer Engine: boolean, True = masked out. ``causal`` is top-left
 aligned, ``causal_bottom_right`` bottom-right; ``padding``/``padding_causal`` read a
 ``[b, 1, 1, s]`` mask as per-token keep masks in the kernels (no S×S tensor); a dense
-``[b, 1, sq, sk]`` mask (``arbitrary``, or a dense padding mask) runs a correct O(S²) torch path.
+``[b, 1, sq, sk]`` mask (``arbitrary``, or a dense padding mask) runs a correct O(S²) torch path,
+or npu_fusion_attention with that mask under the npu_fused backend.
 The mask is ignored for ``causal``/``no_mask``/``causal_bottom_right`` and on thd batches (cu_seqlens
 carry the padding there), as Transformer Engine does.
 """
@@ -184,7 +185,8 @@ class CoreAttention(MegatronModule):
         return self._forward_dense(q, k, v, masked, layout, opts)
 
     def _forward_dense(self, q, k, v, masked, layout, opts) -> torch.Tensor:
-        """Dense [b, 1|h, sq, sk] masks: the O(S²) torch path, with causal/window masks folded in."""
+        """Dense [b, 1|h, sq, sk] masks, with causal/window masks folded in: npu_fusion_attention's
+        own dense mask under the npu_fused backend, else the O(S²) torch path."""
         sq, sk = (q.shape[0], k.shape[0]) if layout == "sbhd" else (q.shape[1], k.shape[1])
         i = torch.arange(sq, device=q.device)[:, None]
         j = torch.arange(sk, device=q.device)[None, :]
@@ -196,6 +198,10 @@ class CoreAttention(MegatronModule):
             masked = masked | (j < i + shift - left)
         if right >= 0:
             masked = masked | (j > i + shift + right)
+        if opts["backend"] is Backend.NPU_FUSED:
+            from coreattn.layers.npu_backend import attn_npu_dense_mask
+
+            return attn_npu_dense_mask(q, k, v, masked, layout, self.softmax_scale)
         return dense_mask_attn(q, k, v, masked, layout, self.softmax_scale)
 
     def _forward_thd(self, q, k, v, attention_mask, mask_type, params, opts) -> torch.Tensor:
