@@ -129,6 +129,51 @@ def test_bshd_padding_mask(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_cross_attention_padding_masks_only_keys(backend):
+    """attention_type "cross" with sq == sk: a [b, 1, 1, sk] mask pads the encoder's keys, not the
+    decoder's queries."""
+    s = 12
+    q, k, v = sbhd_inputs(s, s)
+    masked, keep = padding_mask(s, q.device)
+    layer = CoreAttention(make_config(), 1, AttnMaskType.padding, "cross", v_channels=DV, backend=backend)
+    out = layer(q, k, v, masked)
+    check_against_oracle("cross padding", out, q, k, v, keep[:, None, :].expand(B, s, s))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cross_attention_tuple_padding_mask(backend):
+    """Megatron's cross-attention padding as (q mask [b,1,1,sq], kv mask [b,1,1,skv])."""
+    sq, sk = 9, 14
+    q, k, v = sbhd_inputs(sq, sk)
+    q_masked, q_keep = padding_mask(sq, q.device)
+    k_masked, k_keep = padding_mask(sk, q.device)
+    layer = CoreAttention(make_config(), 1, AttnMaskType.padding, "cross", v_channels=DV, backend=backend)
+    out = layer(q, k, v, (q_masked, k_masked))
+    check_against_oracle("cross tuple padding", out, q, k, v, q_keep[:, :, None] & k_keep[:, None, :])
+    with pytest.raises(ValueError, match=r"attention_mask\[1\] must be a \[b, 1, 1, s\]"):
+        layer(q, k, v, (q_masked, k_masked[:, 0]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dense", [False, True], ids=["no-mask", "dense-mask"])
+def test_sbhd_padding_from_cu_seqlens(dense, backend):
+    """Padding types on sbhd may give the per-sample lengths as cu_seqlens (right padding), as with TE."""
+    s, lens = 11, [11, 4, 0]
+    q, k, v = sbhd_inputs(s, s)
+    cu = torch.tensor([0, 11, 15, 15], dtype=torch.int32, device=q.device)
+    params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    keep = torch.arange(s)[None, :] < torch.tensor(lens)[:, None]
+    allowed = band(s, s, True, (-1, -1), False) & keep[:, :, None] & keep[:, None, :]
+    mask = None
+    if dense:  # a dense mask that hides one more key from everyone: both apply
+        mask = torch.zeros(B, 1, s, s, dtype=torch.bool, device=q.device)
+        mask[..., 2] = True
+        allowed = allowed & (torch.arange(s) != 2)[None, None, :]
+    out = make_layer(AttnMaskType.padding_causal, backend)(q, k, v, mask, packed_seq_params=params)
+    check_against_oracle("sbhd cu_seqlens padding", out, q, k, v, allowed)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mask_type", [AttnMaskType.arbitrary, AttnMaskType.padding])
 def test_sbhd_dense_mask(mask_type, backend):
     sq, sk = 11, 14

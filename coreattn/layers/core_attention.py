@@ -167,29 +167,41 @@ class CoreAttention(MegatronModule):
             return self._forward_thd(query, key, value, attention_mask, mask_type, packed_seq_params, opts)
         if fmt not in ("sbhd", "bshd"):
             raise ValueError(f"packed_seq_params.qkv_format={fmt!r} is not supported (use 'sbhd', 'bshd' or 'thd')")
-        out = self._forward_padded(query, key, value, attention_mask, mask_type, fmt, opts)
+        out = self._forward_padded(query, key, value, attention_mask, mask_type, fmt, packed_seq_params, opts)
         return out.reshape(*out.shape[:2], -1)
 
-    def _forward_padded(self, q, k, v, attention_mask, mask_type, layout, opts) -> torch.Tensor:
+    def _forward_padded(self, q, k, v, attention_mask, mask_type, layout, params, opts) -> torch.Tensor:
+        if mask_type in _PADDING:
+            # as in Transformer Engine, padding types may give the lengths as cu_seqlens (right padding)
+            opts = dict(opts, **_lengths_from_cu_seqlens(params))
         if attention_mask is None or mask_type not in _PADDING + (AttnMaskType.arbitrary,):
             return padded_attn(q, k, v, layout=layout, **opts)
+        if isinstance(attention_mask, (tuple, list)):
+            # Megatron's cross-attention padding: (q mask [b, 1, 1, sq], kv mask [b, 1, 1, skv])
+            if len(attention_mask) != 2:
+                raise ValueError(f"a tuple attention_mask must be (q_mask, kv_mask), got {len(attention_mask)} items")
+            q_keep, k_keep = (_keep_from_row_mask(m, f"attention_mask[{i}]") for i, m in enumerate(attention_mask))
+            return padded_attn(q, k, v, layout=layout, q_keep_mask=q_keep, k_keep_mask=k_keep, **opts)
         masked = _masked_bool(attention_mask)
         if masked.dim() != 4:
             raise ValueError(f"attention_mask must be [b, 1, sq, sk] or [b, 1, 1, sk], got {tuple(masked.shape)}")
         if masked.shape[-2] == 1 and masked.shape[1] == 1:
-            # [b, 1, 1, sk] padding mask: keep masks read in the kernels, no S×S tensor.
+            # [b, 1, 1, sk] padding mask: keep masks read in the kernels, no S×S tensor. It masks the
+            # queries too only in self-attention (the keys are the queries' own tokens).
             k_keep = ~masked[:, 0, 0, :]
-            self_attn = q.shape[:2] == k.shape[:2]
+            self_attn = self.attention_type == "self" and q.shape[:2] == k.shape[:2]
             q_keep = k_keep if mask_type in _PADDING and self_attn else None
             return padded_attn(q, k, v, layout=layout, q_keep_mask=q_keep, k_keep_mask=k_keep, **opts)
         return self._forward_dense(q, k, v, masked, layout, opts)
 
     def _forward_dense(self, q, k, v, masked, layout, opts) -> torch.Tensor:
-        """Dense [b, 1|h, sq, sk] masks, with causal/window masks folded in: npu_fusion_attention's
-        own dense mask under the npu_fused backend, else the O(S²) torch path."""
+        """Dense [b, 1|h, sq, sk] masks, with causal/window masks (and cu_seqlens lengths) folded in:
+        npu_fusion_attention's own dense mask under the npu_fused backend, else the O(S²) torch path."""
         sq, sk = (q.shape[0], k.shape[0]) if layout == "sbhd" else (q.shape[1], k.shape[1])
         i = torch.arange(sq, device=q.device)[:, None]
         j = torch.arange(sk, device=q.device)[None, :]
+        if "q_len" in opts:  # right padding: positions past each sample's length
+            masked = masked | (i >= opts["q_len"][:, None, None, None]) | (j >= opts["k_len"][:, None, None, None])
         shift = sk - sq if opts["causal_alignment"] == "bottom_right" else 0
         left, right = opts["window_size"]
         if opts["causal"]:
@@ -240,6 +252,25 @@ class CoreAttention(MegatronModule):
                       max_seqlen_kv=_max_or_none(getattr(params, "max_seqlen_kv", None)))
         out = cp_attn(q, k, v, **kw)
         return out.reshape(*out.shape[:-2], -1)
+
+
+def _keep_from_row_mask(mask, name: str) -> torch.Tensor:
+    """A Megatron [b, 1, 1, s] padding mask (True = masked out) as a [b, s] keep mask."""
+    masked = _masked_bool(mask)
+    if masked.dim() != 4 or masked.shape[1] != 1 or masked.shape[2] != 1:
+        raise ValueError(f"{name} must be a [b, 1, 1, s] padding mask, got shape {tuple(masked.shape)}")
+    return ~masked[:, 0, 0, :]
+
+
+def _lengths_from_cu_seqlens(params) -> dict:
+    """Per-sample q/k lengths (right padding) from PackedSeqParams.cu_seqlens_q/kv on sbhd/bshd, as
+    padded_attn's q_len/k_len spans; {} when not given."""
+    cu_q, cu_k = getattr(params, "cu_seqlens_q", None), getattr(params, "cu_seqlens_kv", None)
+    if cu_q is None and cu_k is None:
+        return {}
+    if cu_q is None or cu_k is None:
+        raise ValueError("packed_seq_params must give both cu_seqlens_q and cu_seqlens_kv (or neither) on sbhd/bshd")
+    return dict(q_len=(cu_q[1:] - cu_q[:-1]).to(torch.int32), k_len=(cu_k[1:] - cu_k[:-1]).to(torch.int32))
 
 
 def _max_or_none(value):
