@@ -47,9 +47,9 @@ def attention_configs(on_gpu: bool, quick: bool) -> list[AttnConfig]:
     else:
         heads = ((4, 4), (4, 1))
         totals = (256,)
-        dists = ("uniform", "equal")
+        dists = ("short", "equal")  # uniform would make 256 tokens one document: no multi-document paths
     if quick:
-        return [AttnConfig(dqk, dv, heads[1][0], heads[1][1], True, "uniform", totals[0])
+        return [AttnConfig(dqk, dv, heads[1][0], heads[1][1], True, dists[0], totals[0])
                 for dqk, dv in ((128, 128), (192, 128))]
     return [AttnConfig(dqk, dv, hq, hkv, causal, dist, total)
             for (dqk, dv), (hq, hkv), causal, dist, total

@@ -1,17 +1,19 @@
-"""Mask benchmarks: per-sample Python loops vs coreattn.masks' vectorized builders (which use
-their Triton kernels on CUDA tensors), plus the dense ``[B, 1, S, S]`` mask for reference (its
-time and bytes are what the compact forms avoid).
+"""Mask benchmarks: per-sample Python loops vs coreattn.masks' vectorized torch builders vs its
+Triton kernels (what coreattn runs on CUDA tensors), plus the dense ``[B, 1, S, S]`` mask for
+reference (its time and bytes are what the compact forms avoid).
 
 coreattn.masks is imported lazily: without it the section is skipped with one reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import itertools
 import random
 from typing import Callable, Iterable, NamedTuple
+from unittest import mock
 
 import torch
 
@@ -19,7 +21,7 @@ from bench.configs import MaskConfig
 from bench.seqlens import SEED
 from bench.timing import time_fn
 
-PROVIDERS = ("loop", "torch-dense", "coreattn")
+PROVIDERS = ("loop", "vectorized", "triton", "torch-dense")
 
 
 class MaskInputs(NamedTuple):
@@ -107,17 +109,18 @@ class MaskOp(NamedTuple):
     args: Callable[[MaskInputs], tuple]
     kwargs: Callable[[MaskInputs], dict] = lambda i: {}
     dense: bool = False
+    triton: bool = False  # coreattn has a Triton kernel for it (else vectorized torch everywhere)
 
 
 OPS = (
     MaskOp("padding_mask", loop_padding_mask, "padding_mask_from_seqlens", lambda i: (i.seqlens, i.seqlen)),
     MaskOp("cu_seqlens", loop_cu_seqlens, "cu_seqlens_from_seqlens", lambda i: (i.seqlens,)),
     MaskOp("position_ids", loop_position_ids, "position_ids_from_cu_seqlens",
-           lambda i: (i.cu_seqlens, i.packed.shape[0])),
+           lambda i: (i.cu_seqlens, i.packed.shape[0]), triton=True),
     # total and max_seqlen given, as a training loop that knows its batch does: no host sync
     MaskOp("unpad", loop_unpad, "unpad", lambda i: (i.padded, i.keep),
-           lambda i: dict(total=i.packed.shape[0], max_seqlen=max(i.lens))),
-    MaskOp("pad", loop_pad, "pad", lambda i: (i.packed, i.indices, len(i.lens), i.seqlen)),
+           lambda i: dict(total=i.packed.shape[0], max_seqlen=max(i.lens)), triton=True),
+    MaskOp("pad", loop_pad, "pad", lambda i: (i.packed, i.indices, len(i.lens), i.seqlen), triton=True),
     MaskOp("dense_4d_causal", loop_dense_causal, "megatron_mask_from_keep_mask", lambda i: (i.keep, True),
            dense=True),
 )
@@ -134,12 +137,32 @@ def dense_budget(device: torch.device) -> int:
     return 256 << 20
 
 
+@contextlib.contextmanager
+def torch_path():
+    """coreattn's mask builders with their Triton kernels switched off, whatever the device."""
+    from coreattn.layers import masks as layer_masks, padding_function
+
+    def never(device):
+        return False
+
+    # both modules dispatch on use_triton (layers.masks imports it by name)
+    with mock.patch.object(padding_function, "use_triton", never), mock.patch.object(layer_masks, "use_triton", never):
+        yield
+
+
 def _callable_for(provider: str, op: MaskOp, masks, inp: MaskInputs, device: torch.device):
     """(fn, None) or (None, reason)."""
     if provider == "loop":
         return functools.partial(op.loop, inp), None
     if provider == "torch-dense":
         return (functools.partial(dense_causal, inp), None) if op.dense else (None, "dense reference only")
+    if provider == "triton":
+        from coreattn.layers.padding_function import use_triton
+
+        if not op.triton:
+            return None, "no Triton kernel (coreattn runs the vectorized builder)"
+        if not use_triton(device):
+            return None, f"coreattn uses its Triton kernels on CUDA only, not {device.type}"
     builder = getattr(masks, op.builder, None)
     if builder is None:
         return None, f"coreattn.masks has no {op.builder}"
@@ -177,8 +200,10 @@ def run_masks(configs: Iterable[MaskConfig], provider_names: list[str], dtype: t
                     row.update(status="skipped", reason=reason)
                 else:
                     try:
-                        row["output_bytes"] = _output_bytes(fn())
-                        timing = time_fn(fn, device, quick=quick)
+                        # patched around the warm-up and all timed calls, not inside each call
+                        with torch_path() if provider == "vectorized" else contextlib.nullcontext():
+                            row["output_bytes"] = _output_bytes(fn())
+                            timing = time_fn(fn, device, quick=quick)
                     except Exception as exc:  # a signature mismatch or bug in one builder: record it
                         first = (str(exc).strip().splitlines() or [""])[0]
                         row.update(status="error", reason=f"{type(exc).__name__}: {first[:200]}")

@@ -323,13 +323,19 @@ class FlashAttn3(Provider):
 
 class PaddedV(Provider):
     name = "padded-v"
-    description = "zero-pad V to Dqk, run the best equal-dims kernel, slice the output (Megatron/verl MLA workaround)"
+    description = ("zero-pad V to Dqk, run the best equal-dims kernel (flash-attn 3, flash-attn 2, torch varlen_attn, "
+                   "coreattn: the row's info.inner), slice the output (Megatron/verl MLA workaround)")
 
     @staticmethod
     def _inner(device: torch.device, dtype: torch.dtype, cfg: AttnConfig) -> tuple[str, Callable]:
-        """The best equal-head-dim varlen kernel here: flash-attn, torch's varlen_attn, then coreattn."""
+        """The best equal-head-dim varlen kernel here: flash-attn 3 (Hopper), flash-attn 2, torch's
+        varlen_attn, then coreattn."""
         half = dtype in (torch.float16, torch.bfloat16)
         if device.type == "cuda" and half:
+            if FlashAttn3().unavailable(device) is None:
+                fa3 = _flash_attn3_varlen()
+                return "flash-attn3", lambda q, k, v, cu, m, scale, causal: _first(fa3(
+                    q, k, v, cu, cu, m, m, softmax_scale=scale, causal=causal))
             try:
                 fa = _flash_attn_varlen()
                 return "flash-attn", lambda q, k, v, cu, m, scale, causal: fa(
@@ -395,9 +401,11 @@ class Megatron(Provider):
         return None
 
     @staticmethod
-    def _score_bytes(cfg: AttnConfig, batch: int, s: int) -> int:
-        # [b*np, sq, sk] scores in the input dtype, fp32 softmax input and probs, probs cast back; x2 for grads
-        return 2 * batch * cfg.heads_q * s * s * (2 + 4 + 4 + 2)
+    def _score_bytes(cfg: AttnConfig, batch: int, s: int, mode: str) -> int:
+        # [b*np, sq, sk]: the global matmul buffer and baddbmm's scores in the input dtype, fp32
+        # softmax input and probs, probs cast back; a backward about doubles it (their grads)
+        per_score = (2 + 2 + 4 + 4 + 2) * (1 if mode == "fwd" else 2)
+        return batch * cfg.heads_q * s * s * per_score
 
     def skip_reason(self, cfg, mode, dtype, device):
         if cfg.dist != "equal":
@@ -407,7 +415,7 @@ class Megatron(Provider):
         from bench.seqlens import draw_seqlens
 
         lens = draw_seqlens(cfg.dist, cfg.total_tokens)
-        need = self._score_bytes(cfg, len(lens), lens[0])
+        need = self._score_bytes(cfg, len(lens), lens[0], mode)
         if need > memory_budget(device):
             return f"the [b*np, s, s] score buffers need about {_gib(need)} (budget {_gib(memory_budget(device))})"
         return None

@@ -45,7 +45,10 @@ def format_table(rows: list[dict], meta: dict, primary: str = "coreattn") -> str
     if attn:
         lines = []
         for r in attn:
-            status = "" if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
+            if r["status"] != "ok":
+                status = f"{r['status']}: {r['reason']}"
+            else:  # padded-v names the kernel it wraps
+                status = f"via {r['info']['inner']}" if "inner" in r.get("info", {}) else ""
             lines.append([r["config"], r["mode"], r["dtype"], r["provider"], _fmt(r.get("ms"), ".3f"),
                           _fmt(r.get("tflops"), ".4g"), _fmt(r.get(f"speedup_of_{primary}"), ".2f"), status])
         parts.append(_table(["config", "mode", "dtype", "provider", "ms", "TFLOP/s", f"{primary} x", "note"], lines))

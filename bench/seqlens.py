@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import random
 
-DISTRIBUTIONS = ("uniform", "longtail", "equal")
+DISTRIBUTIONS = ("uniform", "longtail", "equal", "short")
 SEED = 1234
 EQUAL_DOC_LEN = 4096
 UNIFORM_RANGE = (128, 4096)
+SHORT_RANGE = (16, 128)  # CPU runs: a tiny batch still packs several documents of different lengths
 # (probability, low, high): mostly short documents with a few long ones
 LONGTAIL_MIX = ((0.75, 64, 1024), (0.20, 1024, 8192), (0.05, 8192, 16384))
 
@@ -19,6 +20,8 @@ LONGTAIL_MIX = ((0.75, 64, 1024), (0.20, 1024, 8192), (0.05, 8192, 16384))
 def _draw_one(rng: random.Random, dist: str) -> int:
     if dist == "uniform":
         return rng.randint(*UNIFORM_RANGE)
+    if dist == "short":
+        return rng.randint(*SHORT_RANGE)
     if dist == "longtail":
         u = rng.random()
         for prob, low, high in LONGTAIL_MIX:

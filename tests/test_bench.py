@@ -7,8 +7,9 @@ import sys
 import pytest
 import torch
 
-from bench import cli
+from bench import cli, configs, providers
 from bench import context_parallel as cp_bench
+from bench import masks as mask_bench
 from bench.flops import attention_flops, batch_pairs, visible_pairs
 from bench.seqlens import DISTRIBUTIONS, draw_seqlens
 from coreattn import masks
@@ -86,21 +87,27 @@ def test_quick_run_on_cpu(tmp_path, capsys):
 
     attn = [r for r in rows if r["kind"] == "attention"]
     ok = {(r["config"], r["mode"], r["provider"]): r for r in attn if r["status"] == "ok"}
-    for cfg in ("hdim128x128-gqa4-causal-uniform-256", "hdim192x128-gqa4-causal-uniform-256"):
+    for cfg in ("hdim128x128-gqa4-causal-short-256", "hdim192x128-gqa4-causal-short-256"):
         for mode in ("fwd", "fwdbwd"):
             core = ok[(cfg, mode, "coreattn")]
             assert core["info"]["backend"] == "torch"  # never Triton's interpreter
+            assert core["num_seqs"] > 1  # the multi-document paths run before any GPU run
             assert core["ms"] > 0 and core["tflops"] == pytest.approx(core["flops"] / core["ms"] / 1e9)
-            assert ok[(cfg, mode, "sdpa-padded")]["speedup_of_coreattn"] > 0
-    assert ("hdim192x128-gqa4-causal-uniform-256", "fwdbwd", "padded-v") in ok
-    assert ("hdim128x128-gqa4-causal-uniform-256", "fwd", "flex") in ok
+            sdpa = ok[(cfg, mode, "sdpa-padded")]
+            assert sdpa["speedup_of_coreattn"] > 0
+            assert sdpa["info"]["mask"] == "[B, 1, S, S] bool" and "gqa" in sdpa["info"]  # masked GQA repeat
+    assert ok[("hdim192x128-gqa4-causal-short-256", "fwdbwd", "padded-v")]["info"]["inner"] == "coreattn-torch"
+    assert "via coreattn-torch" in out
+    assert ("hdim128x128-gqa4-causal-short-256", "fwd", "flex") in ok
     skipped = {r["provider"]: r["reason"] for r in attn if r["status"] == "skipped"}
     assert "megatron-local" in skipped and "torch-varlen" in skipped
 
     masks = {(r["op"], r["provider"]): r for r in rows if r["kind"] == "masks"}
     for op in ("padding_mask", "cu_seqlens", "position_ids", "unpad", "pad", "dense_4d_causal"):
         assert masks[(op, "loop")]["status"] == "ok"
-        assert masks[(op, "coreattn")]["status"] == "ok" and masks[(op, "coreattn")]["speedup_over_loop"] > 0
+        assert masks[(op, "vectorized")]["status"] == "ok" and masks[(op, "vectorized")]["speedup_over_loop"] > 0
+        assert masks[(op, "triton")]["status"] == "skipped"  # CPU: coreattn runs no Triton kernel
+    assert "CUDA only" in masks[("unpad", "triton")]["reason"]
     assert masks[("dense_4d_causal", "torch-dense")]["dense_bytes"] == 8 * 2048 * 2048
 
     cp = [r for r in rows if r["kind"] == "cp"]
@@ -124,8 +131,29 @@ def test_masks_skipped_with_reason_when_module_missing(tmp_path, capsys, monkeyp
 def test_list_and_filters(capsys):
     assert cli.main(["--list", "--device", "cpu", "--configs", "hdim192x128", "--providers", "coreattn", "flex"]) == 0
     out = capsys.readouterr().out
-    assert "hdim192x128-mha-causal-uniform-256" in out and "hdim64x64" not in out
+    assert "hdim192x128-mha-causal-short-256" in out and "hdim64x64" not in out
     assert "provider flex" in out and "provider sdpa-padded" not in out
+
+
+def test_vectorized_mask_provider_switches_triton_off():
+    from coreattn.layers import masks as layer_masks, padding_function
+
+    cuda = torch.device("cuda")  # only asked, never used
+    assert padding_function.use_triton(cuda) and layer_masks.use_triton(cuda)
+    with mask_bench.torch_path():
+        assert not padding_function.use_triton(cuda) and not layer_masks.use_triton(cuda)
+    assert padding_function.use_triton(cuda) and layer_masks.use_triton(cuda)
+
+
+def test_megatron_memory_estimate_runs_16k_equal_fwd_on_80gb(monkeypatch):
+    monkeypatch.setattr(providers, "memory_budget", lambda device: 80 * 10**9 // 2)
+    megatron = providers.PROVIDERS["megatron-local"]
+    cfgs = [c for c in configs.attention_configs(on_gpu=True, quick=False)
+            if c.dist == "equal" and c.total_tokens == 16384 and c.head_dim_qk == c.head_dim_v]
+    assert cfgs
+    for cfg in cfgs:
+        assert megatron.skip_reason(cfg, "fwd", torch.bfloat16, torch.device("cuda")) is None
+        assert "score buffers" in megatron.skip_reason(cfg, "fwdbwd", torch.bfloat16, torch.device("cuda"))
 
 
 def test_cp_comm_volume_closed_form():
