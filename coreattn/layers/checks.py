@@ -210,6 +210,14 @@ def check_seqused(name: str, used, cu: torch.Tensor, max_name: str, max_seqlen: 
     return used
 
 
+def check_binary_values(name: str, mask: torch.Tensor) -> None:
+    """An integer mask holds only 0 and 1 (reads the values): an additive-style mask (0 = keep,
+    -1 = pad) would otherwise be read inverted."""
+    bad = (mask != 0) & (mask != 1)
+    if bool(bad.any()):
+        raise ValueError(f"{name} is an integer mask and must hold only 0 and 1, found {mask[bad][0].item()}")
+
+
 def check_keep_mask(name: str, mask, batch: int, seqlen: int, device: torch.device) -> torch.Tensor | None:
     """A [B, S] keep mask (bool, or integer 0/1 with 1 = keep) as the uint8 tensor the kernels read.
     Integer values other than 0/1 raise on the CPU (or with COREATTN_VALIDATE=1)."""
@@ -223,10 +231,7 @@ def check_keep_mask(name: str, mask, batch: int, seqlen: int, device: torch.devi
     if mask.device != device:
         raise ValueError(f"{name} is on {mask.device} but q is on {device}")
     if mask.dtype != torch.bool and (device.type == "cpu" or validation_enabled()):
-        # 0/1 only: an additive-style int mask (0 = keep, -1 = pad) would otherwise be read inverted
-        bad = (mask != 0) & (mask != 1)
-        if bool(bad.any()):
-            raise ValueError(f"{name} is an integer mask and must hold only 0 and 1, found {mask[bad][0].item()}")
+        check_binary_values(name, mask)
     if mask.dtype == torch.bool:
         return mask.view(torch.uint8)
     return (mask != 0).view(torch.uint8)

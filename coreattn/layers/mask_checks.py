@@ -10,7 +10,7 @@ import operator
 
 import torch
 
-from coreattn.layers.checks import validation_enabled
+from coreattn.layers.checks import check_binary_values, validation_enabled
 
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 MASK_DTYPES = (torch.bool,) + INT_DTYPES
@@ -84,7 +84,4 @@ def check_mask_values(name: str, mask: torch.Tensor) -> None:
         hint = " (an additive float mask? pass `mask == 0` or `mask != 0` as bool)" if mask.is_floating_point() else ""
         raise TypeError(f"{name} must be bool or an integer dtype, got {mask.dtype}{hint}")
     if mask.dtype != torch.bool and reads_values(mask) and mask.numel() > 0:
-        bad = (mask != 0) & (mask != 1)
-        if bool(bad.any()):
-            raise ValueError(f"{name} is an integer mask and must hold only 0 and 1, "
-                             f"found {mask[bad][0].item()}")
+        check_binary_values(name, mask)

@@ -50,12 +50,12 @@ def _token_index(x: torch.Tensor, pack: Packing, tok: torch.Tensor):
     return (b, tok) if pack.fmt == "bshd" else (tok, b)
 
 
-def _gather(x: torch.Tensor, pack: Packing):
-    """x -> padded [B, S, H, D] of each sequence's tokens (S: the longest), the in-sequence mask
-    [B, S], lengths [B] and token positions [B, S]."""
+def _gather(x: torch.Tensor, pack: Packing, max_len: int):
+    """x -> padded [B, max_len, H, D] of each sequence's tokens, the in-sequence mask [B, S],
+    lengths [B] and token positions [B, S]."""
     n = seq_len_dim(x, pack.fmt)
     starts, lens = _spans(pack)
-    pos = torch.arange(_longest(pack, n), device=x.device)
+    pos = torch.arange(max_len, device=x.device)
     keep = pos[None, :] < lens[:, None]
     tok = (starts[:, None] + pos[None, :]).clamp(0, max(n - 1, 0))
     if n == 0:  # no token to index; 0 * x.sum() keeps the (empty) input in the autograd graph
@@ -99,13 +99,14 @@ def attn_torch(q, k, v, q_pack: Packing, k_pack: Packing, params: VarlenParams) 
     """Returns out (q's layout and dtype, last dim Dv) and lse float32 ([Hq, Tq] packed, [B, Hq, Sq] padded)."""
     hq, hkv = q.shape[-2], k.shape[-2]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qp, keep_q, lens_q, tok_q = _gather(q.to(compute), q_pack)
-    kp, _, lens_k, tok_k = _gather(k.to(compute), k_pack)
-    vp, _, _, _ = _gather(v.to(compute), k_pack)
+    max_q, max_k = _longest(q_pack, seq_len_dim(q, q_pack.fmt)), _longest(k_pack, seq_len_dim(k, k_pack.fmt))
+    qp, keep_q, lens_q, tok_q = _gather(q.to(compute), q_pack, max_q)
+    kp, _, lens_k, tok_k = _gather(k.to(compute), k_pack, max_k)
+    vp, _, _, _ = _gather(v.to(compute), k_pack, max_k)
     b, sq = qp.shape[:2]
     qp = qp.view(b, sq, hkv, hq // hkv, qp.shape[-1])  # [B, Sq, Hkv, G, Dqk]
     scores = torch.einsum("bshgd,bthd->bhgst", qp, kp) * params.softmax_scale  # [B, Hkv, G, Sq, Sk]
-    vis = visible_mask(lens_q, lens_k, sq, kp.shape[1], params)
+    vis = visible_mask(lens_q, lens_k, max_q, max_k, params)
     vis = vis & _keep_at(q_pack, tok_q)[:, :, None] & _keep_at(k_pack, tok_k)[:, None, :]
     vis = vis[:, None, None]
     scores = scores.masked_fill(~vis, float("-inf"))
