@@ -222,10 +222,10 @@ def pad(x_packed: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) 
         lo, hi = int(indices.min()), int(indices.max())
         if lo < 0 or hi >= n_rows:
             raise ValueError(f"indices must lie in [0, batch*seqlen = {n_rows}), got [{lo}, {hi}]")
-        if torch.unique(indices).numel() != indices.numel():
+        if bool((torch.bincount(indices, minlength=n_rows) > 1).any()):  # O(n) where unique would sort
             raise ValueError("indices must be unique")
     if not use_triton(x_packed.device):
-        indices = indices.long()  # index_copy_ takes int64 only
+        indices = indices.long()  # the torch path indexes with int64
     rows = PadFunction.apply(x_packed, indices, n_rows)
     return rows.reshape((batch, seqlen) + tuple(x_packed.shape[1:]))
 
@@ -441,12 +441,13 @@ def megatron_mask_from_keep_mask(keep_mask: torch.Tensor, causal: bool = False) 
     check_keep_mask("keep_mask", keep_mask)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    keep = _keep_bool(keep_mask)
-    both = keep[:, None, :, None] & keep[:, None, None, :]  # [B, 1, S, S]
+    drop = ~_keep_bool(keep_mask)
+    # built as "i dropped or j dropped (or j > i)", in place: one [B, 1, S, S] allocation
+    masked = drop[:, None, :, None] | drop[:, None, None, :]
     if causal:
-        seqlen = keep.shape[1]
-        both = both & torch.ones(seqlen, seqlen, dtype=torch.bool, device=keep.device).tril_()
-    return ~both
+        seqlen = drop.shape[1]
+        masked |= torch.ones(seqlen, seqlen, dtype=torch.bool, device=drop.device).triu_(1)
+    return masked
 
 
 @functools.lru_cache(maxsize=None)
