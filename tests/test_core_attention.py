@@ -171,6 +171,9 @@ def test_sbhd_padding_from_cu_seqlens(dense, backend):
         allowed = allowed & (torch.arange(s) != 2)[None, None, :]
     out = make_layer(AttnMaskType.padding_causal, backend)(q, k, v, mask, packed_seq_params=params)
     check_against_oracle("sbhd cu_seqlens padding", out, q, k, v, allowed)
+    bad = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu[:-1], cu_seqlens_kv=cu)
+    with pytest.raises(ValueError, match=r"packed_seq_params.cu_seqlens_q must be a \[b\+1\] = \[4\]"):
+        make_layer(AttnMaskType.padding_causal, backend)(q, k, v, mask, packed_seq_params=bad)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

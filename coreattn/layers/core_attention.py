@@ -173,7 +173,7 @@ class CoreAttention(MegatronModule):
     def _forward_padded(self, q, k, v, attention_mask, mask_type, layout, params, opts) -> torch.Tensor:
         if mask_type in _PADDING:
             # as in Transformer Engine, padding types may give the lengths as cu_seqlens (right padding)
-            opts = dict(opts, **_lengths_from_cu_seqlens(params))
+            opts = dict(opts, **_lengths_from_cu_seqlens(params, q.shape[1] if layout == "sbhd" else q.shape[0]))
         if attention_mask is None or mask_type not in _PADDING + (AttnMaskType.arbitrary,):
             return padded_attn(q, k, v, layout=layout, **opts)
         if isinstance(attention_mask, (tuple, list)):
@@ -262,7 +262,7 @@ def _keep_from_row_mask(mask, name: str) -> torch.Tensor:
     return ~masked[:, 0, 0, :]
 
 
-def _lengths_from_cu_seqlens(params) -> dict:
+def _lengths_from_cu_seqlens(params, batch: int) -> dict:
     """Per-sample q/k lengths (right padding) from PackedSeqParams.cu_seqlens_q/kv on sbhd/bshd, as
     padded_attn's q_len/k_len spans; {} when not given."""
     cu_q, cu_k = getattr(params, "cu_seqlens_q", None), getattr(params, "cu_seqlens_kv", None)
@@ -270,6 +270,11 @@ def _lengths_from_cu_seqlens(params) -> dict:
         return {}
     if cu_q is None or cu_k is None:
         raise ValueError("packed_seq_params must give both cu_seqlens_q and cu_seqlens_kv (or neither) on sbhd/bshd")
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() != batch + 1:
+            shape = tuple(cu.shape) if isinstance(cu, torch.Tensor) else type(cu).__name__
+            raise ValueError(f"packed_seq_params.{name} must be a [b+1] = [{batch + 1}] tensor on sbhd/bshd, "
+                             f"got {shape}")
     return dict(q_len=(cu_q[1:] - cu_q[:-1]).to(torch.int32), k_len=(cu_k[1:] - cu_k[:-1]).to(torch.int32))
 
 
