@@ -23,6 +23,7 @@ class Packing(NamedTuple):
     seq: torch.Tensor  # cu_seqlens int32 [B+1] (lens None) or span starts int32 [B]
     lens: torch.Tensor | None = None  # span lengths int32 [B]; None: cu_seqlens mode
     keep: torch.Tensor | None = None  # [B, S] uint8 keep mask at raw positions (padded layouts)
+    gid: torch.Tensor | None = None  # int32 [B]: dropout token id of each span's first token (None: default_gid)
 
     @property
     def spans(self) -> bool:
@@ -31,6 +32,16 @@ class Packing(NamedTuple):
     @property
     def batch(self) -> int:
         return self.seq.numel() if self.spans else self.seq.numel() - 1
+
+
+def default_gid(pack: Packing, seqlen_total: int) -> torch.Tensor:
+    """Dropout token ids of each sequence's first token when ``pack.gid`` is None (see
+    coreattn/layers/dropout.py): packed thd, the token's row; padded, ``b * S + position``."""
+    start = pack.seq if pack.spans else pack.seq[:-1]
+    if pack.fmt == "thd":
+        return start
+    rows = torch.arange(pack.batch, dtype=torch.int32, device=start.device) * seqlen_total
+    return rows + start
 
 
 def packed(cu_seqlens: torch.Tensor) -> Packing:
