@@ -173,7 +173,7 @@ def test_spans_on_packed_tensors(backend):
     from coreattn.layers.dispatch import run_attention
 
     params = VarlenParams(dqk ** -0.5, -1, 0, True)
-    out, lse = run_attention(q, k, v, Packing("thd", q_start, q_len), Packing("thd", k_start, k_len), 15, 25,
+    out, lse, _ = run_attention(q, k, v, Packing("thd", q_start, q_len), Packing("thd", k_start, k_len), 15, 25,
                              params, True, backend)
     assert out.shape == (t, 2, dv) and lse.shape == (2, t)
     assert not out[35:].any() and torch.isneginf(lse[:, 35:]).all(), "rows outside every span stay empty"

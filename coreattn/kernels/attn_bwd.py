@@ -378,7 +378,8 @@ def _attn_bwd_dq_kernel(
 def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int,
                     softmax_scale: float, window_left: int = -1, window_right: int = -1, bottom_right: bool = True,
-                    dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None):
+                    dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
+                    *, dropout_p: float = 0.0, rng_state: torch.Tensor | None = None):
     """Launch the backward kernels; returns dq, dk, dv in the layouts and dtypes of q, k, v.
 
     ``dout`` may be any strided view with last stride 1 (it is made so if not); ``out`` and
@@ -386,6 +387,8 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     sequence is written once. ``dq``/``dk``/``dv`` may be given as preallocated buffers (rows
     outside spans are left as they are).
     """
+    if dropout_p:
+        raise NotImplementedError("dropout is not in the Triton kernels yet; use backend='torch'")
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     heads_q, dim_qk = q.shape[-2:]

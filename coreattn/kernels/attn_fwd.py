@@ -236,7 +236,9 @@ def mask_flags(window_left: int, window_right: int, bottom_right: bool, q_pack: 
 
 def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: Packing, k_pack: Packing,
                     max_seqlen_q: int, softmax_scale: float, window_left: int = -1, window_right: int = -1,
-                    bottom_right: bool = True, out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+                    bottom_right: bool = True, out: torch.Tensor | None = None, lse: torch.Tensor | None = None, *,
+                    dropout_p: float = 0.0, rng_state: torch.Tensor | None = None,
+                    softmax_offset: torch.Tensor | None = None, return_max_logit: bool = False):
     """Launch the forward kernel on q/k/v laid out as ``q_pack``/``k_pack`` say (kernels/packing.py).
 
     thd: q [Tq, Hq, Dqk], k [Tk, Hkv, Dqk], v [Tk, Hkv, Dv]; returns out [Tq, Hq, Dv] (q's
@@ -245,6 +247,9 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
     spans are zeros (lse -inf); rows a keep mask drops see no key (zeros, lse -inf). Last strides must be 1; inputs are assumed checked by the caller
     (coreattn.layers.checks). ``out``/``lse`` may be given as preallocated buffers.
     """
+    if dropout_p or softmax_offset is not None or return_max_logit:
+        raise NotImplementedError("dropout, softmax_offset and return_max_logit are not in the Triton kernels yet; "
+                                  "use backend='torch'")
     heads_q, dim_qk = q.shape[-2:]
     heads_kv, dim_v = v.shape[-2:]
     batch = q_pack.batch

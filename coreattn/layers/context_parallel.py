@@ -230,7 +230,7 @@ def attend_local(q, k_glob, v_glob, plan: CPPlan, params: VarlenParams, determin
     is zero outside its query spans)."""
     out = None
     for call in plan.calls:
-        part, _ = run_attention(q, k_glob, v_glob, call.q_pack, call.k_pack, call.max_q, call.max_k, params,
+        part, _, _ = run_attention(q, k_glob, v_glob, call.q_pack, call.k_pack, call.max_q, call.max_k, params,
                                 deterministic, backend)
         out = part if out is None else out + part
     return out

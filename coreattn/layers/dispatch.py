@@ -6,23 +6,36 @@ import torch
 
 from coreattn.adapters.backends import Backend, select_backend
 from coreattn.kernels.packing import Packing
+from coreattn.layers import dropout
 from coreattn.layers.checks import KERNEL_DTYPES, VarlenParams
-from coreattn.layers.function import VarlenAttnFunction
-from coreattn.layers.torch_backend import attn_torch
+from coreattn.layers.function import TORCH, TRITON, AttnFunction, attn_torch  # noqa: F401 (re-exported)
 
 
 def run_attention(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int,
-                  params: VarlenParams, deterministic: bool, backend) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(out, lse); lse is never differentiable, so callers may backpropagate through out alone.
-    The npu_fused backend returns no lse (None); see coreattn.layers.npu_backend."""
+                  params: VarlenParams, deterministic: bool, backend, *, softmax_offset: torch.Tensor | None = None,
+                  return_max_logit: bool = False, rng_state: torch.Tensor | None = None,
+                  generator: torch.Generator | None = None):
+    """(out, lse, max_logit). lse and max_logit are never differentiable, so callers may
+    backpropagate through out (and softmax_offset) alone; max_logit is None unless asked for. With
+    dropout, the RNG state is drawn here from the device's generator (or ``generator``) unless
+    given. The npu_fused backend returns no lse (None); see coreattn.layers.npu_backend."""
     chosen = select_backend(q.device, backend)
-    if chosen is Backend.TORCH:
-        out, lse = attn_torch(q, k, v, q_pack, k_pack, params)
-        return out, lse.detach()
+    if params.dropout_p > 0 and rng_state is None:
+        rng_state = dropout.rng_state(q.device, generator)
     if chosen is Backend.NPU_FUSED:
         from coreattn.layers.npu_backend import attn_npu_fused
 
-        return attn_npu_fused(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params)
-    if q.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"q has dtype {q.dtype}; the Triton backend supports float16, bfloat16, float32")
-    return VarlenAttnFunction.apply(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params, deterministic)
+        if softmax_offset is not None or return_max_logit or params.dropout_p > 0:
+            raise NotImplementedError("softmax_offset, return_max_logit and dropout are not supported by the "
+                                      "npu_fused backend yet; use backend='triton' or 'torch'")
+        out, lse = attn_npu_fused(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params)
+        return out, lse, None
+    if chosen is Backend.TORCH:
+        impl = TORCH
+    else:
+        if q.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"q has dtype {q.dtype}; the Triton backend supports float16, bfloat16, float32")
+        impl = TRITON
+    return AttnFunction.apply(q, k, v, softmax_offset, impl, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params,
+                              rng_state, return_max_logit)
+

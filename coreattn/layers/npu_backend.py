@@ -52,7 +52,7 @@ from coreattn.kernels.packing import Packing, packed, seq_len_dim
 from coreattn.layers.checks import VarlenParams, check_cu_seqlens_values
 from coreattn.layers.dense_mask_attn import dense_mask_attn
 from coreattn.layers.masks import npu_compressed_causal_mask, spans_from_keep_mask
-from coreattn.layers.torch_backend import attn_torch
+from coreattn.layers.function import attn_torch
 
 INT_MAX = 2147483647  # the op's "unlimited" pre_tockens/next_tockens
 MAX_VARLEN_SEQUENCES = 1024  # the op's limit on actual_seq_qlen/kvlen entries ("1K")

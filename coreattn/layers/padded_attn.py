@@ -50,6 +50,6 @@ def padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: st
     k_start, k_len = check_spans("k_start", k_start, "k_len", k_len, batch, seqlen_k, q.device)
     q_keep = check_keep_mask("q_keep_mask", q_keep_mask, batch, seqlen_q, q.device)
     k_keep = check_keep_mask("k_keep_mask", k_keep_mask, batch, seqlen_k, q.device)
-    out, lse = run_attention(q, k, v, Packing(layout, q_start, q_len, q_keep), Packing(layout, k_start, k_len, k_keep),
+    out, lse, _ = run_attention(q, k, v, Packing(layout, q_start, q_len, q_keep), Packing(layout, k_start, k_len, k_keep),
                              seqlen_q, seqlen_k, params, deterministic, backend)
     return (out, lse) if return_lse else out

@@ -69,7 +69,7 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                                                      "max_seqlen_q", max_seqlen_q))
         k_pack = Packing("thd", cu_seqlens_k[:-1], check_seqused("seqused_k", seqused_k, cu_seqlens_k,
                                                                      "max_seqlen_k", max_seqlen_k))
-    out, lse = run_attention(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params, deterministic, backend)
+    out, lse, _ = run_attention(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params, deterministic, backend)
     return (out, lse) if return_lse else out
 
 
