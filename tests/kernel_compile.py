@@ -24,13 +24,19 @@ from coreattn.kernels.attn_bwd import (_attn_bwd_dkdv_kernel, _attn_bwd_dq_kerne
 from coreattn.kernels.attn_fwd import _varlen_attn_fwd_kernel  # noqa: E402
 
 POINTER_TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "q_seq_ptr": "*i32", "q_len_ptr": "*i32",
-                 "k_seq_ptr": "*i32", "k_len_ptr": "*i32", "q_keep_ptr": "*u8", "k_keep_ptr": "*u8"}
-SHAPES = dict(HEAD_DIM_QK=192, HEAD_DIM_V=128, BLOCK_DQK=256, BLOCK_DV=128, BLOCK_M=32, BLOCK_N=32, BLOCK_B=128)
+                 "k_seq_ptr": "*i32", "k_len_ptr": "*i32", "q_keep_ptr": "*u8", "k_keep_ptr": "*u8",
+                 "q_gid_ptr": "*i32", "k_gid_ptr": "*i32", "rng_ptr": "*i64", "sink_ptr": "*fp32", "max_ptr": "*fp32"}
+SHAPES = dict(HEAD_DIM_QK=192, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DQK2=64, BLOCK_DV=128, BLOCK_M=32, BLOCK_N=32,
+              BLOCK_B=128, DK=True, DV=True)
+NO_FEATURES = dict(DROPOUT=False, HAS_GID=False, HAS_SINK=False, RETURN_MAX=False)
 VARIANTS = {
-    "thd-causal-window": dict(HAS_LEFT=True, HAS_RIGHT=True, BOTTOM_RIGHT=True, SPANS=False, HAS_Q_KEEP=False,
-                              HAS_K_KEEP=False),
-    "spans-keep-masks": dict(HAS_LEFT=False, HAS_RIGHT=False, BOTTOM_RIGHT=False, SPANS=True, HAS_Q_KEEP=True,
-                             HAS_K_KEEP=True),
+    "thd-causal-window": dict(HAS_LEFT=True, HAS_RIGHT=True, BOTTOM_RIGHT=True, SPANS=False, PACKED=True,
+                              HAS_Q_KEEP=False, HAS_K_KEEP=False, **NO_FEATURES),
+    "spans-keep-masks": dict(HAS_LEFT=False, HAS_RIGHT=False, BOTTOM_RIGHT=False, SPANS=True, PACKED=False,
+                             HAS_Q_KEEP=True, HAS_K_KEEP=True, **NO_FEATURES),
+    "dropout-sink-max-logit": dict(HAS_LEFT=False, HAS_RIGHT=True, BOTTOM_RIGHT=True, SPANS=True, PACKED=True,
+                                   HAS_Q_KEEP=False, HAS_K_KEEP=False, DROPOUT=True, HAS_GID=True, HAS_SINK=True,
+                                   RETURN_MAX=True),
 }
 KERNELS = (_varlen_attn_fwd_kernel, _attn_bwd_preprocess_kernel, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel)
 
@@ -43,7 +49,7 @@ def _signature(fn, consts: dict) -> dict:
         elif name.endswith("_ptr"):
             sig[name] = POINTER_TYPES.get(name, "*fp16")
         else:
-            sig[name] = "fp32" if name.startswith("sm_scale") else "i32"
+            sig[name] = "fp32" if name.startswith(("sm_scale", "drop_scale")) else "i32"
     return sig
 
 
@@ -81,7 +87,9 @@ def main(which: str) -> None:
     precision = "tf32" if which == "cuda" else "ieee"  # triton-ascend accepts ieee and hf32 only
     for variant, flags in VARIANTS.items():
         for fn in KERNELS:
-            for persistent in ((False, True) if which == "cuda" else (True,)):
+            # CUDA launches the grid mode; PERSISTENT (Ascend's) is compiled for CUDA too, as a second frontend check
+            modes = (False, True) if which == "cuda" and not flags["DROPOUT"] else (which != "cuda",)
+            for persistent in modes:
                 consts = dict(SHAPES, **flags, DOT_PRECISION=precision, PERSISTENT=persistent)
                 consts = {k: v for k, v in consts.items() if k in fn.arg_names}
                 mode = "PERSISTENT" if persistent else "grid"

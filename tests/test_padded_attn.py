@@ -5,7 +5,7 @@ import torch
 
 import coreattn
 from attn_cases import KERNEL_DEVICE
-from coreattn.kernels import varlen_attn_fwd
+from coreattn.kernels import varlen_attn_bwd, varlen_attn_fwd
 from coreattn.kernels.packing import Packing
 
 B, S, HQ, HKV, DQK, DV = 3, 29, 4, 2, 40, 24
@@ -68,14 +68,17 @@ def test_whole_rows_when_no_spans_given():
 
 
 def test_span_outside_the_batch_gives_nan_on_device_path():
-    """Kernel-level answer to bad spans when the host checks are off (GPU default): that sample is NaN."""
+    """Kernel-level answer to bad spans when the host checks are off (GPU default): every output is NaN,
+    forward and backward (one bad span poisons the whole call, as malformed cu_seqlens do)."""
     q, k, v = (t.detach() for t in _padded_inputs("bshd", KERNEL_DEVICE))
     start = torch.tensor([0, 20, 0], dtype=torch.int32, device=q.device)
     length = torch.tensor([5, 20, 0], dtype=torch.int32, device=q.device)  # sample 1 ends at 40 > S
     pack = Packing("bshd", start, length)
     out, lse = varlen_attn_fwd(q, k, v, pack, pack, S, DQK ** -0.5)
-    assert out[1].isnan().all() and lse[1].isnan().all()
-    assert not out[0].isnan().any() and not out[2].isnan().any()
+    assert out.isnan().all() and lse.isnan().all()
+    grads = varlen_attn_bwd(torch.ones_like(out), q, k, v, torch.zeros_like(out), torch.zeros_like(lse), pack, pack,
+                            S, S, DQK ** -0.5)
+    assert all(g.isnan().all() for g in grads)
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -34,7 +34,7 @@ class _Recorder:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            named = dict(zip(self.real.arg_names, args))
+            named = dict(zip(self.real.arg_names, args), **kwargs)
             self.calls.append({k: v for k, v in named.items() if _spec_class(v) is not None})
         return launch
 

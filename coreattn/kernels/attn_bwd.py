@@ -2,12 +2,15 @@
 
 Three kernels, all deterministic (no atomics):
 1. ``_attn_bwd_preprocess_kernel``: delta = rowsum(dO * O) per query row, fp32;
-2. ``_attn_bwd_dkdv_kernel``: one program per (key block, sequence, kv head) accumulates dK/dV
-   over the query blocks that see its keys and over every q head of its GQA group, in a fixed
-   order, and stores once;
-3. ``_attn_bwd_dq_kernel``: one program per (query block, sequence, q head) accumulates dQ.
-Masks, block skipping, layouts and the NaN answer to malformed cu_seqlens follow the forward,
-and so does ``PERSISTENT`` (Ascend: each kernel's programs run as tasks of a core-count 1D grid).
+2. ``_attn_bwd_dkdv_kernel``: one program per (key tile, kv head) accumulates dK/dV over the
+   query blocks that see its keys and over every q head of its GQA group, in a fixed order, and
+   stores once;
+3. ``_attn_bwd_dq_kernel``: one program per (query tile, q head) accumulates dQ.
+They take separate tile configs (kernels/config.py: a dK/dV tile has many keys and steps over
+few queries, a dQ tile the reverse). Tiles, masks, block skipping, split q/k head dims, dropout
+(the forward's keep mask, regenerated), layouts, the NaN answer to malformed cu_seqlens and
+``PERSISTENT`` (Ascend) follow the forward. The softmax offset needs nothing here: the saved lse
+includes its sink term, so P = exp(S - lse) is already the forward's probability.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import (LENGTH_STRIDES, _key_range, _layout_ok, _load_keep, _poison_program_rows,
-                                          _query_range, _seq_span, _visible)
-from coreattn.kernels.attn_fwd import LOG2E, dot_precision, kernel_window, launch_grid, mask_flags
-from coreattn.kernels.config import bwd_config, head_block, target_of
+from coreattn.kernels.attn_common import (LENGTH_STRIDES, _dropout_keep, _first_gid, _key_range, _load_keep, _load_rows,
+                                          _poison, _query_range, _scan, _seq_span, _store_rows, _visible, tile_bound)
+from coreattn.kernels.attn_fwd import (LOG2E, RUNTIME_INTS, dot_precision, dropout_args, kernel_window, launch_grid,
+                                       mask_flags)
+from coreattn.kernels.config import bwd_configs, head_blocks, split_dkdv, target_of
 from coreattn.kernels.packing import (Packing, keep_args, new_like, new_rowstat, rowstat_strides, seq_len_dim,
                                       seq_strides)
 
@@ -51,16 +55,17 @@ def _attn_bwd_preprocess_kernel(out_ptr, do_ptr, delta_ptr, seqlen_total, grid_m
                                 stride_lb, stride_lh,
                                 HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                                 PERSISTENT: tl.constexpr):
-    # grid: (grid_m row blocks, batch (1 when packed), heads); PERSISTENT: those programs as
-    # tasks of a core-count 1D grid
+    # tasks: (grid_m row blocks, batch (1 when packed), heads), row blocks fastest; PERSISTENT:
+    # those tasks over a core-count 1D grid
     if PERSISTENT:
         for task in range(tl.program_id(0), grid_m * batch * heads, tl.num_programs(0)):
             _preprocess_program(task % grid_m, task // (grid_m * heads), (task // grid_m) % heads, out_ptr, do_ptr,
                                 delta_ptr, seqlen_total, stride_ob, stride_ot, stride_oh, stride_db, stride_dt,
                                 stride_dh, stride_lb, stride_lh, HEAD_DIM_V, BLOCK_DV, BLOCK_M)
     else:
-        _preprocess_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), out_ptr, do_ptr, delta_ptr,
-                            seqlen_total, stride_ob, stride_ot, stride_oh, stride_db, stride_dt, stride_dh,
+        task = tl.program_id(0)
+        _preprocess_program(task % grid_m, task // (grid_m * heads), (task // grid_m) % heads, out_ptr, do_ptr,
+                            delta_ptr, seqlen_total, stride_ob, stride_ot, stride_oh, stride_db, stride_dt, stride_dh,
                             stride_lb, stride_lh, HEAD_DIM_V, BLOCK_DV, BLOCK_M)
 
 
@@ -74,305 +79,362 @@ def _load_row_stats(lse_base, delta_base, rows, row_mask):
 
 
 @triton.jit
-def _dkdv_q_steps(dk, dv, k, v, k_keep, q_base, do_base, lse_base, delta_base, q_keep_base, stride_qt, stride_dot,
-                  stride_qks, cols, m_lo, m_hi, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
-                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                  BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_seq, q_keep_base, stride_qt,
+                  stride_qh, stride_dot, stride_doh, stride_lh, stride_qks, cols, m_lo, m_hi, head0, group,
+                  seqlen_q, seqlen_k, shift, window_left, window_right,
+                  sm_scale_log2, seed, rng_offset, q_gid0, k_ids, drop_threshold, drop_scale,
+                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                  BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
+                  HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Query blocks [m_lo, m_hi) of each q head head0 .. head0 + group - 1 (GQA), as one flat loop
+    (head-major), so no loop nests around the pipelined steps."""
     offs_m = tl.arange(0, BLOCK_M)
-    offs_dqk = tl.arange(0, BLOCK_DQK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    for m0 in range(m_lo, m_hi, BLOCK_M):
+    n_blocks = tl.cdiv(m_hi - m_lo, BLOCK_M)
+    for step in range(0, n_blocks * group):
+        head = head0 + step // n_blocks
+        m0 = m_lo + (step % n_blocks) * BLOCK_M
+        h64 = tl.cast(head, tl.int64)
         rows = m0 + offs_m
         row_ok = rows < seqlen_q
-        m0_64 = tl.cast(m0, tl.int64)
-        q = tl.load(q_base + m0_64 * stride_qt + offs_m[:, None] * stride_qt + offs_dqk[None, :],
-                    mask=row_ok[:, None] & (offs_dqk[None, :] < HEAD_DIM_QK), other=0.0)  # [M, DQK]
-        do = tl.load(do_base + m0_64 * stride_dot + offs_m[:, None] * stride_dot + offs_dv[None, :],
-                     mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)  # [M, DV]
-        lse, delta = _load_row_stats(lse_base, delta_base, rows, row_ok)
-        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * sm_scale_log2  # [N, M]
-        pT = tl.math.exp2(sT - lse[None, :])
+        q, q2 = _load_rows(q_seq + h64 * stride_qh, stride_qt, m0, row_ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2,
+                           BLOCK_M)  # [M, DQK]
+        do, _ = _load_rows(do_seq + h64 * stride_doh, stride_dot, m0, row_ok, HEAD_DIM_V, BLOCK_DV, 0,
+                           BLOCK_M)  # [M, DV]
+        lse, delta = _load_row_stats(lse_seq + h64 * stride_lh, delta_seq + h64 * stride_lh, rows, row_ok)
+        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
+        if BLOCK_DQK2 > 0:
+            sT = tl.dot(k2, tl.trans(q2), sT, input_precision=DOT_PRECISION)
+        pT = tl.math.exp2(sT * sm_scale_log2 - lse[None, :])
         if MASKED:
-            vis = _visible(rows[None, :], cols[:, None], seqlen_q, seqlen_k, shift,
-                           window_left, window_right, HAS_LEFT, HAS_RIGHT)
-            q_keep = _load_keep(q_keep_base, stride_qks, rows, seqlen_q, HAS_Q_KEEP)
-            vis = vis & k_keep[:, None] & q_keep[None, :]
+            vis = _visible(rows[None, :], cols[:, None], seqlen_k, shift, window_left, window_right, HAS_LEFT,
+                           HAS_RIGHT, False)
+            if HAS_K_KEEP:
+                vis = vis & k_keep[:, None]
+            if HAS_Q_KEEP:
+                vis = vis & _load_keep(q_keep_base, stride_qks, rows, seqlen_q)[None, :]
             pT = tl.where(vis, pT, 0.0)
-        dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PRECISION)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
-        dsT = pT * (dpT - delta[None, :])
-        dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PRECISION)
-    return dk, dv
+        keep = pT == pT
+        if DROPOUT:
+            keep = _dropout_keep(seed, rng_offset, head, (q_gid0 + rows)[None, :], k_ids[:, None], drop_threshold)
+        if DV:
+            pdT = pT
+            if DROPOUT:
+                pdT = tl.where(keep, pT * drop_scale, 0.0)
+            dv += tl.dot(pdT.to(do.dtype), do, input_precision=DOT_PRECISION)
+        if DK:
+            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
+            if DROPOUT:
+                dpT = tl.where(keep, dpT * drop_scale, 0.0)
+            dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+            dk += tl.dot(dsT, q, input_precision=DOT_PRECISION)
+            if BLOCK_DQK2 > 0:
+                dk2 += tl.dot(dsT, q2, input_precision=DOT_PRECISION)
+    return dk, dk2, dv
 
 
 @triton.jit
-def _dkdv_program(pid_n, seq, kv_head, num_pid_n,
-                  q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-                  q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
-                  batch, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
-                  stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                  stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb,
-                  stride_kks, stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                  BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-                  SPANS: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
-    """One program of the (key-block programs, sequences, kv heads) grid: key blocks pid_n,
-    pid_n + num_pid_n, ... of sequence ``seq`` for kv head ``kv_head``."""
-    seq64 = seq.to(tl.int64)
+def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+               q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
+               batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2,
+               window_left, window_right, drop_threshold, drop_scale,
+               stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+               stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb,
+               stride_kks, stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
+               HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+               BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_B: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+               SPANS: tl.constexpr, PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
+               DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """Task ``task`` of the (key tile, kv head) grid, heads fastest (``heads`` = kv heads): dK and/or
+    dV (DK, DV) of one key tile."""
+    kv_head = task % heads
+    tile = task // heads
     kv64 = kv_head.to(tl.int64)
-    dk_head = dk_ptr + seq64 * stride_dkb + kv64 * stride_dkh
-    dv_head = dv_ptr + seq64 * stride_dvb + kv64 * stride_dvh
-    ok = _layout_ok(q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, seq, batch, seqlen_q_total, seqlen_k_total,
-                    SPANS, BLOCK_B)
-    if ok:
-        q_start, seqlen_q = _seq_span(q_seq_ptr, q_len_ptr, seq, SPANS)
-        k_start, seqlen_k = _seq_span(k_seq_ptr, k_len_ptr, seq, SPANS)
-        shift = seqlen_q * 0
-        if BOTTOM_RIGHT:
-            shift = seqlen_k - seqlen_q
-        q_seq = q_ptr + seq64 * stride_qb + q_start.to(tl.int64) * stride_qt
-        do_seq = do_ptr + seq64 * stride_dob + q_start.to(tl.int64) * stride_dot
-        stat_seq = seq64 * stride_lb + q_start.to(tl.int64)
-        k_base = k_ptr + seq64 * stride_kb + k_start.to(tl.int64) * stride_kt + kv64 * stride_kh
-        v_base = v_ptr + seq64 * stride_vb + k_start.to(tl.int64) * stride_vt + kv64 * stride_vh
-        q_keep_base = q_keep_ptr + seq64 * stride_qkb + q_start.to(tl.int64) * stride_qks
-        k_keep_base = k_keep_ptr + seq64 * stride_kkb + k_start.to(tl.int64) * stride_kks
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_dqk = tl.arange(0, BLOCK_DQK)
-        offs_dv = tl.arange(0, BLOCK_DV)
-        for n0 in range(pid_n * BLOCK_N, seqlen_k, num_pid_n * BLOCK_N):
-            cols = n0 + offs_n
+    dk_head = dk_ptr + kv64 * stride_dkh
+    dv_head = dv_ptr + kv64 * stride_dvh
+    ok, seq, n0, n_real = _scan(k_seq_ptr, k_len_ptr, batch, seqlen_k_total, tile, BLOCK_N, SPANS, BLOCK_B, False)
+    q_ok = _scan(q_seq_ptr, q_len_ptr, batch, seqlen_q_total, -1, BLOCK_M, SPANS, BLOCK_B, False)[0]
+    if ok & q_ok & (n_real <= n_tiles):
+        if seq < batch:
+            seq64 = seq.to(tl.int64)
+            q_start, seqlen_q = _seq_span(q_seq_ptr, q_len_ptr, seq, SPANS)
+            k_start, seqlen_k = _seq_span(k_seq_ptr, k_len_ptr, seq, SPANS)
+            shift = seqlen_q * 0
+            if BOTTOM_RIGHT:
+                shift = seqlen_k - seqlen_q
+            q_seq = q_ptr + seq64 * stride_qb + q_start.to(tl.int64) * stride_qt
+            do_seq = do_ptr + seq64 * stride_dob + q_start.to(tl.int64) * stride_dot
+            stat_seq = seq64 * stride_lb + q_start.to(tl.int64)
+            k_base = k_ptr + seq64 * stride_kb + k_start.to(tl.int64) * stride_kt + kv64 * stride_kh
+            v_base = v_ptr + seq64 * stride_vb + k_start.to(tl.int64) * stride_vt + kv64 * stride_vh
+            q_keep_base = q_keep_ptr + seq64 * stride_qkb + q_start.to(tl.int64) * stride_qks
+            k_keep_base = k_keep_ptr + seq64 * stride_kkb + k_start.to(tl.int64) * stride_kks
+            cols = n0 + tl.arange(0, BLOCK_N)
             col_ok = cols < seqlen_k
-            n0_64 = tl.cast(n0, tl.int64)
-            kd_mask = col_ok[:, None] & (offs_dqk[None, :] < HEAD_DIM_QK)
-            vd_mask = col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
-            k = tl.load(k_base + n0_64 * stride_kt + offs_n[:, None] * stride_kt + offs_dqk[None, :],
-                        mask=kd_mask, other=0.0)  # [N, DQK]
-            v = tl.load(v_base + n0_64 * stride_vt + offs_n[:, None] * stride_vt + offs_dv[None, :],
-                        mask=vd_mask, other=0.0)  # [N, DV]
-            k_keep = _load_keep(k_keep_base, stride_kks, cols, seqlen_k, HAS_K_KEEP)  # [N]
-            dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
-            dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+            k, k2 = _load_rows(k_base, stride_kt, n0, col_ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, BLOCK_N)
+            v, _ = _load_rows(v_base, stride_vt, n0, col_ok, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)
+            k_keep = col_ok
+            if HAS_K_KEEP:
+                k_keep = _load_keep(k_keep_base, stride_kks, cols, seqlen_k)  # [N]
+            seed = 0
+            rng_offset = 0
+            q_gid0 = 0
+            k_ids = cols
+            if DROPOUT:
+                seed = tl.load(rng_ptr)
+                rng_offset = tl.load(rng_ptr + 1).to(tl.int32)
+                q_gid0 = _first_gid(q_gid_ptr, seq, q_start, seqlen_q_total, PACKED, HAS_GID)
+                k_ids = _first_gid(k_gid_ptr, seq, k_start, seqlen_k_total, PACKED, HAS_GID) + cols
+            dk = tl.zeros([BLOCK_N, BLOCK_DQK if DK else 16], tl.float32)
+            dk2 = dk
+            if BLOCK_DQK2 > 0 and DK:
+                dk2 = tl.zeros([BLOCK_N, BLOCK_DQK2], tl.float32)
+            dv = tl.zeros([BLOCK_N, BLOCK_DV if DV else 16], tl.float32)
             lo, full_lo, full_hi, hi = _query_range(n0, seqlen_q, seqlen_k, shift, window_left, window_right,
                                                     BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP or HAS_K_KEEP)
-            for head in range(kv_head * group, kv_head * group + group):  # GQA: the group's q heads, in order
-                h64 = tl.cast(head, tl.int64)
-                q_base = q_seq + h64 * stride_qh
-                do_base = do_seq + h64 * stride_doh
-                lse_base = lse_ptr + stat_seq + h64 * stride_lh
-                delta_base = delta_ptr + stat_seq + h64 * stride_lh
-                dk, dv = _dkdv_q_steps(dk, dv, k, v, k_keep, q_base, do_base, lse_base, delta_base, q_keep_base,
-                                       stride_qt, stride_dot, stride_qks, cols, lo, full_lo, seqlen_q, seqlen_k, shift,
-                                       window_left, window_right, sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
-                                       BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, True, DOT_PRECISION)
-                dk, dv = _dkdv_q_steps(dk, dv, k, v, k_keep, q_base, do_base, lse_base, delta_base, q_keep_base,
-                                       stride_qt, stride_dot, stride_qks, cols, full_lo, full_hi, seqlen_q, seqlen_k, shift,
-                                       window_left, window_right, sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
-                                       BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, False, DOT_PRECISION)
-                dk, dv = _dkdv_q_steps(dk, dv, k, v, k_keep, q_base, do_base, lse_base, delta_base, q_keep_base,
-                                       stride_qt, stride_dot, stride_qks, cols, full_hi, hi, seqlen_q, seqlen_k, shift,
-                                       window_left, window_right, sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
-                                       BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, True, DOT_PRECISION)
-            dk_base = dk_head + k_start.to(tl.int64) * stride_dkt + n0_64 * stride_dkt
-            dv_base = dv_head + k_start.to(tl.int64) * stride_dvt + n0_64 * stride_dvt
-            tl.store(dk_base + offs_n[:, None] * stride_dkt + offs_dqk[None, :],
-                     (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kd_mask)
-            tl.store(dv_base + offs_n[:, None] * stride_dvt + offs_dv[None, :],
-                     dv.to(dv_ptr.dtype.element_ty), mask=vd_mask)
+            dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
+                                        delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
+                                        stride_doh, stride_lh, stride_qks, cols, lo, full_lo, kv_head * group, group,
+                                        seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
+                                        rng_offset, q_gid0, k_ids, drop_threshold, drop_scale, HEAD_DIM_QK,
+                                        HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT,
+                                        HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, True, DOT_PRECISION)
+            dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
+                                        delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
+                                        stride_doh, stride_lh, stride_qks, cols, full_lo, full_hi, kv_head * group, group,
+                                        seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
+                                        rng_offset, q_gid0, k_ids, drop_threshold, drop_scale, HEAD_DIM_QK,
+                                        HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT,
+                                        HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, False, DOT_PRECISION)
+            dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
+                                        delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
+                                        stride_doh, stride_lh, stride_qks, cols, full_hi, hi, kv_head * group, group,
+                                        seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
+                                        rng_offset, q_gid0, k_ids, drop_threshold, drop_scale, HEAD_DIM_QK,
+                                        HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT,
+                                        HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, True, DOT_PRECISION)
+            dk_base = dk_head + seq64 * stride_dkb + k_start.to(tl.int64) * stride_dkt
+            dv_base = dv_head + seq64 * stride_dvb + k_start.to(tl.int64) * stride_dvt
+            if DK:
+                _store_rows(dk_base, stride_dkt, n0, col_ok, dk * sm_scale, dk2 * sm_scale, HEAD_DIM_QK, BLOCK_DQK,
+                            BLOCK_DQK2, BLOCK_N)
+            if DV:
+                _store_rows(dv_base, stride_dvt, n0, col_ok, dv, dv, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)
     else:
-        _poison_program_rows(dk_head, pid_n, seq, num_pid_n, batch, seqlen_k_total, stride_dkt,
-                             HEAD_DIM_QK, BLOCK_DQK, BLOCK_N, SPANS)
-        _poison_program_rows(dv_head, pid_n, seq, num_pid_n, batch, seqlen_k_total, stride_dvt,
-                             HEAD_DIM_V, BLOCK_DV, BLOCK_N, SPANS)
+        n_rows_k = seqlen_k_total
+        if not PACKED:
+            n_rows_k = batch * seqlen_k_total
+        if DK:
+            _poison(dk_head, tile, n_tiles, n_rows_k, seqlen_k_total, stride_dkb, stride_dkt, HEAD_DIM_QK, BLOCK_DQK,
+                    BLOCK_N)
+        if DV:
+            _poison(dv_head, tile, n_tiles, n_rows_k, seqlen_k_total, stride_dvb, stride_dvt, HEAD_DIM_V, BLOCK_DV,
+                    BLOCK_N)
 
 
-@triton.jit(do_not_specialize=["batch", "grid_n", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right",
-                             *LENGTH_STRIDES])
+@triton.jit(do_not_specialize=RUNTIME_INTS)
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
-    batch, heads, grid_n, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
+    q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
+    batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
+    drop_threshold, drop_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
     stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    SPANS: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SPANS: tl.constexpr,
+    PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_GID: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
-    # grid: (grid_n key-block programs per sequence, sequences, kv heads = ``heads``);
-    # PERSISTENT: those programs as tasks of a core-count 1D grid
+    # grid: n_tiles key tiles x kv heads (``heads``) programs; PERSISTENT: those tasks over a
+    # core-count 1D grid
     if PERSISTENT:
-        for task in range(tl.program_id(0), grid_n * batch * heads, tl.num_programs(0)):
-            _dkdv_program(task % grid_n, task // (grid_n * heads), (task // grid_n) % heads, grid_n,
-                          q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, q_seq_ptr, q_len_ptr,
-                          k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, batch, seqlen_q_total, seqlen_k_total, group,
-                          sm_scale, sm_scale_log2, window_left, window_right, stride_qb, stride_qt, stride_qh,
-                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot,
-                          stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
-                          stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-                          HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B,
-                          HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, HAS_Q_KEEP, HAS_K_KEEP, DOT_PRECISION)
+        for task in range(tl.program_id(0), n_tiles * heads, tl.num_programs(0)):
+            _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, q_seq_ptr, q_len_ptr,
+                       k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, batch, heads,
+                       n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left,
+                       window_right, drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb,
+                       stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
+                       stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dkb, stride_dkt,
+                       stride_dkh, stride_dvb, stride_dvt, stride_dvh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
+                       BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS,
+                       PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, DK, DV, DOT_PRECISION)
     else:
-        _dkdv_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0),
-                      q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, q_seq_ptr, q_len_ptr,
-                      k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, batch, seqlen_q_total, seqlen_k_total, group,
-                      sm_scale, sm_scale_log2, window_left, window_right, stride_qb, stride_qt, stride_qh,
-                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot,
-                      stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
-                      stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-                      HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B,
-                      HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, HAS_Q_KEEP, HAS_K_KEEP, DOT_PRECISION)
+        _dkdv_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, q_seq_ptr,
+                   q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, batch,
+                   heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left,
+                   window_right, drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt,
+                   stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb,
+                   stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dkb, stride_dkt, stride_dkh,
+                   stride_dvb, stride_dvt, stride_dvh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
+                   BLOCK_M, BLOCK_N, BLOCK_B, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, PACKED, HAS_Q_KEEP,
+                   HAS_K_KEEP, DROPOUT, HAS_GID, DK, DV, DOT_PRECISION)
 
 
 @triton.jit
-def _dq_kv_steps(dq, q, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt, stride_kks,
-                 rows, n_lo, n_hi, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
-                 HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                 BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_K_KEEP: tl.constexpr,
-                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _dq_kv_steps(dq, dq2, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
+                 stride_kks, rows, n_lo, n_hi, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+                 seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale,
+                 HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                 BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
+                 HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
-    offs_dqk = tl.arange(0, BLOCK_DQK)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         cols = n0 + offs_n
-        n0_64 = tl.cast(n0, tl.int64)
         col_ok = cols < seqlen_k
-        k = tl.load(k_base + n0_64 * stride_kt + offs_n[:, None] * stride_kt + offs_dqk[None, :],
-                    mask=col_ok[:, None] & (offs_dqk[None, :] < HEAD_DIM_QK), other=0.0)  # [N, DQK]
-        v = tl.load(v_base + n0_64 * stride_vt + offs_n[:, None] * stride_vt + offs_dv[None, :],
-                    mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)  # [N, DV]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2  # [M, N]
-        p = tl.math.exp2(s - lse[:, None])
+        k, k2 = _load_rows(k_base, stride_kt, n0, col_ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, BLOCK_N)  # [N, DQK]
+        v, _ = _load_rows(v_base, stride_vt, n0, col_ok, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)  # [N, DV]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
+        if BLOCK_DQK2 > 0:
+            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
+        p = tl.math.exp2(s * sm_scale_log2 - lse[:, None])
         if MASKED:
-            vis = _visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, shift,
-                           window_left, window_right, HAS_LEFT, HAS_RIGHT)
-            k_keep = _load_keep(k_keep_base, stride_kks, cols, seqlen_k, HAS_K_KEEP)
-            vis = vis & q_keep[:, None] & k_keep[None, :]
+            vis = _visible(rows[:, None], cols[None, :], seqlen_k, shift, window_left, window_right, HAS_LEFT,
+                           HAS_RIGHT, True)
+            if HAS_Q_KEEP:
+                vis = vis & q_keep[:, None]
+            if HAS_K_KEEP:
+                vis = vis & _load_keep(k_keep_base, stride_kks, cols, seqlen_k)[None, :]
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-    return dq
+        if DROPOUT:
+            keep = _dropout_keep(seed, rng_offset, head, q_ids[:, None], (k_gid0 + cols)[None, :], drop_threshold)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
+        ds = (p * (dp - delta[:, None])).to(k.dtype)
+        dq += tl.dot(ds, k, input_precision=DOT_PRECISION)
+        if BLOCK_DQK2 > 0:
+            dq2 += tl.dot(ds, k2, input_precision=DOT_PRECISION)
+    return dq, dq2
 
 
 @triton.jit
-def _dq_program(pid_m, seq, head, num_pid_m,
-                q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-                q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
-                batch, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
-                stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb,
-                stride_kks, stride_dqb, stride_dqt, stride_dqh,
-                HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-                SPANS: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
-    """One program of the (query-block programs, sequences, q heads) grid: query blocks pid_m,
-    pid_m + num_pid_m, ... of sequence ``seq`` for q head ``head``."""
-    seq64 = seq.to(tl.int64)
+def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+             q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
+             batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2,
+             window_left, window_right, drop_threshold, drop_scale,
+             stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+             stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb,
+             stride_kks, stride_dqb, stride_dqt, stride_dqh,
+             HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+             BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_B: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+             SPANS: tl.constexpr, PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
+             DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Task ``task`` of the (query tile, q head) grid, heads fastest."""
+    head = task % heads
+    tile = task // heads
     h64 = head.to(tl.int64)
-    dq_head = dq_ptr + seq64 * stride_dqb + h64 * stride_dqh
-    ok = _layout_ok(q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, seq, batch, seqlen_q_total, seqlen_k_total,
-                    SPANS, BLOCK_B)
-    if ok:
-        q_start, seqlen_q = _seq_span(q_seq_ptr, q_len_ptr, seq, SPANS)
-        k_start, seqlen_k = _seq_span(k_seq_ptr, k_len_ptr, seq, SPANS)
-        shift = seqlen_q * 0
-        if BOTTOM_RIGHT:
-            shift = seqlen_k - seqlen_q
-        kv64 = (head // group).to(tl.int64)
-        q_base = q_ptr + seq64 * stride_qb + q_start.to(tl.int64) * stride_qt + h64 * stride_qh
-        do_base = do_ptr + seq64 * stride_dob + q_start.to(tl.int64) * stride_dot + h64 * stride_doh
-        k_base = k_ptr + seq64 * stride_kb + k_start.to(tl.int64) * stride_kt + kv64 * stride_kh
-        v_base = v_ptr + seq64 * stride_vb + k_start.to(tl.int64) * stride_vt + kv64 * stride_vh
-        stat = seq64 * stride_lb + h64 * stride_lh + q_start.to(tl.int64)
-        dq_base = dq_head + q_start.to(tl.int64) * stride_dqt
-        q_keep_base = q_keep_ptr + seq64 * stride_qkb + q_start.to(tl.int64) * stride_qks
-        k_keep_base = k_keep_ptr + seq64 * stride_kkb + k_start.to(tl.int64) * stride_kks
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_dqk = tl.arange(0, BLOCK_DQK)
-        offs_dv = tl.arange(0, BLOCK_DV)
-        for m0 in range(pid_m * BLOCK_M, seqlen_q, num_pid_m * BLOCK_M):
-            rows = m0 + offs_m
+    dq_head = dq_ptr + h64 * stride_dqh
+    ok, seq, m0, n_real = _scan(q_seq_ptr, q_len_ptr, batch, seqlen_q_total, tile, BLOCK_M, SPANS, BLOCK_B, True)
+    k_ok = _scan(k_seq_ptr, k_len_ptr, batch, seqlen_k_total, -1, BLOCK_N, SPANS, BLOCK_B, False)[0]
+    if ok & k_ok & (n_real <= n_tiles):
+        if seq < batch:
+            seq64 = seq.to(tl.int64)
+            q_start, seqlen_q = _seq_span(q_seq_ptr, q_len_ptr, seq, SPANS)
+            k_start, seqlen_k = _seq_span(k_seq_ptr, k_len_ptr, seq, SPANS)
+            shift = seqlen_q * 0
+            if BOTTOM_RIGHT:
+                shift = seqlen_k - seqlen_q
+            kv64 = (head // group).to(tl.int64)
+            q_base = q_ptr + seq64 * stride_qb + q_start.to(tl.int64) * stride_qt + h64 * stride_qh
+            do_base = do_ptr + seq64 * stride_dob + q_start.to(tl.int64) * stride_dot + h64 * stride_doh
+            k_base = k_ptr + seq64 * stride_kb + k_start.to(tl.int64) * stride_kt + kv64 * stride_kh
+            v_base = v_ptr + seq64 * stride_vb + k_start.to(tl.int64) * stride_vt + kv64 * stride_vh
+            stat = seq64 * stride_lb + h64 * stride_lh + q_start.to(tl.int64)
+            q_keep_base = q_keep_ptr + seq64 * stride_qkb + q_start.to(tl.int64) * stride_qks
+            k_keep_base = k_keep_ptr + seq64 * stride_kkb + k_start.to(tl.int64) * stride_kks
+            rows = m0 + tl.arange(0, BLOCK_M)
             row_ok = rows < seqlen_q
-            m0_64 = tl.cast(m0, tl.int64)
-            qd_mask = row_ok[:, None] & (offs_dqk[None, :] < HEAD_DIM_QK)
-            q = tl.load(q_base + m0_64 * stride_qt + offs_m[:, None] * stride_qt + offs_dqk[None, :],
-                        mask=qd_mask, other=0.0)
-            do = tl.load(do_base + m0_64 * stride_dot + offs_m[:, None] * stride_dot + offs_dv[None, :],
-                         mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+            q, q2 = _load_rows(q_base, stride_qt, m0, row_ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, BLOCK_M)
+            do, _ = _load_rows(do_base, stride_dot, m0, row_ok, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_M)
             lse, delta = _load_row_stats(lse_ptr + stat, delta_ptr + stat, rows, row_ok)
-            q_keep = _load_keep(q_keep_base, stride_qks, rows, seqlen_q, HAS_Q_KEEP)  # [M]
+            q_keep = row_ok
+            if HAS_Q_KEEP:
+                q_keep = _load_keep(q_keep_base, stride_qks, rows, seqlen_q)  # [M]
+            seed = 0
+            rng_offset = 0
+            q_ids = rows
+            k_gid0 = 0
+            if DROPOUT:
+                seed = tl.load(rng_ptr)
+                rng_offset = tl.load(rng_ptr + 1).to(tl.int32)
+                q_ids = _first_gid(q_gid_ptr, seq, q_start, seqlen_q_total, PACKED, HAS_GID) + rows
+                k_gid0 = _first_gid(k_gid_ptr, seq, k_start, seqlen_k_total, PACKED, HAS_GID)
             dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
+            dq2 = dq
+            if BLOCK_DQK2 > 0:
+                dq2 = tl.zeros([BLOCK_M, BLOCK_DQK2], tl.float32)
             lo, full_lo, full_hi, hi = _key_range(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP or HAS_K_KEEP)
-            dq = _dq_kv_steps(dq, q, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
-                              stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift, window_left, window_right,
-                              sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                              HAS_LEFT, HAS_RIGHT, HAS_K_KEEP, True, DOT_PRECISION)
-            dq = _dq_kv_steps(dq, q, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
-                              stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
-                              sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                              HAS_LEFT, HAS_RIGHT, HAS_K_KEEP, False, DOT_PRECISION)
-            dq = _dq_kv_steps(dq, q, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
-                              stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift, window_left, window_right,
-                              sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                              HAS_LEFT, HAS_RIGHT, HAS_K_KEEP, True, DOT_PRECISION)
-            tl.store(dq_base + m0_64 * stride_dqt + offs_m[:, None] * stride_dqt + offs_dqk[None, :],
-                     (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=qd_mask)
+            dq, dq2 = _dq_kv_steps(dq, dq2, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
+                                   stride_vt, stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift, window_left,
+                                   window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
+                                   drop_threshold, drop_scale, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
+                                   BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION)
+            dq, dq2 = _dq_kv_steps(dq, dq2, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
+                                   stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift,
+                                   window_left, window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
+                                   drop_threshold, drop_scale, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
+                                   BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, False, DOT_PRECISION)
+            dq, dq2 = _dq_kv_steps(dq, dq2, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
+                                   stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift, window_left,
+                                   window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
+                                   drop_threshold, drop_scale, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
+                                   BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION)
+            dq_base = dq_head + seq64 * stride_dqb + q_start.to(tl.int64) * stride_dqt
+            _store_rows(dq_base, stride_dqt, m0, row_ok, dq * sm_scale, dq2 * sm_scale, HEAD_DIM_QK, BLOCK_DQK,
+                        BLOCK_DQK2, BLOCK_M)
     else:
-        _poison_program_rows(dq_head, pid_m, seq, num_pid_m, batch, seqlen_q_total, stride_dqt,
-                             HEAD_DIM_QK, BLOCK_DQK, BLOCK_M, SPANS)
+        n_rows_q = seqlen_q_total
+        if not PACKED:
+            n_rows_q = batch * seqlen_q_total
+        _poison(dq_head, tile, n_tiles, n_rows_q, seqlen_q_total, stride_dqb, stride_dqt, HEAD_DIM_QK, BLOCK_DQK,
+                BLOCK_M)
 
 
-@triton.jit(do_not_specialize=["batch", "grid_m", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right",
-                             *LENGTH_STRIDES])
+@triton.jit(do_not_specialize=RUNTIME_INTS)
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-    q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
-    batch, heads, grid_m, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
+    q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
+    batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
+    drop_threshold, drop_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
     stride_dqb, stride_dqt, stride_dqh,
-    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    SPANS: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SPANS: tl.constexpr,
+    PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_GID: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
-    # grid: (grid_m query-block programs per sequence, sequences, q heads = ``heads``);
-    # PERSISTENT: those programs as tasks of a core-count 1D grid
+    # grid: n_tiles query tiles x q heads (``heads``) programs; PERSISTENT: those tasks over a
+    # core-count 1D grid
     if PERSISTENT:
-        for task in range(tl.program_id(0), grid_m * batch * heads, tl.num_programs(0)):
-            _dq_program(task % grid_m, task // (grid_m * heads), (task // grid_m) % heads, grid_m,
-                        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr,
-                        k_len_ptr, q_keep_ptr, k_keep_ptr, batch, seqlen_q_total, seqlen_k_total, group, sm_scale,
-                        sm_scale_log2, window_left, window_right, stride_qb, stride_qt, stride_qh, stride_kb,
-                        stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
-                        stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dqb, stride_dqt,
-                        stride_dqh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B,
-                        HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, HAS_Q_KEEP, HAS_K_KEEP, DOT_PRECISION)
+        for task in range(tl.program_id(0), n_tiles * heads, tl.num_programs(0)):
+            _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr,
+                     k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, batch, heads, n_tiles,
+                     seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
+                     drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                     stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
+                     stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dqb, stride_dqt, stride_dqh,
+                     HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B,
+                     HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID,
+                     DOT_PRECISION)
     else:
-        _dq_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0),
-                    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr,
-                    k_len_ptr, q_keep_ptr, k_keep_ptr, batch, seqlen_q_total, seqlen_k_total, group, sm_scale,
-                    sm_scale_log2, window_left, window_right, stride_qb, stride_qt, stride_qh, stride_kb,
-                    stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
-                    stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dqb, stride_dqt,
-                    stride_dqh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B,
-                    HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, HAS_Q_KEEP, HAS_K_KEEP, DOT_PRECISION)
+        _dq_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_seq_ptr, q_len_ptr,
+                 k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, batch, heads, n_tiles,
+                 seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
+                 drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                 stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
+                 stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dqb, stride_dqt, stride_dqh,
+                 HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B,
+                 HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID,
+                 DOT_PRECISION)
 
 
 def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -383,12 +445,12 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     """Launch the backward kernels; returns dq, dk, dv in the layouts and dtypes of q, k, v.
 
     ``dout`` may be any strided view with last stride 1 (it is made so if not); ``out`` and
-    ``lse`` are the forward's. Deterministic: no atomics; every gradient element inside a
-    sequence is written once. ``dq``/``dk``/``dv`` may be given as preallocated buffers (rows
-    outside spans are left as they are).
+    ``lse`` are the forward's (lse includes any softmax offset's sink term, so the offset is not
+    needed here; its gradient is coreattn.layers.function.softmax_offset_grad). ``dropout_p`` and
+    ``rng_state`` must be the forward's. Deterministic: no atomics; every gradient element inside
+    a sequence is written once. ``max_seqlen_*`` are not used (the grids follow the token counts).
+    ``dq``/``dk``/``dv`` may be given as preallocated buffers (rows outside spans are left as they are).
     """
-    if dropout_p:
-        raise NotImplementedError("dropout is not in the Triton kernels yet; use backend='torch'")
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     heads_q, dim_qk = q.shape[-2:]
@@ -403,38 +465,55 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     limit = max(seqlen_q_total, seqlen_k_total)
     window_left, window_right = kernel_window(window_left, limit), kernel_window(window_right, limit)
     target = target_of(q.device)
-    block_dqk, block_dv = head_block(dim_qk), head_block(dim_v)
-    cfg = bwd_config(q.device, block_dqk, block_dv, q.element_size())
+    block_dqk, block_dqk2, block_dv = head_blocks(dim_qk, dim_v)
+    cfg_dkdv, cfg_dq = bwd_configs(q.device, block_dqk + block_dqk2, block_dv, q.element_size())
 
     delta = new_rowstat(q, q_pack, fill=0.0)  # [H, T] or [B, H, S]
     if q.numel() > 0:
         pre_batch = 1 if q_pack.fmt == "thd" else batch
-        grid, grid_x, persistent = launch_grid(q.device, target, triton.cdiv(seqlen_q_total, cfg.block_m), pre_batch,
-                                               heads_q, hint=False, vector_only=True)
+        grid_m = triton.cdiv(seqlen_q_total, cfg_dq.block_m)
+        grid, persistent = launch_grid(q.device, target, grid_m * pre_batch, heads_q, vector_only=True)
         _attn_bwd_preprocess_kernel[grid](
-            out, dout, delta, seqlen_q_total, grid_x, pre_batch, heads_q, *seq_strides(out, q_pack.fmt),
+            out, dout, delta, seqlen_q_total, grid_m, pre_batch, heads_q, *seq_strides(out, q_pack.fmt),
             *seq_strides(dout, q_pack.fmt), *rowstat_strides(delta, q_pack),
-            HEAD_DIM_V=dim_v, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m, PERSISTENT=persistent,
+            HEAD_DIM_V=dim_v, BLOCK_DV=block_dv, BLOCK_M=cfg_dq.block_m, PERSISTENT=persistent,
         )
-    common = dict(HEAD_DIM_QK=dim_qk, HEAD_DIM_V=dim_v, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
-                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype, target),
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    common = dict(batch=batch, seqlen_q_total=seqlen_q_total, seqlen_k_total=seqlen_k_total,
+                  group=heads_q // heads_kv, sm_scale=softmax_scale, sm_scale_log2=softmax_scale * LOG2E,
+                  window_left=window_left, window_right=window_right,
+                  **dict(zip(("stride_qb", "stride_qt", "stride_qh"), seq_strides(q, q_pack.fmt))),
+                  **dict(zip(("stride_kb", "stride_kt", "stride_kh"), seq_strides(k, k_pack.fmt))),
+                  **dict(zip(("stride_vb", "stride_vt", "stride_vh"), seq_strides(v, k_pack.fmt))),
+                  **dict(zip(("stride_dob", "stride_dot", "stride_doh"), seq_strides(dout, q_pack.fmt))),
+                  **dict(zip(("stride_lb", "stride_lh"), rowstat_strides(lse, q_pack))),
+                  **dict(zip(("stride_qkb", "stride_qks"), keep_args(q_pack)[1:])),
+                  **dict(zip(("stride_kkb", "stride_kks"), keep_args(k_pack)[1:])),
+                  q_seq_ptr=q_pack.seq, q_len_ptr=q_pack.lens, k_seq_ptr=k_pack.seq, k_len_ptr=k_pack.lens,
+                  q_keep_ptr=keep_args(q_pack)[0], k_keep_ptr=keep_args(k_pack)[0],
+                  HEAD_DIM_QK=dim_qk, HEAD_DIM_V=dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2,
+                  BLOCK_DV=block_dv, DOT_PRECISION=dot_precision(q.dtype, target),
+                  **dropout_args(dropout_p, rng_state, q_pack, k_pack),
                   **mask_flags(window_left, window_right, bottom_right, q_pack, k_pack))
-    scalars = (seqlen_q_total, seqlen_k_total, heads_q // heads_kv, softmax_scale, softmax_scale * LOG2E,
-               window_left, window_right)
-    strides = (*seq_strides(q, q_pack.fmt), *seq_strides(k, k_pack.fmt), *seq_strides(v, k_pack.fmt),
-               *seq_strides(dout, q_pack.fmt), *rowstat_strides(lse, q_pack), *keep_args(q_pack)[1:],
-               *keep_args(k_pack)[1:])
-    layout = (q_pack.seq, q_pack.lens, k_pack.seq, k_pack.lens, keep_args(q_pack)[0], keep_args(k_pack)[0])
-    if k.numel() > 0:
-        grid, grid_n, persistent = launch_grid(q.device, target, max(1, triton.cdiv(max_seqlen_k, cfg.block_n)),
-                                               batch, heads_kv)
-        _attn_bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, *layout, batch, heads_kv, grid_n, *scalars,
-                                    *strides, *seq_strides(dk, k_pack.fmt), *seq_strides(dv, k_pack.fmt),
-                                    PERSISTENT=persistent, **common)
-    if q.numel() > 0:
-        grid, grid_m, persistent = launch_grid(q.device, target, max(1, triton.cdiv(max_seqlen_q, cfg.block_m)),
-                                               batch, heads_q)
-        _attn_bwd_dq_kernel[grid](q, k, v, dout, lse, delta, dq, *layout, batch, heads_q, grid_m, *scalars, *strides,
-                                  *seq_strides(dq, q_pack.fmt), PERSISTENT=persistent, **common)
+    n_tiles = tile_bound(batch, seqlen_k_total, cfg_dkdv.block_n, k_pack.fmt == "thd")
+    if k.numel() > 0 and n_tiles > 0:
+        grid, persistent = launch_grid(q.device, target, n_tiles, heads_kv)
+        # wide heads: dK and dV accumulators together would not fit the register file, so two passes
+        split = split_dkdv(block_dqk + block_dqk2, block_dv, target, dropout_p > 0)
+        passes = ((True, False), (False, True)) if split else ((True, True),)
+        for do_dk, do_dv in passes:
+            _attn_bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, heads=heads_kv, n_tiles=n_tiles,
+                                        **dict(zip(("stride_dkb", "stride_dkt", "stride_dkh"),
+                                                   seq_strides(dk, k_pack.fmt))),
+                                        **dict(zip(("stride_dvb", "stride_dvt", "stride_dvh"),
+                                                   seq_strides(dv, k_pack.fmt))),
+                                        BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, DK=do_dk, DV=do_dv,
+                                        PERSISTENT=persistent, num_warps=cfg_dkdv.num_warps,
+                                        num_stages=cfg_dkdv.num_stages, **common)
+    n_tiles = tile_bound(batch, seqlen_q_total, cfg_dq.block_m, q_pack.fmt == "thd")
+    if q.numel() > 0 and n_tiles > 0:
+        grid, persistent = launch_grid(q.device, target, n_tiles, heads_q)
+        _attn_bwd_dq_kernel[grid](q, k, v, dout, lse, delta, dq, heads=heads_q, n_tiles=n_tiles,
+                                  **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, q_pack.fmt))),
+                                  BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, PERSISTENT=persistent,
+                                  num_warps=cfg_dq.num_warps, num_stages=cfg_dq.num_stages, **common)
     return dq, dk, dv

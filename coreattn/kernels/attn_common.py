@@ -14,36 +14,78 @@ LENGTH_STRIDES = ("stride_lb", "stride_lh", "stride_qkb", "stride_kkb")
 
 
 @triton.jit
-def _cu_seqlens_ok(cu_ptr, batch, total, BLOCK_B: tl.constexpr):
-    """True when cu_seqlens starts at 0, never decreases and ends at ``total``."""
-    ok = (tl.load(cu_ptr) == 0) & (tl.load(cu_ptr + batch) == total)
+def _scan(seq_ptr, len_ptr, batch, total, tile, BLOCK: tl.constexpr, SPANS: tl.constexpr, BLOCK_B: tl.constexpr,
+          REVERSE: tl.constexpr):
+    """One pass over a side's layout (cu_seqlens, or span starts and lengths). Returns:
+    ok: the layout is well formed (cu_seqlens from 0 to ``total`` without decreasing; every span
+    inside [0, total)), the same answer in every program;
+    seq, row0: the sequence and first row of tile ``tile`` when the sequences are cut into tiles of
+    BLOCK rows, sequence after sequence (``batch`` when there is no such tile); with REVERSE a
+    sequence's tiles are numbered from its last (the longest-running under a causal mask) first;
+    n_tiles: the tile count of the whole layout.
+    Lengths stay runtime values: tiles are counted in-kernel, so the grid needs no max_seqlen."""
     offs = tl.arange(0, BLOCK_B)
+    if SPANS:
+        ok = batch >= 0
+    else:
+        ok = (tl.load(seq_ptr) == 0) & (tl.load(seq_ptr + batch) == total)
+    seq = batch
+    row0 = batch * 0
+    n_tiles = batch * 0
     for b0 in range(0, batch, BLOCK_B):
-        in_range = b0 + offs < batch
-        lo = tl.load(cu_ptr + b0 + offs, mask=in_range, other=0)
-        hi = tl.load(cu_ptr + b0 + offs + 1, mask=in_range, other=0)
-        ok = ok & (tl.min(hi - lo, axis=0) >= 0)
-    return ok
+        idx = b0 + offs
+        valid = idx < batch
+        start = tl.load(seq_ptr + idx, mask=valid, other=0)
+        if SPANS:
+            length = tl.load(len_ptr + idx, mask=valid, other=0)
+            bad = (start < 0) | (length < 0) | (start > total - length)
+        else:
+            length = tl.load(seq_ptr + idx + 1, mask=valid, other=0) - start
+            bad = length < 0
+        ok = ok & (tl.max((valid & bad).to(tl.int32), axis=0) == 0)
+        count = tl.where(valid, (tl.maximum(length, 0) + (BLOCK - 1)) // BLOCK, 0)
+        first = n_tiles + tl.cumsum(count, axis=0) - count  # tiles before each sequence
+        hit = (first <= tile) & (tile < first + count)
+        local = tile - first
+        if REVERSE:
+            local = count - 1 - local
+        seq = tl.minimum(seq, tl.min(tl.where(hit, idx, batch), axis=0))
+        row0 += tl.sum(tl.where(hit, local * BLOCK, 0), axis=0)
+        n_tiles += tl.sum(count, axis=0)
+    return ok, seq, row0, n_tiles
+
+
+def tile_bound(batch: int, seqlen_total: int, block: int, packed_layout: bool) -> int:
+    """Tiles of ``block`` rows that a layout's sequences can need at most: packed (thd) sequences
+    share the T tokens (each adds at most one partial tile); padded ones each fit in S."""
+    per_seq = batch * triton.cdiv(seqlen_total, block)
+    return min(per_seq, triton.cdiv(seqlen_total, block) + batch) if packed_layout else per_seq
 
 
 @triton.jit
-def _visible(q_idx, k_idx, seqlen_q, seqlen_k, shift, window_left, window_right,
-             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """Query q_idx may attend to key k_idx (broadcast shapes, e.g. [M, 1] and [1, N])."""
-    vis = (q_idx < seqlen_q) & (k_idx < seqlen_k)
-    if HAS_LEFT:
-        vis = vis & (k_idx >= q_idx + shift - window_left)
+def _visible(q_idx, k_idx, seqlen_k, shift, window_left, window_right,
+             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, K_BOUND: tl.constexpr):
+    """Query q_idx may attend to key k_idx (broadcast shapes, e.g. [M, 1] and [1, N]) under the
+    causal/window band; with K_BOUND also k_idx < seqlen_k. Query rows past the sequence are never
+    masked here: their results are not stored, and the backward's lse (+inf) zeroes them."""
+    rel = k_idx - (q_idx + shift)  # key position relative to the query's diagonal; no int32 overflow
     if HAS_RIGHT:
-        vis = vis & (k_idx <= q_idx + shift + window_right)
+        vis = rel <= window_right
+        if HAS_LEFT:
+            vis = vis & (rel >= -window_left)
+    elif HAS_LEFT:
+        vis = rel >= -window_left
+    else:
+        vis = rel == rel
+    if K_BOUND:
+        vis = vis & (k_idx < seqlen_k)
     return vis
 
 
 @triton.jit
-def _load_keep(keep_base, stride_s, idx, length, HAS_KEEP: tl.constexpr):
-    """Keep-mask entries (uint8 -> bool) at sequence positions idx; True when there is no mask."""
-    if HAS_KEEP:
-        return tl.load(keep_base + idx * stride_s, mask=idx < length, other=0) != 0
-    return idx >= 0
+def _load_keep(keep_base, stride_s, idx, length):
+    """Keep-mask entries (uint8 -> bool) at sequence positions idx (only under HAS_*_KEEP)."""
+    return tl.load(keep_base + idx * stride_s, mask=idx < length, other=0) != 0
 
 
 @triton.jit
@@ -79,12 +121,15 @@ def _query_range(n0, seqlen_q, seqlen_k, shift, window_left, window_right,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ALL_MASKED: tl.constexpr):
     """The transpose of _key_range: query blocks that see keys [n0, n0 + BLOCK_N).
-    [lo, full_lo) and [full_hi, hi) need masks; lo, full_lo and full_hi are multiples of BLOCK_M."""
+    [lo, full_lo) and [full_hi, hi) need masks; lo, full_lo and full_hi are multiples of BLOCK_M
+    (or equal hi). The last, partial query block needs no mask for its bound: its rows past the
+    sequence load lse = +inf (P = 0), and keys past the sequence only reach their own dK/dV
+    rows, which are not stored."""
     n_last = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
     lo = n0 * 0
     hi = seqlen_q + n0 * 0
     full_lo = lo
-    full_hi = (seqlen_q // BLOCK_M) * BLOCK_M
+    full_hi = hi
     if HAS_RIGHT:  # key j is seen by queries i >= j - shift - window_right
         lo = tl.maximum(n0 - shift - window_right, 0) // BLOCK_M * BLOCK_M
         full_lo = tl.cdiv(tl.maximum(n_last - shift - window_right, 0), BLOCK_M) * BLOCK_M
@@ -112,43 +157,79 @@ def _seq_span(seq_ptr, len_ptr, seq, SPANS: tl.constexpr):
 
 
 @triton.jit
-def _layout_ok(q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, seq, batch, seqlen_q_total, seqlen_k_total,
-               SPANS: tl.constexpr, BLOCK_B: tl.constexpr):
-    """cu_seqlens mode: both cu_seqlens are well formed (the same answer for every program).
-    Span mode: this sample's q and k spans lie inside [0, S) (or [0, T))."""
-    if SPANS:
-        q_start, q_len = _seq_span(q_seq_ptr, q_len_ptr, seq, True)
-        k_start, k_len = _seq_span(k_seq_ptr, k_len_ptr, seq, True)
-        ok = (q_start >= 0) & (q_len >= 0) & (q_start + q_len <= seqlen_q_total)
-        ok = ok & (k_start >= 0) & (k_len >= 0) & (k_start + k_len <= seqlen_k_total)
-    else:
-        ok = _cu_seqlens_ok(q_seq_ptr, batch, seqlen_q_total, BLOCK_B)
-        ok = ok & _cu_seqlens_ok(k_seq_ptr, batch, seqlen_k_total, BLOCK_B)
-    return ok
+def _first_gid(gid_ptr, seq, start, seqlen_total, PACKED: tl.constexpr, HAS_GID: tl.constexpr):
+    """Dropout token id of a sequence's first token (coreattn/layers/dropout.py): given, or the
+    token's row (packed) or ``b * S + position`` (padded)."""
+    if HAS_GID:
+        return tl.load(gid_ptr + seq)
+    if PACKED:
+        return start
+    return seq * seqlen_total + start
 
 
 @triton.jit
-def _poison_rows(base, row0_program, num_programs, total, stride_t,
-                 WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Write NaN over rows [0, total) of a [total, WIDTH] view at ``base`` (row stride stride_t),
-    grid-strided over programs: the answer to malformed cu_seqlens or spans on device."""
+def _dropout_keep(seed, offset, head, q_ids, k_ids, threshold):
+    """Keep mask for the query ids x key ids tile (broadcast shapes) of q head ``head``: Philox-4x32
+    on (key id, query id, head, offset) keyed by the seed; kept iff the first word >> 1 >= threshold."""
+    c0 = k_ids + q_ids * 0
+    c1 = q_ids + k_ids * 0
+    r, _, _, _ = tl.philox(seed, c0, c1, c0 * 0 + head, c0 * 0 + offset)
+    return (r >> 1).to(tl.int32, bitcast=True) >= threshold
+
+
+@triton.jit
+def _poison(base, program, num_programs, n_rows, rows_per_batch, stride_b, stride_t,
+            WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Write NaN over the flat rows [0, n_rows) of a [B, S, WIDTH] view (row r: sample
+    r // rows_per_batch, position r % rows_per_batch; a packed [T, WIDTH] view is one sample), in
+    column blocks of BLOCK_W, grid-strided over programs: the answer to malformed cu_seqlens or
+    spans on device."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_w = tl.arange(0, BLOCK_W)
     nan = tl.full([BLOCK_M, BLOCK_W], float("nan"), tl.float32)
-    for r0 in range(row0_program * BLOCK_M, total, num_programs * BLOCK_M):
-        mask = (r0 + offs_m[:, None] < total) & (offs_w[None, :] < WIDTH)
-        ptrs = base + tl.cast(r0, tl.int64) * stride_t + offs_m[:, None] * stride_t + offs_w[None, :]
-        tl.store(ptrs, nan.to(base.dtype.element_ty), mask=mask)
+    for r0 in range(program * BLOCK_M, n_rows, num_programs * BLOCK_M):
+        rows = r0 + offs_m
+        b = rows // rows_per_batch
+        pos = rows - b * rows_per_batch
+        ptrs = base + b.to(tl.int64)[:, None] * stride_b + pos.to(tl.int64)[:, None] * stride_t
+        for c0 in tl.static_range(0, WIDTH, BLOCK_W):
+            cols = c0 + offs_w
+            tl.store(ptrs + cols[None, :], nan.to(base.dtype.element_ty),
+                     mask=(rows[:, None] < n_rows) & (cols[None, :] < WIDTH))
 
 
 @triton.jit
-def _poison_program_rows(base, pid_m, seq, num_pid_m, batch, total, stride_t,
-                         WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_M: tl.constexpr,
-                         SPANS: tl.constexpr):
-    """This program's share of the NaN rows: its sample's rows (span mode; ``base`` points at the
-    sample of a padded batch, or at a packed tensor's first row) or a grid-stride share of all
-    tokens (cu_seqlens mode: every program agrees on failure)."""
-    if SPANS:
-        _poison_rows(base, pid_m, num_pid_m, total, stride_t, WIDTH, BLOCK_W, BLOCK_M)
+def _load_rows(base, stride_t, r0, row_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
+               BLOCK_R: tl.constexpr):
+    """Rows [r0, r0 + R) of a [rows, HEAD_DIM] view as one [R, BLOCK_D] block, or two column blocks
+    ([R, BLOCK_D] and [R, BLOCK_D2]) when the head dim is split (BLOCK_D2 > 0; else the second is
+    the first again)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    ptrs = base + tl.cast(r0, tl.int64) * stride_t + offs_r[:, None] * stride_t
+    if BLOCK_D <= HEAD_DIM:  # a whole column block: only the rows need a mask
+        x = tl.load(ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     else:
-        _poison_rows(base, seq * num_pid_m + pid_m, batch * num_pid_m, total, stride_t, WIDTH, BLOCK_W, BLOCK_M)
+        x = tl.load(ptrs + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    x2 = x
+    if BLOCK_D2 > 0:
+        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+        x2 = tl.load(ptrs + offs_d2[None, :], mask=row_ok[:, None] & (offs_d2[None, :] < HEAD_DIM), other=0.0)
+    return x, x2
+
+
+@triton.jit
+def _store_rows(base, stride_t, r0, row_ok, x, x2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_D2: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The inverse of _load_rows (x, x2 fp32 accumulators, cast to the destination's dtype)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    ptrs = base + tl.cast(r0, tl.int64) * stride_t + offs_r[:, None] * stride_t
+    dtype = base.dtype.element_ty
+    if BLOCK_D <= HEAD_DIM:
+        tl.store(ptrs + offs_d[None, :], x.to(dtype), mask=row_ok[:, None])
+    else:
+        tl.store(ptrs + offs_d[None, :], x.to(dtype), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    if BLOCK_D2 > 0:
+        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+        tl.store(ptrs + offs_d2[None, :], x2.to(dtype), mask=row_ok[:, None] & (offs_d2[None, :] < HEAD_DIM))

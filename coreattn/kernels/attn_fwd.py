@@ -1,11 +1,17 @@
 """Varlen flash-attention forward: kernel and launcher.
 
-One kernel for every case: causal/window masks are constexpr flags, head dims are real
-(HEAD_DIM_*) plus padded power-of-two blocks (BLOCK_D*). Lengths and token counts are runtime
-ints that never specialize, so a new packed batch never recompiles. max_seqlen only sizes the
-grid: each program strides over its sequence's query blocks, so a too-small max_seqlen costs
-speed, not correctness. ``PERSISTENT`` (Ascend) runs the same programs as tasks of a
-core-count 1D grid (kernels/config.py).
+One kernel for every case: causal/window masks, keep masks, dropout, softmax offsets (sinks) and
+max logits are constexpr flags; head dims are real (HEAD_DIM_*) plus padded power-of-two blocks
+(BLOCK_D*), and a q/k head dim that is not a power of two may be split into two blocks
+(192 = 128 + 64) so its dot products cost what the real dim costs.
+
+Grid: one program per (query tile, q head), the tiles of every sequence numbered one after the
+other; each program finds its sequence by scanning the lengths (kernels/attn_common.py ``_scan``),
+so the grid is sized by the token count alone and max_seqlen is never needed (an underestimate
+cannot lose rows), and one query tile per program keeps the kernel free of an outer loop around
+the pipelined key loop (which made Hopper spill). Lengths and token counts are runtime ints that
+never specialize: a new packed batch never recompiles. ``PERSISTENT`` (Ascend) runs the same
+programs as tasks of a core-count 1D grid (kernels/config.py).
 """
 
 from __future__ import annotations
@@ -14,183 +20,226 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import (LENGTH_STRIDES, _key_range, _layout_ok, _load_keep, _poison_program_rows,
-                                          _seq_span, _visible)
-from coreattn.kernels.config import fwd_config, head_block, persistent_grid, target_of
+from coreattn.kernels.attn_common import (LENGTH_STRIDES, _dropout_keep, _first_gid, _key_range, _load_keep, _load_rows,
+                                          _poison, _scan, _seq_span, _visible, tile_bound)
+from coreattn.kernels.config import fwd_config, head_blocks, persistent_grid, target_of
 from coreattn.kernels.packing import (Packing, keep_args, kernel_flags, new_like, new_rowstat, rowstat_strides, seq_len_dim,
                                       seq_strides)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-MAX_GRID_YZ = 65535
-MAX_TASKS = 2**31 - 1  # persistent launches index their tasks with int32
+MAX_TASKS = 2**31 - 1  # program ids and persistent task indices are int32
 CU_SCAN_BLOCK = 128  # fixed, so the batch size never enters a compile key
+# runtime ints that follow the batch, its lengths or the dropout probability: never specialized
+RUNTIME_INTS = ("batch", "n_tiles", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right",
+                "drop_threshold", *LENGTH_STRIDES)
 
 
 @triton.jit
-def _fwd_kv_steps(acc, m_i, l_i, q, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt, stride_kks,
+def _qk_scores(q, q2, k_base, stride_kt, n0, offs_n, col_ok, HEAD_DIM_QK: tl.constexpr, BLOCK_DQK: tl.constexpr,
+               BLOCK_DQK2: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """q @ k^T for keys [n0, n0 + N): [M, N] fp32. The q/k dims may come in two blocks (q2, the
+    second, is [M, BLOCK_DQK2] when BLOCK_DQK2 > 0), so a non-power-of-two dim is not padded."""
+    offs_d = tl.arange(0, BLOCK_DQK)
+    k_ptrs = k_base + tl.cast(n0, tl.int64) * stride_kt + offs_n[None, :] * stride_kt + offs_d[:, None]
+    kd_mask = offs_d[:, None] < HEAD_DIM_QK
+    if MASKED:
+        kd_mask = kd_mask & col_ok[None, :]
+    s = tl.dot(q, tl.load(k_ptrs, mask=kd_mask, other=0.0), input_precision=DOT_PRECISION)
+    if BLOCK_DQK2 > 0:
+        offs_d2 = BLOCK_DQK + tl.arange(0, BLOCK_DQK2)
+        k2_ptrs = k_base + tl.cast(n0, tl.int64) * stride_kt + offs_n[None, :] * stride_kt + offs_d2[:, None]
+        kd2_mask = offs_d2[:, None] < HEAD_DIM_QK
+        if MASKED:
+            kd2_mask = kd2_mask & col_ok[None, :]
+        s = tl.dot(q2, tl.load(k2_ptrs, mask=kd2_mask, other=0.0), s, input_precision=DOT_PRECISION)
+    return s
+
+
+@triton.jit
+def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt, stride_kks,
                   rows, n_lo, n_hi, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
-                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                  BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_K_KEEP: tl.constexpr,
-                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  seed, rng_offset, head, q_ids, k_gid0, drop_threshold,
+                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                  BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
+                  HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
-    offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         cols = n0 + offs_n
-        k_ptrs = k_base + tl.cast(n0, tl.int64) * stride_kt + offs_n[None, :] * stride_kt + offs_dqk[:, None]
+        col_ok = cols < seqlen_k
+        s = _qk_scores(q, q2, k_base, stride_kt, n0, offs_n, col_ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, MASKED,
+                       DOT_PRECISION) * sm_scale_log2  # [M, N], log2 domain
         v_ptrs = v_base + tl.cast(n0, tl.int64) * stride_vt + offs_n[:, None] * stride_vt + offs_dv[None, :]
         if MASKED:
-            kT = tl.load(k_ptrs, mask=(cols[None, :] < seqlen_k) & (offs_dqk[:, None] < HEAD_DIM_QK), other=0.0)
-            v = tl.load(v_ptrs, mask=(cols[:, None] < seqlen_k) & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
-        else:
-            kT = tl.load(k_ptrs, mask=offs_dqk[:, None] < HEAD_DIM_QK, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
-        s = tl.dot(q, kT, input_precision=DOT_PRECISION) * sm_scale_log2  # [M, N], log2 domain
-        if MASKED:
-            vis = _visible(rows[:, None], cols[None, :], seqlen_q, seqlen_k, shift,
-                           window_left, window_right, HAS_LEFT, HAS_RIGHT)
-            k_keep = _load_keep(k_keep_base, stride_kks, cols, seqlen_k, HAS_K_KEEP)
-            vis = vis & q_keep[:, None] & k_keep[None, :]
+            v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+            vis = _visible(rows[:, None], cols[None, :], seqlen_k, shift, window_left, window_right, HAS_LEFT,
+                           HAS_RIGHT, True)
+            if HAS_Q_KEEP:
+                vis = vis & q_keep[:, None]
+            if HAS_K_KEEP:
+                vis = vis & _load_keep(k_keep_base, stride_kks, cols, seqlen_k)[None, :]
             s = tl.where(vis, s, float("-inf"))
+        else:
+            v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row that has seen no key yet keeps m = -inf; subtract 0 instead so p and alpha are 0, not NaN
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)  # the normalizer counts every probability, dropped or not
+        if DROPOUT:
+            keep = _dropout_keep(seed, rng_offset, head, q_ids[:, None], (k_gid0 + cols)[None, :], drop_threshold)
+            p = tl.where(keep, p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
 
 @triton.jit
-def _fwd_q_block(q_base, k_base, v_base, o_base, lse_base, q_keep_base, k_keep_base, m0, seqlen_q, seqlen_k, shift,
-                 window_left, window_right, sm_scale_log2, stride_qt, stride_kt, stride_vt, stride_ot,
-                 stride_qks, stride_kks,
-                 HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                 BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
-                 HAS_K_KEEP: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_dqk = tl.arange(0, BLOCK_DQK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    rows = m0 + offs_m
-    row_ok = rows < seqlen_q
-    q_ptrs = q_base + tl.cast(m0, tl.int64) * stride_qt + offs_m[:, None] * stride_qt + offs_dqk[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_dqk[None, :] < HEAD_DIM_QK), other=0.0)  # [M, DQK]
-    q_keep = _load_keep(q_keep_base, stride_qks, rows, seqlen_q, HAS_Q_KEEP)  # [M]
+def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr,
+              k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr, max_ptr,
+              batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
+              drop_threshold, drop_scale,
+              stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+              stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
+              HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+              BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_B: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+              SPANS: tl.constexpr, PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
+              DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, HAS_SINK: tl.constexpr, RETURN_MAX: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """Task ``task`` of the (query tile, q head) grid, heads fastest."""
+    head = task % heads
+    tile = task // heads
+    o_head = out_ptr + head.to(tl.int64) * stride_oh
+    lse_head = lse_ptr + head.to(tl.int64) * stride_lh
+    ok, seq, m0, n_real = _scan(q_seq_ptr, q_len_ptr, batch, seqlen_q_total, tile, BLOCK_M, SPANS, BLOCK_B, True)
+    k_ok = _scan(k_seq_ptr, k_len_ptr, batch, seqlen_k_total, -1, BLOCK_N, SPANS, BLOCK_B, False)[0]
+    if ok & k_ok & (n_real <= n_tiles):
+        if seq < batch:
+            seq64 = seq.to(tl.int64)
+            q_start, seqlen_q = _seq_span(q_seq_ptr, q_len_ptr, seq, SPANS)
+            k_start, seqlen_k = _seq_span(k_seq_ptr, k_len_ptr, seq, SPANS)
+            shift = seqlen_q * 0
+            if BOTTOM_RIGHT:
+                shift = seqlen_k - seqlen_q
+            kv_head = (head // group).to(tl.int64)
+            q_base = q_ptr + seq64 * stride_qb + q_start.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+            k_base = k_ptr + seq64 * stride_kb + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+            v_base = v_ptr + seq64 * stride_vb + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+            q_keep_base = q_keep_ptr + seq64 * stride_qkb + q_start.to(tl.int64) * stride_qks
+            k_keep_base = k_keep_ptr + seq64 * stride_kkb + k_start.to(tl.int64) * stride_kks
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    lo, full_lo, full_hi, hi = _key_range(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
-                                          BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP or HAS_K_KEEP)
-    acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
-                                  stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift, window_left, window_right,
-                                  sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                                  HAS_LEFT, HAS_RIGHT, HAS_K_KEEP, True, DOT_PRECISION)
-    acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
-                                  stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
-                                  sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                                  HAS_LEFT, HAS_RIGHT, HAS_K_KEEP, False, DOT_PRECISION)
-    acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
-                                  stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift, window_left, window_right,
-                                  sm_scale_log2, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                                  HAS_LEFT, HAS_RIGHT, HAS_K_KEEP, True, DOT_PRECISION)
+            offs_m = tl.arange(0, BLOCK_M)
+            offs_dv = tl.arange(0, BLOCK_DV)
+            rows = m0 + offs_m
+            row_ok = rows < seqlen_q
+            q, q2 = _load_rows(q_base, stride_qt, m0, row_ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, BLOCK_M)
+            q_keep = row_ok
+            if HAS_Q_KEEP:
+                q_keep = _load_keep(q_keep_base, stride_qks, rows, seqlen_q)  # [M]
+            seed = 0
+            rng_offset = 0
+            q_ids = rows
+            k_gid0 = 0
+            if DROPOUT:
+                seed = tl.load(rng_ptr)
+                rng_offset = tl.load(rng_ptr + 1).to(tl.int32)
+                q_ids = _first_gid(q_gid_ptr, seq, q_start, seqlen_q_total, PACKED, HAS_GID) + rows
+                k_gid0 = _first_gid(k_gid_ptr, seq, k_start, seqlen_k_total, PACKED, HAS_GID)
 
-    empty = l_i == 0.0  # the row saw no key: output 0 and lse = -inf
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-    o_ptrs = o_base + tl.cast(m0, tl.int64) * stride_ot + offs_m[:, None] * stride_ot + offs_dv[None, :]
-    tl.store(o_ptrs, out.to(o_base.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
-    tl.store(lse_base + tl.cast(m0, tl.int64) + offs_m, lse, mask=row_ok)
-
-
-@triton.jit
-def _fwd_program(pid_m, seq, head, num_pid_m,
-                 q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr,
-                 k_keep_ptr, batch, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
-                 stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                 stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
-                 HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                 BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-                 SPANS: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """What one program of the (query-block programs, sequences, q heads) grid does: the query
-    blocks pid_m, pid_m + num_pid_m, ... of sequence ``seq`` for q head ``head``."""
-    o_head = out_ptr + seq.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
-    lse_head = lse_ptr + seq.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
-    ok = _layout_ok(q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, seq, batch, seqlen_q_total, seqlen_k_total,
-                    SPANS, BLOCK_B)
-    if ok:
-        q_start, seqlen_q = _seq_span(q_seq_ptr, q_len_ptr, seq, SPANS)
-        k_start, seqlen_k = _seq_span(k_seq_ptr, k_len_ptr, seq, SPANS)
-        shift = seqlen_q * 0
-        if BOTTOM_RIGHT:
-            shift = seqlen_k - seqlen_q
-        kv_head = (head // group).to(tl.int64)
-        q_base = q_ptr + seq.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
-        k_base = k_ptr + seq.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
-        v_base = v_ptr + seq.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
-        o_base = o_head + q_start.to(tl.int64) * stride_ot
-        lse_base = lse_head + q_start.to(tl.int64)
-        q_keep_base = q_keep_ptr + seq.to(tl.int64) * stride_qkb + q_start.to(tl.int64) * stride_qks
-        k_keep_base = k_keep_ptr + seq.to(tl.int64) * stride_kkb + k_start.to(tl.int64) * stride_kks
-        for m0 in range(pid_m * BLOCK_M, seqlen_q, num_pid_m * BLOCK_M):
-            _fwd_q_block(q_base, k_base, v_base, o_base, lse_base, q_keep_base, k_keep_base, m0, seqlen_q, seqlen_k,
-                         shift, window_left, window_right, sm_scale_log2, stride_qt, stride_kt, stride_vt, stride_ot,
-                         stride_qks, stride_kks, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, BLOCK_N,
-                         HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DOT_PRECISION)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+            lo, full_lo, full_hi, hi = _key_range(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
+                                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP or HAS_K_KEEP)
+            acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
+                                          stride_vt, stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift,
+                                          window_left, window_right, sm_scale_log2, seed, rng_offset, head, q_ids,
+                                          k_gid0, drop_threshold, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
+                                          BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True,
+                                          DOT_PRECISION)
+            acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
+                                          stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift,
+                                          window_left, window_right, sm_scale_log2, seed, rng_offset, head, q_ids,
+                                          k_gid0, drop_threshold, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
+                                          BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, False,
+                                          DOT_PRECISION)
+            acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
+                                          stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift,
+                                          window_left, window_right, sm_scale_log2, seed, rng_offset, head, q_ids,
+                                          k_gid0, drop_threshold, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
+                                          BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True,
+                                          DOT_PRECISION)
+            if RETURN_MAX:  # the largest visible scaled logit of this tile (before the sink joins the max)
+                tl.store(max_ptr + head.to(tl.int64) * n_tiles + tile,
+                         tl.max(tl.where(row_ok, m_i, float("-inf")), 0) * 0.6931471805599453)
+            if HAS_SINK:  # the sink: one more key with logit offset[head] (log2 domain here) and a zero value
+                sink = tl.load(sink_ptr + head).to(tl.float32) * 1.4426950408889634
+                m_fin = tl.maximum(m_i, sink)
+                alpha = tl.math.exp2(m_i - m_fin)
+                l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
+                acc = acc * alpha[:, None]
+                m_i = m_fin
+            empty = l_i == 0.0  # the row saw no key (and there is no sink): output 0 and lse = -inf
+            l_safe = tl.where(empty, 1.0, l_i)
+            out = acc * (drop_scale / l_safe)[:, None]
+            lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+            o_base = o_head + seq64 * stride_ob + q_start.to(tl.int64) * stride_ot
+            o_ptrs = o_base + tl.cast(m0, tl.int64) * stride_ot + offs_m[:, None] * stride_ot + offs_dv[None, :]
+            tl.store(o_ptrs, out.to(o_base.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+            lse_base = lse_head + seq64 * stride_lb + q_start.to(tl.int64)
+            tl.store(lse_base + tl.cast(m0, tl.int64) + offs_m, lse, mask=row_ok)
     else:
-        # malformed cu_seqlens or spans: NaN rather than silently wrong numbers
-        _poison_program_rows(o_head, pid_m, seq, num_pid_m, batch, seqlen_q_total, stride_ot,
-                             HEAD_DIM_V, BLOCK_DV, BLOCK_M, SPANS)
-        _poison_program_rows(lse_head, pid_m, seq, num_pid_m, batch, seqlen_q_total, 1, 1, 1, BLOCK_M, SPANS)
+        # malformed cu_seqlens or spans (every program sees it): NaN rather than silently wrong numbers
+        n_rows_q = seqlen_q_total
+        if not PACKED:
+            n_rows_q = batch * seqlen_q_total
+        _poison(o_head, tile, n_tiles, n_rows_q, seqlen_q_total, stride_ob, stride_ot, HEAD_DIM_V, BLOCK_DV, BLOCK_M)
+        _poison(lse_head, tile, n_tiles, n_rows_q, seqlen_q_total, stride_lb, 1, 1, 1, BLOCK_M)
+        if RETURN_MAX:
+            tl.store(max_ptr + head.to(tl.int64) * n_tiles + tile, float("nan"))
 
 
-@triton.jit(do_not_specialize=["batch", "grid_m", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right",
-                             *LENGTH_STRIDES])
+@triton.jit(do_not_specialize=RUNTIME_INTS)
 def _varlen_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
-    batch, heads, grid_m, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
+    q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr, max_ptr,
+    batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
+    drop_threshold, drop_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
-    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    SPANS: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SPANS: tl.constexpr,
+    PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_GID: tl.constexpr, HAS_SINK: tl.constexpr, RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PERSISTENT: tl.constexpr,
 ):
-    # grid: (grid_m query-block programs per sequence, sequences, q heads). PERSISTENT (Ascend):
-    # a 1D grid of core-count programs, each running a share of those same (pid_m, seq, head)
-    # tasks in turn. seqlen_*_total is the token count T (thd) or the padded length S
-    # (bshd/sbhd); see kernels/packing.py.
+    # grid: n_tiles * heads programs (CUDA, interpreter), or PERSISTENT (Ascend): a core-count 1D
+    # grid whose programs run those same tasks in turn. seqlen_*_total is the token count T (thd)
+    # or the padded length S (bshd/sbhd); see kernels/packing.py.
     if PERSISTENT:
-        for task in range(tl.program_id(0), grid_m * batch * heads, tl.num_programs(0)):
-            _fwd_program(task % grid_m, task // (grid_m * heads), (task // grid_m) % heads, grid_m,
-                         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr,
-                         q_keep_ptr, k_keep_ptr, batch, seqlen_q_total, seqlen_k_total, group, sm_scale_log2,
-                         window_left, window_right, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                         stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
-                         stride_qkb, stride_qks, stride_kkb, stride_kks, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
-                         BLOCK_M, BLOCK_N, BLOCK_B, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, HAS_Q_KEEP, HAS_K_KEEP,
-                         DOT_PRECISION)
+        for task in range(tl.program_id(0), n_tiles * heads, tl.num_programs(0)):
+            _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr,
+                      q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr, max_ptr, batch, heads, n_tiles,
+                      seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
+                      drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                      stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+                      stride_qkb, stride_qks, stride_kkb, stride_kks, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
+                      BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS,
+                      PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, HAS_SINK, RETURN_MAX, DOT_PRECISION)
     else:
-        _fwd_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0),
-                     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr,
-                     q_keep_ptr, k_keep_ptr, batch, seqlen_q_total, seqlen_k_total, group, sm_scale_log2,
-                     window_left, window_right, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
-                     stride_qkb, stride_qks, stride_kkb, stride_kks, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV,
-                     BLOCK_M, BLOCK_N, BLOCK_B, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, HAS_Q_KEEP, HAS_K_KEEP,
-                     DOT_PRECISION)
+        _fwd_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr,
+                  q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr, max_ptr, batch, heads, n_tiles,
+                  seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
+                  drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                  stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+                  stride_qkb, stride_qks, stride_kkb, stride_kks, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
+                  BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS,
+                  PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, HAS_SINK, RETURN_MAX, DOT_PRECISION)
 
 
 def dot_precision(dtype: torch.dtype, target: str) -> str:
@@ -199,27 +248,18 @@ def dot_precision(dtype: torch.dtype, target: str) -> str:
     return "ieee" if dtype == torch.float32 or target == "ascend" else "tf32"
 
 
-def check_grid(batch: int, heads: int) -> None:
-    if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ:
-        raise ValueError(f"batch ({batch}) and heads ({heads}) must each be <= {MAX_GRID_YZ} for the Triton grid")
-
-
-def launch_grid(device: torch.device, target: str, grid_x: int, batch: int, heads: int,
-                hint: bool = True, vector_only: bool = False) -> tuple[tuple[int, ...], int, bool]:
-    """(grid, grid_x, PERSISTENT) for a kernel whose programs are (grid_x, batch, heads).
-
-    CUDA and the interpreter launch that 3D grid. Ascend launches a persistent 1D grid of
-    core-count programs that loop over the grid_x * batch * heads tasks (kernels/config.py); the
-    task count must fit int32, so when grid_x only sizes a grid-stride loop (``hint``) it is
-    capped, costing speed, not correctness."""
+def launch_grid(device: torch.device, target: str, n_tiles: int, heads: int,
+                vector_only: bool = False) -> tuple[tuple[int], bool]:
+    """(grid, PERSISTENT) for a kernel whose programs are n_tiles * heads tasks: that 1D grid on
+    CUDA and the interpreter; on Ascend a persistent grid of core-count programs that loop over
+    the tasks (kernels/config.py)."""
+    tasks = n_tiles * heads
+    if tasks > MAX_TASKS:
+        raise ValueError(f"{n_tiles} tiles x {heads} heads = {tasks} programs exceed the int32 grid of the Triton "
+                         "kernels; split the batch")
     if target != "ascend":
-        check_grid(batch, heads)
-        return (grid_x, batch, heads), grid_x, False
-    if hint:
-        grid_x = max(1, min(grid_x, MAX_TASKS // (batch * heads)))
-    if grid_x * batch * heads > MAX_TASKS:
-        raise ValueError(f"{grid_x} x {batch} x {heads} tasks do not fit the persistent grid's int32 task index")
-    return (persistent_grid(device, grid_x * batch * heads, vector_only),), grid_x, True
+        return (tasks,), False
+    return (persistent_grid(device, tasks, vector_only),), True
 
 
 def kernel_window(window: int, limit: int) -> int:
@@ -231,7 +271,23 @@ def kernel_window(window: int, limit: int) -> int:
 
 def mask_flags(window_left: int, window_right: int, bottom_right: bool, q_pack: Packing, k_pack: Packing) -> dict:
     return dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, BOTTOM_RIGHT=bottom_right,
-                BLOCK_B=CU_SCAN_BLOCK, **kernel_flags(q_pack, k_pack))
+                BLOCK_B=CU_SCAN_BLOCK, PACKED=q_pack.fmt == "thd", **kernel_flags(q_pack, k_pack))
+
+
+def dropout_args(dropout_p: float, rng_state: torch.Tensor | None, q_pack: Packing, k_pack: Packing) -> dict:
+    """Kernel arguments for dropout (coreattn/layers/dropout.py): the RNG state tensor, the keep
+    threshold and 1 / (1 - p); given token ids (``Packing.gid``) when the packings carry them."""
+    from coreattn.layers.dropout import keep_threshold
+
+    if dropout_p > 0 and rng_state is None:
+        raise ValueError("dropout_p > 0 needs rng_state (coreattn.layers.dropout.rng_state)")
+    has_gid = q_pack.gid is not None or k_pack.gid is not None
+    if has_gid and (q_pack.gid is None or k_pack.gid is None):
+        raise ValueError("give dropout token ids (Packing.gid) for both q and k, or for neither")
+    dummy = q_pack.seq
+    return dict(q_gid_ptr=q_pack.gid if has_gid else dummy, k_gid_ptr=k_pack.gid if has_gid else dummy,
+                rng_ptr=rng_state if dropout_p > 0 else dummy, drop_threshold=keep_threshold(dropout_p),
+                drop_scale=1.0 / (1.0 - dropout_p), DROPOUT=dropout_p > 0, HAS_GID=has_gid and dropout_p > 0)
 
 
 def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: Packing, k_pack: Packing,
@@ -242,14 +298,17 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
     """Launch the forward kernel on q/k/v laid out as ``q_pack``/``k_pack`` say (kernels/packing.py).
 
     thd: q [Tq, Hq, Dqk], k [Tk, Hkv, Dqk], v [Tk, Hkv, Dv]; returns out [Tq, Hq, Dv] (q's
-    dtype) and lse [Hq, Tq] float32 (natural log, -inf for rows that see no key).
+    dtype) and lse [Hq, Tq] float32 (natural log, -inf for rows that see no key and no sink).
     bshd/sbhd: out in the same layout as q and lse [B, Hq, S]. In span mode rows outside the
-    spans are zeros (lse -inf); rows a keep mask drops see no key (zeros, lse -inf). Last strides must be 1; inputs are assumed checked by the caller
-    (coreattn.layers.checks). ``out``/``lse`` may be given as preallocated buffers.
+    spans are zeros (lse -inf); rows a keep mask drops see no key. ``max_seqlen_q`` is not used:
+    the grid is sized by the token count. Last strides must be 1; inputs are assumed checked by
+    the caller (coreattn.layers.checks). ``out``/``lse`` may be given as preallocated buffers.
+
+    ``dropout_p``/``rng_state``: dropout with the keep mask of coreattn/layers/dropout.py (rng_state
+    the int64 [2] tensor it draws). ``softmax_offset``: float [Hq] sink logits (lse includes the
+    sink). ``return_max_logit``: also return the max visible scaled logit per q head, float32 [Hq]
+    (-inf for a head without a visible pair): the result is then (out, lse, max_logit).
     """
-    if dropout_p or softmax_offset is not None or return_max_logit:
-        raise NotImplementedError("dropout, softmax_offset and return_max_logit are not in the Triton kernels yet; "
-                                  "use backend='torch'")
     heads_q, dim_qk = q.shape[-2:]
     heads_kv, dim_v = v.shape[-2:]
     batch = q_pack.batch
@@ -258,25 +317,37 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
     if lse is None:
         lse = new_rowstat(q, q_pack)
     seqlen_q_total, seqlen_k_total = seq_len_dim(q, q_pack.fmt), seq_len_dim(k, k_pack.fmt)
-    if q.numel() == 0 or batch == 0:
-        return out, lse
-    limit = max(seqlen_q_total, seqlen_k_total)
-    window_left, window_right = kernel_window(window_left, limit), kernel_window(window_right, limit)
     target = target_of(q.device)
-    block_dqk, block_dv = head_block(dim_qk), head_block(dim_v)
-    cfg = fwd_config(q.device, block_dqk, block_dv, q.element_size())
-    grid, grid_m, persistent = launch_grid(q.device, target, max(1, triton.cdiv(max_seqlen_q, cfg.block_m)),
-                                           batch, heads_q)
-    _varlen_attn_fwd_kernel[grid](
-        q, k, v, out, lse, q_pack.seq, q_pack.lens, k_pack.seq, k_pack.lens,
-        keep_args(q_pack)[0], keep_args(k_pack)[0],
-        batch, heads_q, grid_m, seqlen_q_total, seqlen_k_total, heads_q // heads_kv,
-        softmax_scale * LOG2E, window_left, window_right,
-        *seq_strides(q, q_pack.fmt), *seq_strides(k, k_pack.fmt), *seq_strides(v, k_pack.fmt),
-        *seq_strides(out, q_pack.fmt), *rowstat_strides(lse, q_pack), *keep_args(q_pack)[1:], *keep_args(k_pack)[1:],
-        HEAD_DIM_QK=dim_qk, HEAD_DIM_V=dim_v, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype, target),
-        PERSISTENT=persistent, **mask_flags(window_left, window_right, bottom_right, q_pack, k_pack),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return out, lse
+    block_dqk, block_dqk2, block_dv = head_blocks(dim_qk, dim_v)
+    cfg = fwd_config(q.device, block_dqk + block_dqk2, block_dv, q.element_size(), dropout=dropout_p > 0)
+    n_tiles = tile_bound(batch, seqlen_q_total, cfg.block_m, q_pack.fmt == "thd")
+    max_logit = torch.full((heads_q, max(n_tiles, 1)), float("-inf"), device=q.device) if return_max_logit else None
+    if q.numel() > 0 and batch > 0 and n_tiles > 0:
+        limit = max(seqlen_q_total, seqlen_k_total)
+        window_left, window_right = kernel_window(window_left, limit), kernel_window(window_right, limit)
+        grid, persistent = launch_grid(q.device, target, n_tiles, heads_q)
+        _varlen_attn_fwd_kernel[grid](
+            q, k, v, out, lse, q_pack.seq, q_pack.lens, k_pack.seq, k_pack.lens,
+            keep_args(q_pack)[0], keep_args(k_pack)[0],
+            sink_ptr=softmax_offset if softmax_offset is not None else q_pack.seq,
+            max_ptr=max_logit if return_max_logit else lse,
+            batch=batch, heads=heads_q, n_tiles=n_tiles, seqlen_q_total=seqlen_q_total, seqlen_k_total=seqlen_k_total,
+            group=heads_q // heads_kv, sm_scale_log2=softmax_scale * LOG2E, window_left=window_left,
+            window_right=window_right,
+            **dict(zip(("stride_qb", "stride_qt", "stride_qh"), seq_strides(q, q_pack.fmt))),
+            **dict(zip(("stride_kb", "stride_kt", "stride_kh"), seq_strides(k, k_pack.fmt))),
+            **dict(zip(("stride_vb", "stride_vt", "stride_vh"), seq_strides(v, k_pack.fmt))),
+            **dict(zip(("stride_ob", "stride_ot", "stride_oh"), seq_strides(out, q_pack.fmt))),
+            **dict(zip(("stride_lb", "stride_lh"), rowstat_strides(lse, q_pack))),
+            **dict(zip(("stride_qkb", "stride_qks"), keep_args(q_pack)[1:])),
+            **dict(zip(("stride_kkb", "stride_kks"), keep_args(k_pack)[1:])),
+            HEAD_DIM_QK=dim_qk, HEAD_DIM_V=dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2, BLOCK_DV=block_dv,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype, target),
+            HAS_SINK=softmax_offset is not None, RETURN_MAX=return_max_logit, PERSISTENT=persistent,
+            **dropout_args(dropout_p, rng_state, q_pack, k_pack),
+            **mask_flags(window_left, window_right, bottom_right, q_pack, k_pack),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    if not return_max_logit:
+        return out, lse
+    return out, lse, max_logit.amax(dim=1)

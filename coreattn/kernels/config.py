@@ -1,8 +1,12 @@
 """Launch configurations per target, in one place.
 
-Targets: the Triton interpreter (CPU, tests), CUDA sm80 (Ampere), sm90 (Hopper) and Ascend
-(triton-ascend). Lengths never enter a config key: packed batches change every step and must
-not trigger recompiles; only head dims, dtype and the target do.
+Targets: the Triton interpreter (CPU, tests), CUDA sm80 (A100: 163 KB of shared memory per
+block), sm86/sm89 (RTX 30/40, A10, L4, L40S: 99 KB), sm90 (H100/H200: 227 KB, wgmma), sm100
+(B200: 227 KB), sm120 (RTX 50 / RTX PRO Blackwell: 99 KB) and Ascend (triton-ascend). Lengths
+never enter a config key: packed batches change every step and must not trigger recompiles; only
+head dims, dtype and the target do. The forward, the dK/dV kernel and the dQ kernel each have
+their own tile: dK/dV holds many keys and steps over few queries, dQ the reverse, so each dot's
+rows are the tile's long side and no warp computes another warp's rows.
 
 Ascend runs a persistent grid: as many programs as the device has AI cores (``num_aicore`` for
 kernels with ``tl.dot``, ``num_vectorcore`` for element-wise ones), each looping over
@@ -33,7 +37,7 @@ import torch
 import triton
 
 ENV_TRITON_TARGET = "COREATTN_TRITON_TARGET"
-TARGETS = ("interpreter", "sm80", "sm90", "ascend")
+TARGETS = ("interpreter", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "ascend")
 
 ASCEND_BUFFER_BYTES = 192 * 1024  # unified buffer per AI core
 ASCEND_STEP_BUDGET = ASCEND_BUFFER_BYTES // 2  # double buffering
@@ -57,6 +61,24 @@ def head_block(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
+def split_head_block(dim: int) -> tuple[int, int]:
+    """A q/k head dim as one power-of-two block, or two (the largest power of two below it and a
+    block for the rest) when two cost less than the padded one: 192 -> (128, 64), not 256; 96 ->
+    (64, 32); 111 -> (128, 0): two blocks would cover 128 as well."""
+    full = head_block(dim)
+    if dim <= 16 or full == dim:
+        return full, 0
+    first = full // 2
+    second = head_block(dim - first)
+    return (first, second) if first + second < full else (full, 0)
+
+
+def head_blocks(dim_qk: int, dim_v: int) -> tuple[int, int, int]:
+    """(BLOCK_DQK, BLOCK_DQK2, BLOCK_DV): the q/k dim, split where that saves work, and the v dim
+    padded to its own power of two (never to q/k's)."""
+    return (*split_head_block(dim_qk), head_block(dim_v))
+
+
 def target_of(device: torch.device) -> str:
     """The launch target for tensors on ``device``: "ascend" for npu tensors or when
     ``COREATTN_TRITON_TARGET=ascend`` (read at every call), else "interpreter", "sm90" or "sm80"."""
@@ -72,9 +94,22 @@ def target_of(device: torch.device) -> str:
     if runs_in_interpreter():
         return "interpreter"
     if device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(device)
-        return "sm90" if major >= 9 else "sm80"
+        return cuda_target(*torch.cuda.get_device_capability(device))
     raise RuntimeError(f"no Triton launch config for device {device}")
+
+
+def cuda_target(major: int, minor: int) -> str:
+    """The config family of a CUDA compute capability (by shared memory per block and MMA kind)."""
+    if major < 8:
+        raise RuntimeError(f"coreattn's Triton kernels need compute capability >= 8.0 (Ampere), this device has "
+                           f"{major}.{minor}; use backend='torch'")
+    if major == 8:
+        return {6: "sm86", 9: "sm89"}.get(minor, "sm80")  # 8.0 and 8.7 (Orin) have 163 KB per block
+    if major == 9:
+        return "sm90"
+    if major in (10, 11):
+        return "sm100"
+    return "sm120"  # 12.x and anything newer: the smallest shared memory of the Blackwell parts
 
 
 def persistent_grid(device: torch.device, tasks: int, vector_only: bool = False) -> int:
@@ -120,37 +155,72 @@ def _ascend_blocks(step_bytes, block_dqk: int, block_dv: int, elem: int) -> Attn
 _INTERPRETER = AttnConfig(block_m=16, block_n=32, num_warps=1, num_stages=1)
 
 
-def fwd_config(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2) -> AttnConfig:
-    """``elem``: bytes per input element (2 for fp16/bf16, 4 for fp32); only Ascend uses it."""
+# CUDA tiles per target, by the widest padded head dim (q/k blocks summed when split, e.g. 192):
+# (max width, AttnConfig(block_m, block_n, num_warps, num_stages)), first match wins. The forward
+# and dQ tiles are block_m queries per program stepping over block_n keys; the dK/dV tile is
+# block_n keys per program stepping over block_m queries. Checked by compiling for each
+# architecture (python -m bench --what kernels; tests/test_kernel_structure.py).
+_C = AttnConfig
+_FWD = {
+    "sm90": ((64, _C(128, 64, 8, 3)), (128, _C(128, 64, 8, 3)), (192, _C(128, 64, 8, 2)), (256, _C(128, 16, 8, 2))),
+    "sm80": ((64, _C(128, 64, 4, 3)), (128, _C(128, 32, 4, 2)), (256, _C(64, 32, 4, 2))),
+}
+_DKDV = {
+    "sm90": ((64, _C(32, 128, 8, 3)), (128, _C(16, 128, 8, 2)), (192, _C(16, 128, 8, 3)), (256, _C(16, 128, 8, 2))),
+    "sm80": ((64, _C(64, 64, 4, 2)), (128, _C(32, 64, 4, 2)), (256, _C(32, 32, 4, 1))),
+}
+_DQ = {
+    "sm90": ((64, _C(128, 64, 8, 2)), (128, _C(128, 64, 8, 2)), (192, _C(128, 32, 8, 2)), (256, _C(128, 32, 8, 2))),
+    "sm80": ((64, _C(64, 64, 4, 2)), (128, _C(64, 32, 4, 2)), (256, _C(32, 32, 4, 1))),
+}
+# Dropout adds Philox's state to the live registers: where the plain tile runs out of them, the
+# dropout kernels take this one instead (and the dK/dV kernel splits, see split_dkdv).
+_FWD_DROPOUT = {"sm90": ((192, _C(128, 32, 8, 2)),), "sm80": ()}
+for _table in (_FWD, _DKDV, _DQ, _FWD_DROPOUT):  # until tuned separately, the other families take the nearest one
+    _table.setdefault("sm100", _table["sm90"])
+    for _target in ("sm86", "sm89", "sm120"):
+        _table.setdefault(_target, _table["sm80"])
+
+
+def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, override: dict | None = None) -> AttnConfig:
+    """The entry of the first width class that holds the widest block (``override``'s entry for
+    that class if it has one)."""
+    widest = max(block_dqk, block_dv)
+    for width, cfg in table[target]:
+        if widest <= width:
+            return dict((override or {}).get(target, ())).get(width, cfg)
+    raise ValueError(f"head dims up to 256 are supported, got blocks {block_dqk}/{block_dv}")
+
+
+def fwd_config(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2,
+               dropout: bool = False) -> AttnConfig:
+    """``block_dqk``: the q/k blocks' total width (192 for 128 + 64); ``elem``: bytes per input
+    element (2 for fp16/bf16, 4 for fp32), which only Ascend uses; ``dropout``: the dropout kernel."""
     target = target_of(device)
     if target == "ascend":
         return _ascend_blocks(fwd_step_bytes, block_dqk, block_dv, elem)
     if target == "interpreter":
         return _INTERPRETER
-    widest = max(block_dqk, block_dv)
-    if target == "sm90":
-        if widest <= 64:
-            return AttnConfig(128, 64, 4, 3)
-        if widest <= 128:
-            return AttnConfig(128, 64, 8, 3)
-        return AttnConfig(128, 32, 8, 2)
-    if widest <= 64:
-        return AttnConfig(128, 64, 4, 3)
-    if widest <= 128:
-        return AttnConfig(128, 32, 4, 2)
-    return AttnConfig(64, 32, 4, 2)
+    if dropout:
+        return _cuda_config(_FWD, target, block_dqk, block_dv, _FWD_DROPOUT)
+    return _cuda_config(_FWD, target, block_dqk, block_dv)
 
 
-def bwd_config(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2) -> AttnConfig:
-    """Shared by the dK/dV kernel (block_n keys, block_m queries per step) and the dQ kernel."""
+def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False) -> bool:
+    """On CUDA, dK and dV of a key tile are computed in two passes of the dK/dV kernel when their
+    fp32 accumulators (BLOCK_N x (Dqk + Dv)) cannot stay in registers: 64 rows per warpgroup x
+    (256 + 256) columns is 256 registers per thread, the whole register file (with dropout,
+    Philox's state needs the room of 192 + 128 already). The second pass recomputes Q K^T (about
+    1/7 more backward matmul work) instead of spilling."""
+    return target not in ("interpreter", "ascend") and block_dqk + block_dv > (256 if dropout else 320)
+
+
+def bwd_configs(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2) -> tuple[AttnConfig, AttnConfig]:
+    """(dK/dV config, dQ config); arguments as for fwd_config."""
     target = target_of(device)
     if target == "ascend":
-        return _ascend_blocks(bwd_step_bytes, block_dqk, block_dv, elem)
+        cfg = _ascend_blocks(bwd_step_bytes, block_dqk, block_dv, elem)
+        return cfg, cfg
     if target == "interpreter":
-        return _INTERPRETER
-    widest = max(block_dqk, block_dv)
-    if widest <= 64:
-        return AttnConfig(64, 128, 4, 2) if target == "sm90" else AttnConfig(64, 64, 4, 2)
-    if widest <= 128:
-        return AttnConfig(64, 64, 8, 2) if target == "sm90" else AttnConfig(32, 64, 4, 2)
-    return AttnConfig(32, 64, 8, 1) if target == "sm90" else AttnConfig(32, 32, 4, 1)
+        return _INTERPRETER, _INTERPRETER
+    return _cuda_config(_DKDV, target, block_dqk, block_dv), _cuda_config(_DQ, target, block_dqk, block_dv)

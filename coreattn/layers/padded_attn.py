@@ -26,7 +26,7 @@ def padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: st
         q_start, q_len, k_start, k_len: optional int32 ``[B]`` spans: sample b's real tokens are
             positions ``[start_b, start_b + len_b)`` (right padding: start 0; left padding: start
             S - len). None means the whole padded length. A span that does not fit raises on CPU
-            (or with ``COREATTN_VALIDATE=1``); on GPU that sample's outputs become NaN.
+            (or with ``COREATTN_VALIDATE=1``); on GPU every output of the call becomes NaN.
         q_keep_mask, k_keep_mask: optional ``[B, Sq]`` / ``[B, Sk]`` keep masks (bool or 0/1 int;
             True = the token takes part), e.g. an HF ``attention_mask``, holes allowed. They are
             read in registers at each position; no S×S tensor is built. A dropped query row
