@@ -92,7 +92,7 @@ def rank_compute(cfg: CPConfig, cp: int, dtype: torch.dtype, device: torch.devic
     q = leaf(total // cp, cfg.heads_q, cfg.head_dim_qk)
     k, v = leaf(total, cfg.heads_kv, cfg.head_dim_qk), leaf(total, cfg.heads_kv, cfg.head_dim_v)
     params = VarlenParams(1.0 / math.sqrt(cfg.head_dim_qk), -1, 0 if cfg.causal else -1, True)
-    return (lambda: attend_local(q, k, v, plan, params, backend=backend)), [q, k, v]
+    return (lambda: attend_local(q, k, v, plan, params, backend=backend)[0]), [q, k, v]
 
 
 def _time_rank(row: dict, cfg: CPConfig, cp: int, dtype: torch.dtype, device: torch.device, quick: bool) -> None:

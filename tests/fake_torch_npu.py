@@ -7,7 +7,9 @@ recorded in ``calls``. What it implements, from torch_npu's documentation of the
   sequence is rejected), "BSND" ``[B, S, N, D]`` and "SBH" ``[S, B, N*D]`` (D = H / head_num; the
   kv head count is H_kv / D);
 - GQA: head_num q heads, a multiple of the kv heads; Dq = Dk >= Dv;
-- ``scale`` multiplies q @ k^T; ``keep_prob`` must be 1 here (no dropout);
+- ``scale`` multiplies q @ k^T; ``keep_prob`` in (0, 1]: dropout with the fake's own RNG (torch's
+  generator for the tensors' device), kept probabilities scaled by 1 / keep_prob, gradients through
+  torch's autograd (the real op keeps its mask for its backward the same way);
 - atten_mask bool/uint8 with 1 = masked out; sparse_mode 0 (no mask: full attention; with a mask
   of shape BNSS/B1SS/11SS/SS: that mask, and pre/next_tockens as a top-left band), 1 (the full
   mask, pre/next ignored), 2 (top-left causal), 3 (bottom-right causal), 4 (band between
@@ -53,7 +55,7 @@ def _band(len_q: int, len_k: int, sparse_mode: int, pre: int, nxt: int, device) 
     return torch.ones(len_q, len_k, dtype=torch.bool, device=device)
 
 
-def _attend(q, k, v, visible, scale):
+def _attend(q, k, v, visible, scale, keep_prob):
     """q [Lq, N1, D], k [Lk, N2, D], v [Lk, N2, Dv], visible [N1 or 1, Lq, Lk] -> [Lq, N1, Dv]."""
     group = q.shape[1] // k.shape[1]
     if k.shape[0] == 0:
@@ -63,6 +65,8 @@ def _attend(q, k, v, visible, scale):
     s = torch.einsum("ihd,jhd->hij", q.float(), kk) * scale
     s = s.masked_fill(~visible, MASK_FILL)
     p = torch.softmax(s, dim=-1)
+    if keep_prob < 1.0:
+        p = p * (torch.rand(p.shape, device=p.device) < keep_prob) / keep_prob
     return torch.einsum("hij,jhd->ihd", p, vv).to(q.dtype)
 
 
@@ -81,8 +85,10 @@ class FakeTorchNpu:
                                next_tockens=next_tockens, inner_precise=inner_precise,
                                actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
                                sparse_mode=sparse_mode))
-        if pse is not None or padding_mask is not None or prefix is not None or keep_prob != 1.0:
-            raise NotImplementedError("the fake implements no pse, padding_mask, prefix or dropout")
+        if pse is not None or padding_mask is not None or prefix is not None:
+            raise NotImplementedError("the fake implements no pse, padding_mask or prefix")
+        if not 0.0 < keep_prob <= 1.0:
+            raise ValueError(f"keep_prob must be in (0, 1], got {keep_prob}")
         if not (query.dtype == key.dtype == value.dtype) or query.dtype not in (torch.float16, torch.bfloat16,
                                                                                 torch.float32):
             raise TypeError("query, key, value must share a dtype among float16, bfloat16, float32")
@@ -110,7 +116,7 @@ class FakeTorchNpu:
                 visible = visible & (self._full_mask(atten_mask, b, q.shape[0], k.shape[0]) == 0)
             if sparse_mode == 0 and atten_mask is None:
                 visible = torch.ones_like(visible)  # no mask: full attention, pre/next ignored
-            outs.append(_attend(q, k, v, visible, scale))
+            outs.append(_attend(q, k, v, visible, scale, keep_prob))
         return assemble(outs), None, None, None, 0, 0, 0
 
     @staticmethod

@@ -43,7 +43,16 @@ BAD = [
     ("max-seqlen-float", dict(max_seqlen_k=6.0), TypeError, "max_seqlen_k must be an int"),
     ("max-seqlen-negative", dict(max_seqlen_k=-1), ValueError, "max_seqlen_k must be >= 0"),
     ("max-seqlen-bool", dict(max_seqlen_q=True), TypeError, "max_seqlen_q must be an int"),
-    ("dropout", dict(dropout_p=0.1), NotImplementedError, "dropout"),
+    ("dropout-one", dict(dropout_p=1.0), ValueError, "dropout_p must be in \\[0, 1\\)"),
+    ("dropout-negative", dict(dropout_p=-0.1), ValueError, "dropout_p must be in"),
+    ("dropout-nan", dict(dropout_p=float("nan")), ValueError, "dropout_p must be in"),
+    ("dropout-type", dict(dropout_p="0.1"), TypeError, "dropout_p must be a float"),
+    ("offset-shape", dict(softmax_offset=torch.zeros(H + 1)), ValueError, "softmax_offset has 5 entries but q has 4"),
+    ("offset-dim", dict(softmax_offset=torch.zeros(1, H)), ValueError, "softmax_offset must have 1 dims"),
+    ("offset-int", dict(softmax_offset=torch.zeros(H, dtype=torch.int32)), TypeError, "softmax_offset must be a floating"),
+    ("offset-type", dict(softmax_offset=[0.0] * H), TypeError, "softmax_offset must be a torch.Tensor"),
+    ("offset-device", dict(softmax_offset=torch.zeros(H, device="meta")), ValueError, "softmax_offset is on meta"),
+    ("max-logit-type", dict(return_max_logit=1), TypeError, "return_max_logit must be a bool"),
     ("window-type", dict(window_size=5), TypeError, "window_size"),
     ("window-negative", dict(window_size=(-2, 0)), ValueError, "window_size"),
     ("causal-not-bool", dict(causal=1), TypeError, "causal must be a bool"),
@@ -87,8 +96,7 @@ def test_float64_only_on_torch_backend():
 
 @pytest.mark.parametrize("kw, match", [(dict(softcap=1.0), "softcap"),
                                        (dict(alibi_slopes=torch.ones(H)), "alibi_slopes"),
-                                       (dict(block_table=torch.zeros(1, 1, dtype=torch.int32)), "block_table"),
-                                       (dict(dropout_p=0.5), "dropout")])
+                                       (dict(block_table=torch.zeros(1, 1, dtype=torch.int32)), "block_table")])
 def test_flash_attn_unsupported_options_raise(kw, match):
     a = _args()
     with pytest.raises(NotImplementedError, match=match):

@@ -9,6 +9,8 @@ from typing import NamedTuple
 
 import torch
 
+from coreattn.layers.dropout import check_dropout_p
+
 ENV_VALIDATE = "COREATTN_VALIDATE"
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -124,8 +126,7 @@ def check_qkv(q, k, v, layout: str) -> None:
 
 
 def check_options(head_dim_qk: int, dropout_p, softmax_scale, causal, window_size, causal_alignment) -> VarlenParams:
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p={dropout_p}: attention dropout is not supported; pass 0.0")
+    dropout_p = check_dropout_p(dropout_p)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if causal_alignment not in ALIGNMENTS:
@@ -138,7 +139,32 @@ def check_options(head_dim_qk: int, dropout_p, softmax_scale, causal, window_siz
     elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
             or not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale!r}")
-    return VarlenParams(float(softmax_scale), left, right, causal_alignment == "bottom_right")
+    return VarlenParams(float(softmax_scale), left, right, causal_alignment == "bottom_right", dropout_p)
+
+
+def check_softmax_offset(softmax_offset, q: torch.Tensor) -> torch.Tensor | None:
+    """Sink logits: a floating ``[Hq]`` tensor on q's device, returned in the compute dtype (float32,
+    float64 for float64 inputs) through a differentiable cast, so a bf16 Megatron parameter gets its
+    gradient in its own dtype."""
+    if softmax_offset is None:
+        return None
+    _check_tensor("softmax_offset", softmax_offset, 1)
+    if not softmax_offset.dtype.is_floating_point:
+        raise TypeError(f"softmax_offset must be a floating tensor, got {softmax_offset.dtype}")
+    heads = q.shape[-2]
+    if softmax_offset.numel() != heads:
+        raise ValueError(f"softmax_offset has {softmax_offset.numel()} entries but q has {heads} heads "
+                         "(one sink logit per q head)")
+    if softmax_offset.device != q.device:
+        raise ValueError(f"softmax_offset is on {softmax_offset.device} but q is on {q.device}")
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return softmax_offset.to(work).contiguous()
+
+
+def check_flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
 
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,

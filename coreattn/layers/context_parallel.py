@@ -19,10 +19,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from coreattn.adapters.backends import Backend
+from coreattn.adapters.backends import Backend, select_backend
 from coreattn.kernels.packing import Packing
-from coreattn.layers.checks import (VarlenParams, check_cu_seqlens, check_max_seqlen, check_options, check_qkv,
-                                    validation_enabled)
+from coreattn.layers import dropout
+from coreattn.layers.checks import (VarlenParams, check_cu_seqlens, check_flag, check_max_seqlen, check_options,
+                                    check_qkv, check_softmax_offset, validation_enabled)
 from coreattn.layers.dispatch import run_attention
 from coreattn.layers.masks import _zigzag_positions
 
@@ -108,15 +109,18 @@ def _check_values_thd(n_local: int, cp_size: int, cu_q, cu_kv, pad_q, pad_kv, pa
                              "pass the global maximum, as Megatron's PackedSeqParams does")
 
 
-def _spans(j, chunk, real_q, real_k, causal: bool, q_base, k_base) -> tuple[torch.Tensor, ...]:
-    """int32 spans of chunk j (an int or a [B] tensor) for every sequence: the chunk's real query tokens
-    and the global key prefix they may see."""
+def _chunk_packs(fmt: str, j, chunk, real_q, real_k, causal: bool, q_base, k_base,
+                 gid_base) -> tuple[Packing, Packing]:
+    """Span packings of chunk j (an int or a [B] tensor) for every sequence: the chunk's real query
+    tokens and the global key prefix they may see. Dropout token ids are global: sequence b's
+    token i has id ``gid_base[b] + i`` in the global layout, so every cp degree draws the same mask."""
     zero = torch.zeros_like(real_q)
     q_len = torch.minimum(torch.maximum(real_q - j * chunk, zero), zero + chunk)
     k_len = torch.minimum(real_k, (j + 1) * chunk + zero) if causal else real_k
     k_len = torch.where(q_len > 0, k_len, zero)  # a chunk of padding does no work
     as32 = lambda t: t.to(torch.int32)  # noqa: E731
-    return as32(q_base), as32(q_len), as32(k_base + zero), as32(k_len)
+    return (Packing(fmt, as32(q_base), as32(q_len), gid=as32(gid_base + j * chunk)),
+            Packing(fmt, as32(k_base + zero), as32(k_len), gid=as32(gid_base + zero)))
 
 
 def build_cp_plan(layout: str, cp_size: int, cp_rank: int, n_local: int, causal: bool, *, batch: int = 1,
@@ -139,9 +143,10 @@ def build_cp_plan(layout: str, cp_size: int, cp_rank: int, n_local: int, causal:
         chunk = _lens(cu_seqlens_padded).long() // n_chunks  # [B]
         chunk_max_q, chunk_max_k = math.ceil(max_seqlen_q / n_chunks), math.ceil(max_seqlen_kv / n_chunks)
         for half, j in enumerate(chunk_ids):
-            spans = _spans(j, chunk, real_q, real_k, causal, starts // cp_size + half * chunk, starts)
+            packs = _chunk_packs("thd", j, chunk, real_q, real_k, causal, starts // cp_size + half * chunk, starts,
+                                 starts)
             max_k = min(max_seqlen_kv, (j + 1) * chunk_max_k) if causal else max_seqlen_kv
-            calls.append(_Call(Packing("thd", *spans[:2]), Packing("thd", *spans[2:]), chunk_max_q, max_k))
+            calls.append(_Call(*packs, chunk_max_q, max_k))
         positions = cu_seqlens_padded
     else:
         seqlen = n_local * cp_size
@@ -150,10 +155,11 @@ def build_cp_plan(layout: str, cp_size: int, cp_rank: int, n_local: int, causal:
         real_q = full if cu_seqlens_q is None else _lens(cu_seqlens_q).long()
         real_k = full if cu_seqlens_kv is None else _lens(cu_seqlens_kv).long()
         base = torch.zeros_like(full)
+        sample_ids = torch.arange(batch, dtype=torch.long, device=device) * seqlen  # padded ids b * S + position
         for half, j in enumerate(chunk_ids):
-            spans = _spans(j, chunk, real_q, real_k, causal, base + half * chunk, base)
+            packs = _chunk_packs("sbhd", j, chunk, real_q, real_k, causal, base + half * chunk, base, sample_ids)
             max_k = min(seqlen, (j + 1) * chunk) if causal else seqlen
-            calls.append(_Call(Packing("sbhd", *spans[:2]), Packing("sbhd", *spans[2:]), chunk, max_k))
+            calls.append(_Call(*packs, chunk, max_k))
         positions = torch.full((2,), seqlen, dtype=torch.int32, device=device)  # [0, S]: one sequence
         positions[0] = 0
     if cp_size == 1:
@@ -225,15 +231,22 @@ def _gathered_kv(k, v, plan: CPPlan, group) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def attend_local(q, k_glob, v_glob, plan: CPPlan, params: VarlenParams, deterministic: bool = True,
-                 backend: str | Backend | None = None) -> torch.Tensor:
+                 backend: str | Backend | None = None, softmax_offset: torch.Tensor | None = None,
+                 return_max_logit: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A rank's attention given global-order K/V: one span call per local chunk set, summed (each call
-    is zero outside its query spans)."""
-    out = None
+    is zero outside its query spans); (out, max_logit over the rank's queries or None). Every call
+    shares one dropout RNG state, so the mask is that of one call over the global tokens."""
+    rng_state = dropout.rng_state(q.device) if params.dropout_p > 0 and \
+        select_backend(q.device, backend) is not Backend.NPU_FUSED else None
+    out = max_logit = None
     for call in plan.calls:
-        part, _, _ = run_attention(q, k_glob, v_glob, call.q_pack, call.k_pack, call.max_q, call.max_k, params,
-                                deterministic, backend)
+        part, _, part_max = run_attention(q, k_glob, v_glob, call.q_pack, call.k_pack, call.max_q, call.max_k, params,
+                                          deterministic, backend, softmax_offset=softmax_offset,
+                                          return_max_logit=return_max_logit, rng_state=rng_state)
         out = part if out is None else out + part
-    return out
+        if return_max_logit:
+            max_logit = part_max if max_logit is None else torch.maximum(max_logit, part_max)
+    return out, max_logit
 
 
 def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layout: str,
@@ -241,7 +254,8 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
             cu_seqlens_q_padded: torch.Tensor | None = None, cu_seqlens_kv_padded: torch.Tensor | None = None,
             max_seqlen_q: int | None = None, max_seqlen_kv: int | None = None, causal: bool = False,
             softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
-            deterministic: bool = True, backend: str | Backend | None = None) -> torch.Tensor:
+            deterministic: bool = True, dropout_p: float = 0.0, softmax_offset: torch.Tensor | None = None,
+            return_max_logit: bool = False, backend: str | Backend | None = None):
     """Self-attention under Megatron context parallelism (zig-zag chunks over ``cp_group``).
 
     Args:
@@ -266,11 +280,20 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
         causal: global causal mask (top-left = bottom-right here: q and k are the same tokens).
         window_size: ``(left, 0)`` or ``(left, -1)`` with causal (sliding window) or ``(-1, -1)``;
             other windows raise NotImplementedError when cp_size > 1.
-        softmax_scale, deterministic, backend: as in ``coreattn.varlen_attn``.
+        softmax_scale, deterministic, softmax_offset, backend: as in ``coreattn.varlen_attn``.
+        dropout_p: as in ``coreattn.varlen_attn``, with global token ids (the position in the
+            global padded layout: thd ``cu_seqlens_q_padded[b] + i``, sbhd ``b * S + i``), so for
+            the same RNG state every cp degree drops what cp = 1 drops. Each rank draws the state
+            from its own generator: ranks seeded alike (as Megatron seeds context-parallel ranks)
+            get the mask of cp = 1.
+        return_max_logit: also return this rank's max visible scaled logit per q head, float32
+            ``[Hq]`` (over its own queries; Megatron's ``clip_qk`` all-reduces it with MAX over the
+            data- and context-parallel group).
 
     Returns:
         out ``[t_local, Hq, Dv]`` (thd) or ``[s_local, B, Hq, Dv]`` (sbhd), q's dtype; padding tokens
-        output zeros and get zero gradients. Differentiable in q, k and v.
+        output zeros and get zero gradients. Differentiable in q, k, v (and softmax_offset). With
+        ``return_max_logit``: ``(out, max_logit)``.
 
     Communication per call: forward one all-gather of K and V ((cp-1)/cp of the global K/V bytes
     received per rank); backward one reduce-scatter of dK/dV of the same size (with gloo backends
@@ -291,7 +314,9 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"self-attention under context parallelism: q has {q.shape[0]} local tokens/rows but k has "
                          f"{k.shape[0]}")
-    params = check_options(q.shape[-1], 0.0, softmax_scale, causal, window_size, "bottom_right")
+    params = check_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, "bottom_right")
+    softmax_offset = check_softmax_offset(softmax_offset, q)
+    return_max_logit = check_flag("return_max_logit", return_max_logit)
     cp_size, cp_rank = _group_size_rank(cp_group)
     # one rank: a single call over whole sequences, exact for any window
     causal_like = _window_is_causal(params, window_size) if cp_size > 1 else params.window_right == 0
@@ -353,7 +378,7 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
         plan = build_cp_plan("sbhd", cp_size, cp_rank, n_local, causal_like, batch=batch,
                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, device=q.device)
 
-    if cp_size == 1:
-        return attend_local(q, k, v, plan, params, deterministic, backend)
-    k_glob, v_glob = _gathered_kv(k, v, plan, cp_group)
-    return attend_local(q, k_glob, v_glob, plan, params, deterministic, backend)
+    if cp_size > 1:
+        k, v = _gathered_kv(k, v, plan, cp_group)
+    out, max_logit = attend_local(q, k, v, plan, params, deterministic, backend, softmax_offset, return_max_logit)
+    return (out, max_logit) if return_max_logit else out

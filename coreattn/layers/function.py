@@ -20,6 +20,7 @@ import torch
 
 from coreattn.kernels import varlen_attn_bwd, varlen_attn_fwd
 from coreattn.kernels.packing import Packing
+from coreattn.layers import dropout
 from coreattn.layers.checks import VarlenParams
 from coreattn.layers.torch_backend import attn_torch_bwd, attn_torch_fwd
 
@@ -104,6 +105,8 @@ class AttnFunction(torch.autograd.Function):
 
 
 def attn_torch(q, k, v, q_pack: Packing, k_pack: Packing, params: VarlenParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch backend as a differentiable function of q, k, v: (out, lse)."""
-    out, lse, _ = AttnFunction.apply(q, k, v, None, TORCH, q_pack, k_pack, 0, 0, params, None, False)
+    """The torch backend as a differentiable function of q, k, v: (out, lse); dropout draws its RNG
+    state from the device's generator."""
+    state = dropout.rng_state(q.device) if params.dropout_p > 0 else None
+    out, lse, _ = AttnFunction.apply(q, k, v, None, TORCH, q_pack, k_pack, 0, 0, params, state, False)
     return out, lse

@@ -36,7 +36,10 @@ sequence (an unlimited side becomes that length: the op bounds both by the seque
 2147483647 on one side overflows their int32 sum), exact for flash-attn windows when aligned
 bottom-right or when every sequence has Lq == Lk; a top-left window with lengths that differ
 raises NotImplementedError. Head dims: Dqk >= Dv natively (V is never padded); Dv > Dqk raises.
-GQA uses the op's own (Hq a multiple of Hkv). The scale is passed explicitly. Rows that see no
+Dropout -> ``keep_prob = 1 - dropout_p``: the op draws its mask with its own RNG and regenerates
+it in its backward, so its masks differ from the other backends' (which share
+coreattn/layers/dropout.py's keep mask); softmax offsets and max logits have no counterpart in
+the op and raise NotImplementedError (coreattn.layers.dispatch). GQA uses the op's own (Hq a multiple of Hkv). The scale is passed explicitly. Rows that see no
 key are zeroed here (the op's output there is not specified), and ``inner_precise=2`` (the op's
 invalid-row handling) is requested whenever such rows may exist.
 """
@@ -115,21 +118,21 @@ def _rows_without_keys(lens_q: list[int], lens_k: list[int], params: VarlenParam
 
 
 def _call(q, k, v, layout: str, opts: dict, rows_without_keys: bool) -> torch.Tensor:
-    """One npu_fusion_attention call on [.., H, D] tensors; ``opts``: scale, sparse_mode,
+    """One npu_fusion_attention call on [.., H, D] tensors; ``opts``: scale, keep_prob, sparse_mode,
     atten_mask and the optional pre/next_tockens, actual_seq_qlen/kvlen."""
     heads = q.shape[-2]
     q, k, v = (t.contiguous() for t in (q, k, v))
     if layout == "SBH":
         q, k, v = (t.flatten(-2) for t in (q, k, v))  # [S, B, H*D]
-    out = _op()(q, k, v, heads, layout, keep_prob=1.0, inner_precise=INVALID_ROWS if rows_without_keys else 0,
-                **opts)[0]
+    out = _op()(q, k, v, heads, layout, inner_precise=INVALID_ROWS if rows_without_keys else 0, **opts)[0]
     return out.unflatten(-1, (heads, -1)) if layout == "SBH" else out
 
 
 def _tnd(q, k, v, lens_q: list[int], lens_k: list[int], band: dict, params: VarlenParams) -> torch.Tensor:
     """One TND call over at most MAX_VARLEN_SEQUENCES sequences, none empty on either side."""
     empty = _rows_without_keys(lens_q, lens_k, params)
-    opts = dict(band, scale=params.softmax_scale, actual_seq_qlen=list(accumulate(lens_q)),
+    opts = dict(band, scale=params.softmax_scale, keep_prob=1.0 - params.dropout_p,
+                actual_seq_qlen=list(accumulate(lens_q)),
                 actual_seq_kvlen=list(accumulate(lens_k)))
     out = _call(q, k, v, "TND", opts, empty is not None)  # [Tq, Hq, Dv]
     if empty is not None:
@@ -177,7 +180,8 @@ def _whole_rows(q, k, v, fmt: str, params: VarlenParams) -> torch.Tensor:
     """Padded batch whose every row is one sequence: the op's own padded layouts, no mask tensor."""
     seqlen_q, seqlen_k = seq_len_dim(q, fmt), seq_len_dim(k, fmt)
     empty = _rows_without_keys([seqlen_q], [seqlen_k], params)  # the same rows in every sample
-    opts = dict(_band(params, seqlen_q == seqlen_k, max(seqlen_q, seqlen_k), q.device), scale=params.softmax_scale)
+    opts = dict(_band(params, seqlen_q == seqlen_k, max(seqlen_q, seqlen_k), q.device), scale=params.softmax_scale,
+                keep_prob=1.0 - params.dropout_p)
     if fmt == "sbhd" and q.shape[-1] == v.shape[-1]:
         # SBH infers D = H / head_num and Hkv = H_kv / D: unambiguous only when Dqk == Dv
         out = _call(q, k, v, "SBH", opts, empty is not None)
@@ -251,13 +255,14 @@ def _keep_as_spans(q_pack: Packing, k_pack: Packing, params: VarlenParams) -> tu
     return (new_q, new_k) if bool(same.all()) else None
 
 
-def _masked(q, k, v, fmt: str, visible: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+def _masked(q, k, v, fmt: str, visible: torch.Tensor, softmax_scale: float, dropout_p: float) -> torch.Tensor:
     """Padded bshd/sbhd batch under visible [B, 1 or Hq, Sq, Sk] (True = may attend): "BSND" with
     atten_mask = ~visible, sparse_mode 0; rows that see no key are zeroed."""
     if fmt == "sbhd":
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
     sees_key = visible.any(dim=-1).transpose(1, 2)[..., None]  # [B, Sq, 1 or Hq, 1]
-    out = _call(q, k, v, "BSND", dict(sparse_mode=0, atten_mask=~visible, scale=softmax_scale), True)
+    opts = dict(sparse_mode=0, atten_mask=~visible, scale=softmax_scale, keep_prob=1.0 - dropout_p)
+    out = _call(q, k, v, "BSND", opts, True)
     out = out.masked_fill(~sees_key, 0)  # [B, Sq, Hq, Dv]
     return out.transpose(0, 1) if fmt == "sbhd" else out
 
@@ -287,7 +292,7 @@ def _keep_masks(q, k, v, q_pack: Packing, k_pack: Packing, params: VarlenParams)
     """Keep masks on a padded batch: one [B, 1, Sq, Sk] mask (True = masked out), BSND."""
     fmt = q_pack.fmt
     vis = keep_mask_band(q_pack, k_pack, seq_len_dim(q, fmt), seq_len_dim(k, fmt), params)
-    return _masked(q, k, v, fmt, vis[:, None], params.softmax_scale)
+    return _masked(q, k, v, fmt, vis[:, None], params.softmax_scale, params.dropout_p)
 
 
 def attn_npu_fused(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int,
@@ -316,15 +321,15 @@ def attn_npu_fused(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int,
 
 
 def attn_npu_dense_mask(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor, layout: str,
-                        softmax_scale: float) -> torch.Tensor:
+                        softmax_scale: float, dropout_p: float = 0.0) -> torch.Tensor:
     """``dense_mask_attn``'s contract over ``torch_npu.npu_fusion_attention``: ``masked`` bool
     ``[B or 1, 1 or Hq, Sq or 1, Sk]`` (True = masked out), e.g. a Megatron dense mask with the
     causal/window band folded in, goes to the op as one ``[B, 1 or Hq, Sq, Sk]`` atten_mask
     ("BSND", sparse_mode 0). q/k/v sbhd or bshd; out in q's layout, zeros on rows that see no key."""
     _check_supported(q, v)
     if q.numel() == 0 or k.numel() == 0:  # nothing for the op to do; exact zeros from torch
-        return dense_mask_attn(q, k, v, masked, layout, softmax_scale)
+        return dense_mask_attn(q, k, v, masked, layout, softmax_scale, dropout_p=dropout_p)
     batch, seqlen_q = (q.shape[1], q.shape[0]) if layout == "sbhd" else q.shape[:2]
     heads = 1 if masked.shape[1] == 1 else q.shape[-2]
     visible = ~masked.expand(batch, heads, seqlen_q, seq_len_dim(k, layout))
-    return _masked(q, k, v, layout, visible, softmax_scale)
+    return _masked(q, k, v, layout, visible, softmax_scale, dropout_p)

@@ -6,8 +6,9 @@ import torch
 
 from coreattn.adapters.backends import Backend
 from coreattn.kernels.packing import FORMATS, Packing, seq_len_dim
-from coreattn.layers.checks import check_keep_mask, check_options, check_qkv, check_spans
-from coreattn.layers.dispatch import run_attention
+from coreattn.layers.checks import (check_flag, check_keep_mask, check_options, check_qkv, check_softmax_offset,
+                                    check_spans)
+from coreattn.layers.dispatch import public_result, run_attention
 
 
 def padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: str = "bshd",
@@ -16,7 +17,8 @@ def padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: st
                 q_keep_mask: torch.Tensor | None = None, k_keep_mask: torch.Tensor | None = None,
                 dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
                 window_size: tuple[int, int] = (-1, -1), causal_alignment: str = "bottom_right",
-                return_lse: bool = False, deterministic: bool = True, backend: str | Backend | None = None):
+                return_lse: bool = False, deterministic: bool = True, softmax_offset: torch.Tensor | None = None,
+                return_max_logit: bool = False, backend: str | Backend | None = None):
     """Flash attention on a padded batch, used in place (no unpad copies, no S×S mask).
 
     Args:
@@ -34,11 +36,14 @@ def padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: st
             padding pass the same mask for both.
         causal, window_size, causal_alignment: as in ``coreattn.varlen_attn``, with positions
             counted from each span's start (from 0 without spans).
-        Other arguments as in ``coreattn.varlen_attn``.
+        dropout_p: as in ``coreattn.varlen_attn``; token ids are ``b * S + position`` (raw padded
+            positions), so a padded batch and its packed (unpadded) form draw different masks.
+        Other arguments (``softmax_offset``, ``return_max_logit``, ...) as in ``coreattn.varlen_attn``.
 
     Returns:
-        ``out`` in q's layout with last dim Dv (zeros outside the q spans), or ``(out, lse)`` with
-        lse ``[B, Hq, Sq]`` float32 (-inf outside the spans and for rows that see no key).
+        ``out`` in q's layout with last dim Dv (zeros outside the q spans); with ``return_lse``
+        and/or ``return_max_logit`` also lse ``[B, Hq, Sq]`` float32 (-inf outside the spans and for
+        rows that see no key) and/or max_logit ``[Hq]``, in that order, as ``varlen_attn`` returns them.
     """
     if layout not in FORMATS[1:]:
         raise ValueError(f"layout must be 'bshd' or 'sbhd', got {layout!r}")
@@ -50,6 +55,8 @@ def padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: st
     k_start, k_len = check_spans("k_start", k_start, "k_len", k_len, batch, seqlen_k, q.device)
     q_keep = check_keep_mask("q_keep_mask", q_keep_mask, batch, seqlen_q, q.device)
     k_keep = check_keep_mask("k_keep_mask", k_keep_mask, batch, seqlen_k, q.device)
-    out, lse, _ = run_attention(q, k, v, Packing(layout, q_start, q_len, q_keep), Packing(layout, k_start, k_len, k_keep),
-                             seqlen_q, seqlen_k, params, deterministic, backend)
-    return (out, lse) if return_lse else out
+    out, lse, max_logit = run_attention(q, k, v, Packing(layout, q_start, q_len, q_keep),
+                                        Packing(layout, k_start, k_len, k_keep), seqlen_q, seqlen_k, params,
+                                        deterministic, backend, softmax_offset=check_softmax_offset(softmax_offset, q),
+                                        return_max_logit=check_flag("return_max_logit", return_max_logit))
+    return public_result(out, lse, max_logit, return_lse, return_max_logit)

@@ -6,8 +6,8 @@ import torch
 
 from coreattn.adapters.backends import Backend
 from coreattn.kernels.packing import Packing, packed
-from coreattn.layers.checks import check_seqused, check_varlen_inputs
-from coreattn.layers.dispatch import run_attention
+from coreattn.layers.checks import check_flag, check_seqused, check_softmax_offset, check_varlen_inputs
+from coreattn.layers.dispatch import public_result, run_attention
 
 
 def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -17,6 +17,7 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 window_size: tuple[int, int] = (-1, -1), return_lse: bool = False, *,
                 causal_alignment: str = "bottom_right", deterministic: bool = True,
                 seqused_q: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None,
+                softmax_offset: torch.Tensor | None = None, return_max_logit: bool = False,
                 backend: str | Backend | None = None):
     """Flash attention over packed variable-length sequences; V's head dim may differ from Q/K's.
 
@@ -28,7 +29,14 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cu_seqlens_q, cu_seqlens_k: int32 ``[B+1]`` cumulative lengths starting at 0; empty
             sequences are allowed.
         max_seqlen_q, max_seqlen_k: the longest sequence lengths (ints; they size the grid).
-        dropout_p: must be 0.0 (accepted for flash-attn compatibility).
+        dropout_p: attention dropout on the normalized probabilities, ``0 <= p < 1``, kept ones
+            scaled by ``1 / (1 - p)`` (flash-attn 2's definition; lse is unaffected). The keep mask
+            is a counter-based function of (seed, offset, q head, query token, key token)
+            (``coreattn/layers/dropout.py``): the forward and backward regenerate it, it does not
+            depend on block sizes, grid or backend (Triton and torch give the same mask), and the
+            seed and offset come from torch's generator for the tensors' device, advanced on each
+            call (``torch.manual_seed`` / ``torch.cuda.manual_seed`` make runs reproducible). Token
+            ids are rows of q and k. ``npu_fused`` uses the op's own RNG (different masks).
         softmax_scale: defaults to ``1 / sqrt(Dqk)``.
         causal: causal mask. With ``causal_alignment="bottom_right"`` (flash-attn 2, the default)
             query i of a sequence sees keys ``j <= i + Lk - Lq``; with ``"top_left"`` (Megatron's
@@ -45,13 +53,25 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             Megatron's ``cu_seqlens_*_padded`` layout with the real lengths. Unused query rows
             get zeros (lse -inf) and no gradient; unused keys are seen by no query. Causal
             alignment and windows count within the used tokens.
+        softmax_offset: optional floating ``[Hq]`` sink logits (Megatron's ``softmax_offset``,
+            flash-attn's ``learnable_sink``, transformers' ``s_aux``): each query row's softmax
+            denominator gains ``exp(softmax_offset[h])``, a virtual key with that logit and a zero
+            value; "off-by-one" softmax is an offset of 0. Differentiable (its gradient is
+            ``-sum over rows of p_sink * rowsum(dO * O)``, deterministic). The returned lse
+            includes the sink term; a row that sees no key outputs zeros (lse = the offset).
+        return_max_logit: also return the max over every visible (query, key) pair of the scaled
+            logit ``softmax_scale * q.k``, float32 ``[Hq]`` per q head (Transformer Engine's
+            ``return_max_logit``, for qk-clip): masked pairs and padding do not count, dropout does
+            not change it, sinks are not logits of a key; -inf for a head without a visible pair.
+            Not differentiable; no host sync.
         backend: ``"triton"``, ``"torch"`` or ``"npu_fused"`` (Ascend's fused op, the default on
             npu tensors) to override the per-device choice (see ``coreattn.adapters.backends``);
             raises if it cannot run. ``npu_fused`` returns lse None.
 
     Returns:
-        ``out`` ``[Tq, Hq, Dv]`` in q's dtype, or ``(out, lse)`` when ``return_lse``. A query that
-        sees no key gets zeros and lse = -inf.
+        ``out`` ``[Tq, Hq, Dv]`` in q's dtype; with ``return_lse`` and/or ``return_max_logit``,
+        ``(out, lse)``, ``(out, max_logit)`` or ``(out, lse, max_logit)``. A query that sees no key
+        (and has no sink) gets zeros and lse = -inf.
 
     Malformed cu_seqlens (not starting at 0, decreasing, last entry != T) or a max_seqlen below
     the longest sequence raise ``ValueError`` when cu_seqlens is on the CPU or
@@ -69,8 +89,10 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                                                      "max_seqlen_q", max_seqlen_q))
         k_pack = Packing("thd", cu_seqlens_k[:-1], check_seqused("seqused_k", seqused_k, cu_seqlens_k,
                                                                      "max_seqlen_k", max_seqlen_k))
-    out, lse, _ = run_attention(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params, deterministic, backend)
-    return (out, lse) if return_lse else out
+    out, lse, max_logit = run_attention(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params, deterministic,
+                                        backend, softmax_offset=check_softmax_offset(softmax_offset, q),
+                                        return_max_logit=check_flag("return_max_logit", return_max_logit))
+    return public_result(out, lse, max_logit, return_lse, return_max_logit)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -79,10 +101,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            block_table=None):
     """flash-attn 2's ``flash_attn_varlen_func`` signature, for a one-line import swap.
 
-    Supported subset: everything ``coreattn.varlen_attn`` supports (and V's head dim may differ).
-    ``softcap``, ``alibi_slopes``, ``block_table`` and ``dropout_p`` raise NotImplementedError
-    when set. With ``return_attn_probs=True`` it returns ``(out, softmax_lse, None)``: the lse as
-    flash-attn gives it, and no attention probabilities.
+    Supported subset: everything ``coreattn.varlen_attn`` supports (and V's head dim may differ),
+    dropout included (coreattn's own keep mask, not flash-attn's). ``softcap``, ``alibi_slopes`` and
+    ``block_table`` raise NotImplementedError when set. With ``return_attn_probs=True`` it returns
+    ``(out, softmax_lse, None)``: the lse as flash-attn gives it, and no attention probabilities
+    (nor flash-attn's encoded dropout mask).
     """
     if softcap != 0.0:
         raise NotImplementedError(f"softcap={softcap} is not supported by coreattn; pass 0.0")
