@@ -25,10 +25,11 @@ from coreattn.kernels.attn_fwd import _varlen_attn_fwd_kernel  # noqa: E402
 
 POINTER_TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "q_seq_ptr": "*i32", "q_len_ptr": "*i32",
                  "k_seq_ptr": "*i32", "k_len_ptr": "*i32", "q_keep_ptr": "*u8", "k_keep_ptr": "*u8",
-                 "q_gid_ptr": "*i32", "k_gid_ptr": "*i32", "rng_ptr": "*i64", "sink_ptr": "*fp32", "max_ptr": "*fp32"}
+                 "q_gid_ptr": "*i32", "k_gid_ptr": "*i32", "rng_ptr": "*i64", "sink_ptr": "*fp32", "max_ptr": "*fp32",
+                 "dsink_ptr": "*fp32"}
 SHAPES = dict(HEAD_DIM_QK=192, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DQK2=64, BLOCK_DV=128, BLOCK_M=32, BLOCK_N=32,
               BLOCK_B=128, DK=True, DV=True)
-NO_FEATURES = dict(DROPOUT=False, HAS_GID=False, HAS_SINK=False, RETURN_MAX=False)
+NO_FEATURES = dict(DROPOUT=False, HAS_GID=False, HAS_SINK=False, RETURN_MAX=False, SINK_GRAD=False)
 VARIANTS = {
     "thd-causal-window": dict(HAS_LEFT=True, HAS_RIGHT=True, BOTTOM_RIGHT=True, SPANS=False, PACKED=True,
                               HAS_Q_KEEP=False, HAS_K_KEEP=False, **NO_FEATURES),
@@ -36,7 +37,7 @@ VARIANTS = {
                              HAS_Q_KEEP=True, HAS_K_KEEP=True, **NO_FEATURES),
     "dropout-sink-max-logit": dict(HAS_LEFT=False, HAS_RIGHT=True, BOTTOM_RIGHT=True, SPANS=True, PACKED=True,
                                    HAS_Q_KEEP=False, HAS_K_KEEP=False, DROPOUT=True, HAS_GID=True, HAS_SINK=True,
-                                   RETURN_MAX=True),
+                                   RETURN_MAX=True, SINK_GRAD=True),
 }
 KERNELS = (_varlen_attn_fwd_kernel, _attn_bwd_preprocess_kernel, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel)
 

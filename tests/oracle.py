@@ -4,6 +4,11 @@
 same-dtype baseline of the flash-attention criterion: scores and softmax in fp32 from the
 input-dtype values, P rounded to the input dtype before P @ V, output rounded.
 Both are differentiable so gradients can be compared the same way.
+
+Optional features, written from their definitions: a softmax offset (sink) adds ``exp(offset[h])``
+to each row's denominator (a virtual key with a zero value; lse includes it); dropout multiplies
+the normalized probabilities by ``keep / (1 - p)``, where ``keep_fn(head, query id, key id)``
+materializes the keep mask (broadcast [H, 1, 1], [1, Lq, 1], [1, 1, Lk]) on the tokens' ids.
 """
 
 from __future__ import annotations
@@ -31,35 +36,53 @@ def _mask(len_q, len_k, causal, window, bottom_right, device):
     return torch.tensor(rows, dtype=torch.bool, device=device).reshape(len_q, len_k)
 
 
-def _one_sequence(qs, ks, vs, m, scale, dtype, upcast):
+def _one_sequence(qs, ks, vs, m, scale, dtype, upcast, offset=None, keep=None, dropout_p=0.0):
     """Attention of one sequence in the work dtype: qs [Lq, H, Dqk], ks/vs [Lk, H, D] (heads
-    already repeated), m [Lq, Lk] visibility. Returns out [Lq, H, Dv] and lse [H, Lq]."""
+    already repeated), m [Lq, Lk] (or [H, Lq, Lk]) visibility, offset [H] sink logits, keep
+    [H, Lq, Lk] dropout keep mask. Returns out [Lq, H, Dv] and lse [H, Lq]."""
     s = (torch.einsum("ihd,jhd->hij", qs, ks) * scale).masked_fill(~m, float("-inf"))  # [H, Lq, Lk]
-    row_max = s.amax(-1, keepdim=True) if ks.shape[0] > 0 else s.new_zeros(s.shape[:-1] + (1,))
+    row_max = s.amax(-1, keepdim=True) if ks.shape[0] > 0 else s.new_full(s.shape[:-1] + (1,), float("-inf"))
+    if offset is not None:
+        sink = offset.to(s.dtype)[:, None, None]
+        row_max = torch.maximum(row_max, sink)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
     e = torch.exp(s - row_max)
     denom = e.sum(-1, keepdim=True)
+    if offset is not None:
+        denom = denom + torch.exp(sink - row_max)
     p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
+    if keep is not None:
+        p = p * keep.to(p.dtype) / (1.0 - dropout_p)
     if not upcast:
         p = p.to(dtype).to(s.dtype)
     return torch.einsum("hij,jhd->ihd", p, vs), (row_max + torch.log(denom)).squeeze(-1)
 
 
 def attention_ref(q, k, v, cu_q, cu_k, *, causal=False, window=(-1, -1), bottom_right=True,
-                  softmax_scale=None, upcast=True):
-    """Returns out [Tq, Hq, Dv] and lse [Hq, Tq] (float64 when upcast, else out in q.dtype)."""
+                  softmax_scale=None, upcast=True, softmax_offset=None, dropout_p=0.0, keep_fn=None,
+                  q_ids=None, k_ids=None):
+    """Returns out [Tq, Hq, Dv] and lse [Hq, Tq] (float64 when upcast, else out in q.dtype).
+    ``softmax_offset`` [Hq] sink logits (may require grad); dropout with ``keep_fn`` on the token
+    ids ``q_ids`` [Tq] / ``k_ids`` [Tk] (default: the rows of q and k)."""
     dtype = q.dtype
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     work = torch.float64 if upcast else torch.float32
     group = q.shape[1] // k.shape[1]
     outs, lses = [], []
     cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    offset = None if softmax_offset is None else softmax_offset.to(work)
+    q_ids = torch.arange(q.shape[0]) if q_ids is None else q_ids
+    k_ids = torch.arange(k.shape[0]) if k_ids is None else k_ids
     for b in range(len(cu_q) - 1):
         qs = q[cu_q[b]:cu_q[b + 1]].to(work)
         ks = k[cu_k[b]:cu_k[b + 1]].to(work).repeat_interleave(group, dim=1)
         vs = v[cu_k[b]:cu_k[b + 1]].to(work).repeat_interleave(group, dim=1)
         m = _mask(qs.shape[0], ks.shape[0], causal, window, bottom_right, q.device)
-        out, lse = _one_sequence(qs, ks, vs, m, scale, dtype, upcast)
+        keep = None
+        if dropout_p > 0:
+            keep = keep_fn(torch.arange(q.shape[1])[:, None, None], q_ids[cu_q[b]:cu_q[b + 1]][None, :, None],
+                           k_ids[cu_k[b]:cu_k[b + 1]][None, None, :])
+        out, lse = _one_sequence(qs, ks, vs, m, scale, dtype, upcast, offset, keep, dropout_p)
         outs.append(out)
         lses.append(lse)
     out = torch.cat(outs) if outs else q.new_zeros((0, q.shape[1], v.shape[-1]), dtype=work)
@@ -70,10 +93,11 @@ def attention_ref(q, k, v, cu_q, cu_k, *, causal=False, window=(-1, -1), bottom_
 
 
 def padded_attention_ref(q, k, v, q_keep, k_keep, *, causal=False, window=(-1, -1), bottom_right=True,
-                         upcast=True):
+                         upcast=True, softmax_offset=None, dropout_p=0.0, keep_fn=None):
     """Padded bshd batch with [B, S] keep masks, positions counted from 0 in each row.
 
-    A dropped query row, or one that sees no kept key, outputs zeros. Returns out [B, Sq, Hq, Dv]."""
+    A dropped query row, or one that sees no kept key, outputs zeros (with a sink: zeros too, the
+    sink's value being zero). Dropout token ids are ``b * S + position``. Returns out [B, Sq, Hq, Dv]."""
     dtype = q.dtype
     work = torch.float64 if upcast else torch.float32
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -86,6 +110,29 @@ def padded_attention_ref(q, k, v, q_keep, k_keep, *, causal=False, window=(-1, -
         ks = k[b].to(work).repeat_interleave(group, dim=1)
         vs = v[b].to(work).repeat_interleave(group, dim=1)
         m = band & (q_keep[b] != 0)[:, None] & (k_keep[b] != 0)[None, :]
-        outs.append(_one_sequence(qs, ks, vs, m, scale, dtype, upcast)[0])
+        keep = None
+        if dropout_p > 0:
+            keep = keep_fn(torch.arange(q.shape[2])[:, None, None], (b * sq + torch.arange(sq))[None, :, None],
+                           (b * sk + torch.arange(sk))[None, None, :])
+        offset = None if softmax_offset is None else softmax_offset.to(work)
+        out = _one_sequence(qs, ks, vs, m, scale, dtype, upcast, offset, keep, dropout_p)[0]
+        outs.append(out * (q_keep[b] != 0).to(work)[:, None, None])  # a dropped query row outputs zeros
     out = torch.stack(outs)
     return out if upcast else out.to(dtype)
+
+
+def max_logit_ref(q, k, cu_q, cu_k, *, causal=False, window=(-1, -1), bottom_right=True, softmax_scale=None):
+    """float64 [Hq]: per q head, the max over visible (query, key) pairs of every sequence of the
+    scaled logit; -inf for a head without a visible pair."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    group = q.shape[1] // k.shape[1]
+    best = torch.full((q.shape[1],), float("-inf"), dtype=torch.float64)
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cu_q) - 1):
+        qs = q[cu_q[b]:cu_q[b + 1]].double()
+        ks = k[cu_k[b]:cu_k[b + 1]].double().repeat_interleave(group, dim=1)
+        m = _mask(qs.shape[0], ks.shape[0], causal, window, bottom_right, q.device)
+        s = (torch.einsum("ihd,jhd->hij", qs, ks) * scale).masked_fill(~m, float("-inf"))
+        if s.numel():
+            best = torch.maximum(best, s.flatten(1).amax(1).cpu())
+    return best

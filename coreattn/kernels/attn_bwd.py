@@ -9,8 +9,9 @@ Three kernels, all deterministic (no atomics):
 They take separate tile configs (kernels/config.py: a dK/dV tile has many keys and steps over
 few queries, a dQ tile the reverse). Tiles, masks, block skipping, split q/k head dims, dropout
 (the forward's keep mask, regenerated), layouts, the NaN answer to malformed cu_seqlens and
-``PERSISTENT`` (Ascend) follow the forward. The softmax offset needs nothing here: the saved lse
-includes its sink term, so P = exp(S - lse) is already the forward's probability.
+``PERSISTENT`` (Ascend) follow the forward. The softmax offset needs no change to dQ/dK/dV: the saved
+lse includes its sink term, so P = exp(S - lse) is already the forward's probability; for the
+offset's own gradient the dQ kernel can also sum P * dP per row in fp32 (``SINK_GRAD``).
 """
 
 from __future__ import annotations
@@ -276,13 +277,16 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_kv_steps(dq, dq2, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
-                 stride_kks, rows, n_lo, n_hi, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
-                 seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale,
+def _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
+                 stride_vt, stride_kks, rows, n_lo, n_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
+                 sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale,
                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                  BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
-                 HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, SINK_GRAD: tl.constexpr, MASKED: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """dQ over key blocks [n_lo, n_hi); with SINK_GRAD also delta_exact += rowsum(P * dP) in fp32 (the
+    softmax offset's gradient needs delta without the output's rounding)."""
     offs_n = tl.arange(0, BLOCK_N)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         cols = n0 + offs_n
@@ -305,15 +309,17 @@ def _dq_kv_steps(dq, dq2, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_
         if DROPOUT:
             keep = _dropout_keep(seed, rng_offset, head, q_ids[:, None], (k_gid0 + cols)[None, :], drop_threshold)
             dp = tl.where(keep, dp * drop_scale, 0.0)
+        if SINK_GRAD:
+            delta_exact += tl.sum(p * dp, 1)
         ds = (p * (dp - delta[:, None])).to(k.dtype)
         dq += tl.dot(ds, k, input_precision=DOT_PRECISION)
         if BLOCK_DQK2 > 0:
             dq2 += tl.dot(ds, k2, input_precision=DOT_PRECISION)
-    return dq, dq2
+    return dq, dq2, delta_exact
 
 
 @triton.jit
-def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr,
              q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
              batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2,
              window_left, window_right, drop_threshold, drop_scale,
@@ -324,8 +330,9 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
              BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_B: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
              SPANS: tl.constexpr, PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
-             DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Task ``task`` of the (query tile, q head) grid, heads fastest."""
+             DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, SINK_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Task ``task`` of the (query tile, q head) grid, heads fastest. With SINK_GRAD, rowsum(P * dP)
+    of each row goes to ``dsink_ptr`` (lse's layout)."""
     head = task % heads
     tile = task // heads
     h64 = head.to(tl.int64)
@@ -369,37 +376,45 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
             dq2 = dq
             if BLOCK_DQK2 > 0:
                 dq2 = tl.zeros([BLOCK_M, BLOCK_DQK2], tl.float32)
+            delta_exact = tl.zeros([BLOCK_M], tl.float32)
             lo, full_lo, full_hi, hi = _key_range(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP or HAS_K_KEEP)
-            dq, dq2 = _dq_kv_steps(dq, dq2, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
+            dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
                                    stride_vt, stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift, window_left,
                                    window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
                                    drop_threshold, drop_scale, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
-                                   BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION)
-            dq, dq2 = _dq_kv_steps(dq, dq2, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
+                                   BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, True,
+                                   DOT_PRECISION)
+            dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
                                    stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift,
                                    window_left, window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
                                    drop_threshold, drop_scale, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
-                                   BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, False, DOT_PRECISION)
-            dq, dq2 = _dq_kv_steps(dq, dq2, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
+                                   BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, False,
+                                   DOT_PRECISION)
+            dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
                                    stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift, window_left,
                                    window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
                                    drop_threshold, drop_scale, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
-                                   BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION)
+                                   BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, True,
+                                   DOT_PRECISION)
             dq_base = dq_head + seq64 * stride_dqb + q_start.to(tl.int64) * stride_dqt
             _store_rows(dq_base, stride_dqt, m0, row_ok, dq * sm_scale, dq2 * sm_scale, HEAD_DIM_QK, BLOCK_DQK,
                         BLOCK_DQK2, BLOCK_M)
+            if SINK_GRAD:
+                tl.store(dsink_ptr + stat + tl.cast(m0, tl.int64) + tl.arange(0, BLOCK_M), delta_exact, mask=row_ok)
     else:
         n_rows_q = seqlen_q_total
         if not PACKED:
             n_rows_q = batch * seqlen_q_total
         _poison(dq_head, tile, n_tiles, n_rows_q, seqlen_q_total, stride_dqb, stride_dqt, HEAD_DIM_QK, BLOCK_DQK,
                 BLOCK_M)
+        if SINK_GRAD:
+            _poison(dsink_ptr + h64 * stride_lh, tile, n_tiles, n_rows_q, seqlen_q_total, stride_lb, 1, 1, 1, BLOCK_M)
 
 
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr,
     q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
     batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
     drop_threshold, drop_scale,
@@ -410,13 +425,13 @@ def _attn_bwd_dq_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SPANS: tl.constexpr,
     PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
-    HAS_GID: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+    HAS_GID: tl.constexpr, SINK_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     # grid: n_tiles query tiles x q heads (``heads``) programs; PERSISTENT: those tasks over a
     # core-count 1D grid
     if PERSISTENT:
         for task in range(tl.program_id(0), n_tiles * heads, tl.num_programs(0)):
-            _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr,
+            _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr,
                      k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, batch, heads, n_tiles,
                      seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
                      drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
@@ -424,9 +439,9 @@ def _attn_bwd_dq_kernel(
                      stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dqb, stride_dqt, stride_dqh,
                      HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B,
                      HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID,
-                     DOT_PRECISION)
+                     SINK_GRAD, DOT_PRECISION)
     else:
-        _dq_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_seq_ptr, q_len_ptr,
+        _dq_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr, q_seq_ptr, q_len_ptr,
                  k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, batch, heads, n_tiles,
                  seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
                  drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
@@ -434,14 +449,15 @@ def _attn_bwd_dq_kernel(
                  stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dqb, stride_dqt, stride_dqh,
                  HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B,
                  HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID,
-                 DOT_PRECISION)
+                 SINK_GRAD, DOT_PRECISION)
 
 
 def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int,
                     softmax_scale: float, window_left: int = -1, window_right: int = -1, bottom_right: bool = True,
                     dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
-                    *, dropout_p: float = 0.0, rng_state: torch.Tensor | None = None):
+                    *, dropout_p: float = 0.0, rng_state: torch.Tensor | None = None,
+                    sink_rowsum: torch.Tensor | None = None):
     """Launch the backward kernels; returns dq, dk, dv in the layouts and dtypes of q, k, v.
 
     ``dout`` may be any strided view with last stride 1 (it is made so if not); ``out`` and
@@ -450,6 +466,9 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     ``rng_state`` must be the forward's. Deterministic: no atomics; every gradient element inside
     a sequence is written once. ``max_seqlen_*`` are not used (the grids follow the token counts).
     ``dq``/``dk``/``dv`` may be given as preallocated buffers (rows outside spans are left as they are).
+    ``sink_rowsum``: an fp32 buffer in lse's layout, zero-filled, that receives rowsum(P * dP) of each
+    row, accumulated in fp32 from the unrounded P (the softmax offset's gradient:
+    coreattn.layers.function.softmax_offset_grad); None skips it.
     """
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -512,7 +531,8 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     n_tiles = tile_bound(batch, seqlen_q_total, cfg_dq.block_m, q_pack.fmt == "thd")
     if q.numel() > 0 and n_tiles > 0:
         grid, persistent = launch_grid(q.device, target, n_tiles, heads_q)
-        _attn_bwd_dq_kernel[grid](q, k, v, dout, lse, delta, dq, heads=heads_q, n_tiles=n_tiles,
+        _attn_bwd_dq_kernel[grid](q, k, v, dout, lse, delta, dq, lse if sink_rowsum is None else sink_rowsum,
+                                  heads=heads_q, n_tiles=n_tiles, SINK_GRAD=sink_rowsum is not None,
                                   **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, q_pack.fmt))),
                                   BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, PERSISTENT=persistent,
                                   num_warps=cfg_dq.num_warps, num_stages=cfg_dq.num_stages, **common)

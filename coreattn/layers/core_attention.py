@@ -13,15 +13,24 @@ aligned, ``causal_bottom_right`` bottom-right; ``padding``/``padding_causal`` re
 or npu_fusion_attention with that mask under the npu_fused backend.
 The mask is ignored for ``causal``/``no_mask``/``causal_bottom_right`` and on thd batches (cu_seqlens
 carry the padding there), as Transformer Engine does.
+
+Megatron's attention options: ``attention_dropout`` in training (drawn inside Megatron's CUDA RNG
+tracker fork on CUDA, as ``DotProductAttention`` does), ``softmax_type`` "off-by-one"/"learnable"
+(the same ``softmax_offset`` tensor or parameter as ``DotProductAttention``: name, init, per-rank
+head slice, sharded checkpoint) and ``qk_clip`` / ``log_max_attention_logit``
+(``current_max_attn_logits``, a running per-head max kept as Transformer Engine's wrapper keeps it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from coreattn.adapters.backends import ENV_BACKEND, Backend, parse_backend, select_backend
 from coreattn.layers.context_parallel import cp_attn
@@ -39,17 +48,22 @@ _CAUSAL_ALIGNMENT = {
 _PADDING = (AttnMaskType.padding, AttnMaskType.padding_causal)
 
 
-def _tp_size(pgs) -> int:
-    """Tensor-parallel world size from the process groups Megatron passed (1 when unknown)."""
+def _tp_group(pgs):
+    """The tensor-parallel group Megatron passed, or the global one (None when not initialized)."""
     tp = getattr(pgs, "tp", None)
     if tp is not None:
-        return tp.size()
+        return tp
     try:
         from megatron.core import parallel_state
 
-        return parallel_state.get_tensor_model_parallel_world_size()
-    except (AssertionError, AttributeError, RuntimeError):
-        return 1
+        return parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+    except (AssertionError, AttributeError, RuntimeError, TypeError):
+        return None
+
+
+def _param_device() -> torch.device:
+    """Where Megatron's DotProductAttention creates its softmax offset (the current CUDA device)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _cp_group(pgs, config):
@@ -104,12 +118,6 @@ class CoreAttention(MegatronModule):
         super().__init__(config=config)
         self.config = config
         pgs = pg_collection if pg_collection is not None else model_comm_pgs
-        if getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise NotImplementedError(f"softmax_type={config.softmax_type!r} is not supported by CoreAttention; "
-                                      "use 'vanilla'")
-        if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
-            raise NotImplementedError("qk_clip / log_max_attention_logit need the max attention logit, which "
-                                      "CoreAttention does not compute; turn them off")
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -120,7 +128,8 @@ class CoreAttention(MegatronModule):
         self.hidden_size_per_attention_head_k = k_channels if k_channels is not None else config.kv_channels
         self.hidden_size_per_attention_head_v = v_channels if v_channels is not None else config.kv_channels
         self.hidden_size_per_attention_head = self.hidden_size_per_attention_head_k
-        tp = _tp_size(pgs)
+        self.tp_group = _tp_group(pgs)
+        tp = self.tp_group.size() if self.tp_group is not None else 1
         self.cp_group = _cp_group(pgs, config)
         self.num_attention_heads_per_partition = config.num_attention_heads // tp
         self.num_query_groups_per_partition = max(1, (config.num_query_groups or config.num_attention_heads) // tp)
@@ -130,14 +139,61 @@ class CoreAttention(MegatronModule):
         self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head_k)
                               if softmax_scale is None else softmax_scale)
         self.window_size = _layer_window(config, self.layer_number)
-        self.current_max_attn_logits = None  # read by Megatron's qk-clip code paths
+        self.track_max_logit = bool(getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit",
+                                                                                 False))
+        self.current_max_attn_logits = None  # [heads per TP rank], read and reset by Megatron's clip_qk
+        self._init_softmax_offset(config)
 
         override = backend if backend is not None else getattr(config, CONFIG_BACKEND_ATTR, None)
         source = "backend" if backend is not None else f"config.{CONFIG_BACKEND_ATTR}"
         self.backend = None if override is None else parse_backend(override, source)
 
+    def _init_softmax_offset(self, config) -> None:
+        """``softmax_offset`` as Megatron's DotProductAttention defines it: None (vanilla), zeros that
+        are not part of the state dict ("off-by-one") or a learnable parameter initialized with
+        ``config.init_method`` ("learnable"), one entry per attention head of this TP rank."""
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        shape = dict(size=(self.num_attention_heads_per_partition,), device=_param_device(),
+                     dtype=config.params_dtype)
+        if softmax_type == "vanilla":
+            self.softmax_offset = None
+        elif softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(**shape), persistent=False)
+        elif softmax_type == "learnable":
+            self.register_parameter("softmax_offset", torch.nn.Parameter(torch.empty(**shape)))
+            if config.perform_initialization:
+                self.softmax_offset = config.init_method(self.softmax_offset)
+        else:
+            raise ValueError(f"softmax_type={softmax_type!r} is not supported (vanilla, off-by-one, learnable)")
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The learnable softmax offset, sharded over tensor-parallel ranks along its head dim (as
+        Megatron's DotProductAttention shards it); nothing else."""
+        state_dict = {}
+        if getattr(self.config, "softmax_type", "vanilla") == "learnable":
+            state_dict = self.state_dict(prefix="", keep_vars=True)
+        dp_cp_group = (metadata or {}).get("dp_cp_group")
+        return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"softmax_offset": 0}, sharded_offsets,
+                                                   tp_group=self.tp_group, dp_cp_group=dp_cp_group)
+
     def _backend_for(self, device: torch.device) -> Backend:
         return select_backend(device, self.backend)
+
+    def _dropout_context(self, device: torch.device):
+        """Dropout draws its RNG state inside Megatron's model-parallel CUDA RNG fork, as
+        DotProductAttention does (except under sequence parallelism); elsewhere from the device's
+        default generator."""
+        if device.type == "cuda" and not getattr(self.config, "sequence_parallel", False):
+            return tensor_parallel.get_cuda_rng_tracker().fork()
+        return contextlib.nullcontext()
+
+    def _record_max_logit(self, max_logit: torch.Tensor) -> None:
+        """Running per-head max across calls, until Megatron's clip_qk resets it to None."""
+        max_logit = max_logit.detach()
+        if self.current_max_attn_logits is None:
+            self.current_max_attn_logits = max_logit
+        else:
+            self.current_max_attn_logits = torch.maximum(self.current_max_attn_logits, max_logit)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask=None,
                 attn_mask_type: AttnMaskType | None = None, attention_bias=None, packed_seq_params=None,
@@ -146,10 +202,6 @@ class CoreAttention(MegatronModule):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by CoreAttention")
-        if self.training and self.attention_dropout > 0.0:
-            raise NotImplementedError(
-                f"attention dropout ({self.attention_dropout}) is not supported by CoreAttention; set "
-                "TransformerConfig.attention_dropout=0.0 (Megatron's default is 0.1)")
         if getattr(packed_seq_params, "local_cp_size", None) is not None:
             raise NotImplementedError("hybrid context parallelism (packed_seq_params.local_cp_size) is not "
                                       "supported by CoreAttention")
@@ -157,18 +209,26 @@ class CoreAttention(MegatronModule):
         causal = mask_type in _CAUSAL_ALIGNMENT
         alignment = _CAUSAL_ALIGNMENT.get(mask_type, "bottom_right")
         fmt = getattr(packed_seq_params, "qkv_format", None) or "sbhd"
+        dropout_p = self.attention_dropout if self.training else 0.0
         opts = dict(softmax_scale=self.softmax_scale, causal=causal, window_size=self.window_size,
-                    causal_alignment=alignment, backend=backend)
+                    causal_alignment=alignment, backend=backend, dropout_p=dropout_p,
+                    softmax_offset=self.softmax_offset, return_max_logit=self.track_max_logit)
         cp_group = getattr(packed_seq_params, "cp_group", None) or self.cp_group
-        if cp_group is not None and cp_group.size() > 1:
-            return self._forward_cp(query, key, value, attention_mask, mask_type, fmt, packed_seq_params, cp_group,
-                                    opts)
-        if fmt == "thd":
-            return self._forward_thd(query, key, value, attention_mask, mask_type, packed_seq_params, opts)
-        if fmt not in ("sbhd", "bshd"):
+        if fmt not in ("sbhd", "bshd", "thd"):
             raise ValueError(f"packed_seq_params.qkv_format={fmt!r} is not supported (use 'sbhd', 'bshd' or 'thd')")
-        out = self._forward_padded(query, key, value, attention_mask, mask_type, fmt, packed_seq_params, opts)
-        return out.reshape(*out.shape[:2], -1)
+        with self._dropout_context(query.device) if dropout_p > 0 else contextlib.nullcontext():
+            if cp_group is not None and cp_group.size() > 1:
+                out = self._forward_cp(query, key, value, attention_mask, mask_type, fmt, packed_seq_params,
+                                       cp_group, opts)
+            elif fmt == "thd":
+                out = self._forward_thd(query, key, value, attention_mask, mask_type, packed_seq_params, opts)
+            else:
+                out = self._forward_padded(query, key, value, attention_mask, mask_type, fmt, packed_seq_params,
+                                           opts)
+        if self.track_max_logit:
+            out, max_logit = out
+            self._record_max_logit(max_logit)
+        return out.reshape(*out.shape[:2], -1) if fmt != "thd" else out.reshape(out.shape[0], -1)
 
     def _forward_padded(self, q, k, v, attention_mask, mask_type, layout, params, opts) -> torch.Tensor:
         if mask_type in _PADDING:
@@ -213,8 +273,12 @@ class CoreAttention(MegatronModule):
         if opts["backend"] is Backend.NPU_FUSED:
             from coreattn.layers.npu_backend import attn_npu_dense_mask
 
-            return attn_npu_dense_mask(q, k, v, masked, layout, self.softmax_scale)
-        return dense_mask_attn(q, k, v, masked, layout, self.softmax_scale)
+            if opts["softmax_offset"] is not None or opts["return_max_logit"]:
+                raise NotImplementedError("softmax_type other than 'vanilla' and qk_clip/log_max_attention_logit are "
+                                          "not supported by the npu_fused backend; use backend='triton' or 'torch'")
+            return attn_npu_dense_mask(q, k, v, masked, layout, self.softmax_scale, opts["dropout_p"])
+        return dense_mask_attn(q, k, v, masked, layout, self.softmax_scale, dropout_p=opts["dropout_p"],
+                               softmax_offset=opts["softmax_offset"], return_max_logit=opts["return_max_logit"])
 
     def _forward_thd(self, q, k, v, attention_mask, mask_type, params, opts) -> torch.Tensor:
         if mask_type == AttnMaskType.arbitrary and attention_mask is not None:
@@ -230,8 +294,7 @@ class CoreAttention(MegatronModule):
             cu_k = cu_k if cu_k_pad is None else cu_k_pad
         max_q = _max_seqlen(getattr(params, "max_seqlen_q", None), cu_q)
         max_k = _max_seqlen(getattr(params, "max_seqlen_kv", None), cu_k)
-        out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q=used_q, seqused_k=used_k, **opts)
-        return out.reshape(out.shape[0], -1)
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q=used_q, seqused_k=used_k, **opts)
 
     def _forward_cp(self, q, k, v, attention_mask, mask_type, fmt, params, cp_group, opts) -> torch.Tensor:
         """Context parallelism (coreattn.cp_attn): Megatron's zig-zag chunks, K/V all-gathered."""
@@ -243,15 +306,15 @@ class CoreAttention(MegatronModule):
         if fmt not in ("thd", "sbhd"):
             raise NotImplementedError(f"qkv_format={fmt!r} is not supported under context parallelism (use thd or sbhd)")
         kw = dict(cp_group=cp_group, layout=fmt, causal=opts["causal"], softmax_scale=opts["softmax_scale"],
-                  window_size=opts["window_size"], backend=opts["backend"])
+                  window_size=opts["window_size"], backend=opts["backend"], dropout_p=opts["dropout_p"],
+                  softmax_offset=opts["softmax_offset"], return_max_logit=opts["return_max_logit"])
         if fmt == "thd":
             kw.update(cu_seqlens_q=params.cu_seqlens_q, cu_seqlens_kv=params.cu_seqlens_kv,
                       cu_seqlens_q_padded=getattr(params, "cu_seqlens_q_padded", None),
                       cu_seqlens_kv_padded=getattr(params, "cu_seqlens_kv_padded", None),
                       max_seqlen_q=_max_or_none(getattr(params, "max_seqlen_q", None)),
                       max_seqlen_kv=_max_or_none(getattr(params, "max_seqlen_kv", None)))
-        out = cp_attn(q, k, v, **kw)
-        return out.reshape(*out.shape[:-2], -1)
+        return cp_attn(q, k, v, **kw)
 
 
 def _keep_from_row_mask(mask, name: str) -> torch.Tensor:

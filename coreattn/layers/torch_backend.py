@@ -27,6 +27,7 @@ import torch
 from coreattn.kernels.packing import Packing, default_gid, seq_len_dim
 from coreattn.layers import dropout
 from coreattn.layers.checks import VarlenParams
+from coreattn.layers.softmax_offset import softmax_offset_grad
 
 
 def _spans(pack: Packing) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,11 +186,11 @@ def attn_torch_fwd(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int,
     return pb.qs.scatter(out, q, q.dtype), _lse_to_layout(lse, pb.qs, q), max_logit
 
 
-def _lse_to_layout(lse: torch.Tensor, qs: _Side, q: torch.Tensor) -> torch.Tensor:
-    """[B, Hq, Sq] (gathered) -> [Hq, Tq] (thd) or [B, Hq, S] (padded), -inf elsewhere."""
+def _lse_to_layout(lse: torch.Tensor, qs: _Side, q: torch.Tensor, fill: float = float("-inf")) -> torch.Tensor:
+    """[B, Hq, Sq] (gathered) -> [Hq, Tq] (thd) or [B, Hq, S] (padded), ``fill`` elsewhere."""
     vals = lse.transpose(1, 2)[..., None]  # [B, Sq, Hq, 1]
     like = q[..., :1]
-    full = torch.full(like.shape, float("-inf"), dtype=lse.dtype, device=q.device)
+    full = torch.full(like.shape, fill, dtype=lse.dtype, device=q.device)
     idx = tuple(i[qs.inside] for i in qs.index())
     full = full.index_put_(idx, vals[qs.inside])[..., 0]  # [T, Hq] / [B, S, Hq] / [S, B, Hq]
     if qs.pack.fmt == "thd":
@@ -218,8 +219,9 @@ def _lse_gathered(lse: torch.Tensor, qs: _Side, dtype: torch.dtype) -> torch.Ten
 def attn_torch_bwd(dout, q, k, v, out, lse, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int,
                    params: VarlenParams, rng_state: torch.Tensor | None = None,
                    softmax_offset: torch.Tensor | None = None):
-    """(dq, dk, dv) in the layouts and dtypes of q, k, v, from the saved out and lse (which
-    includes any softmax offset, so the offset itself is not needed here)."""
+    """(dq, dk, dv, d_offset) in the layouts and dtypes of q, k, v (and the offset), from the saved out
+    and lse (which includes any softmax offset, so dq/dk/dv need nothing more); d_offset None without
+    an offset."""
     pb = _problem(q, k, v, q_pack, k_pack, params, rng_state)
     work = pb.scores.dtype
     b, hkv, g, sq, sk = pb.scores.shape
@@ -238,4 +240,8 @@ def attn_torch_bwd(dout, q, k, v, out, lse, q_pack: Packing, k_pack: Packing, ma
     dv = torch.einsum("bhgst,bshgd->bthd", pd, do)
     dk = torch.einsum("bhgst,bshgd->bthd", ds, pb.q)
     dq = torch.einsum("bhgst,bthd->bshgd", ds, pb.k).reshape(b, sq, hkv * g, q.shape[-1])
-    return pb.qs.scatter(dq, q, q.dtype), pb.ks.scatter(dk, k, k.dtype), pb.ks.scatter(dv, v, v.dtype)
+    d_offset = None
+    if softmax_offset is not None:
+        rowsum = (p * dp).sum(-1).reshape(b, hkv * g, sq)  # rowsum(P * dP) without O's rounding
+        d_offset = softmax_offset_grad(softmax_offset, lse, _lse_to_layout(rowsum, pb.qs, q, fill=0.0), pb.qs.pack)
+    return pb.qs.scatter(dq, q, q.dtype), pb.ks.scatter(dk, k, k.dtype), pb.ks.scatter(dv, v, v.dtype), d_offset
