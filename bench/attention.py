@@ -61,7 +61,8 @@ def run_attention(configs: Iterable[AttnConfig], modes: tuple[str, ...], provide
                 row = dict(base, mode=mode, provider=name, flops=attention_flops(
                     pairs, cfg.heads_q, cfg.head_dim_qk, cfg.head_dim_v, mode))
                 rows.append(row)
-                reason = unavailable[name] or provider.skip_reason(cfg, mode, dtype, device)
+                reason = unavailable[name] or provider.feature_skip(cfg) or provider.skip_reason(cfg, mode, dtype,
+                                                                                                 device)
                 if reason:
                     row.update(status="skipped", reason=reason)
                 else:

@@ -9,6 +9,9 @@ from bench.flops import MODES
 
 HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DROPOUT_P = 0.1
+# attention options a config may switch on: none, dropout with p = DROPOUT_P, learnable sinks
+FEATURES = ("none", f"dropout{DROPOUT_P}", "sink")
 
 
 class AttnConfig(NamedTuple):
@@ -19,13 +22,19 @@ class AttnConfig(NamedTuple):
     causal: bool
     dist: str  # see bench.seqlens.DISTRIBUTIONS
     total_tokens: int
+    feature: str = "none"  # one of FEATURES
 
     @property
     def id(self) -> str:
         heads = "mha" if self.heads_q == self.heads_kv else f"gqa{self.heads_q // self.heads_kv}"
         tokens = f"{self.total_tokens // 1024}k" if self.total_tokens % 1024 == 0 else str(self.total_tokens)
+        extra = "" if self.feature == "none" else f"-{self.feature}"
         return (f"hdim{self.head_dim_qk}x{self.head_dim_v}-{heads}-{'causal' if self.causal else 'full'}"
-                f"-{self.dist}-{tokens}")
+                f"-{self.dist}-{tokens}{extra}")
+
+    @property
+    def dropout_p(self) -> float:
+        return DROPOUT_P if self.feature.startswith("dropout") else 0.0
 
 
 class MaskConfig(NamedTuple):
@@ -39,7 +48,8 @@ class MaskConfig(NamedTuple):
 
 
 def attention_configs(on_gpu: bool, quick: bool) -> list[AttnConfig]:
-    """GPU: 32 query heads, 16k/64k tokens. CPU: tiny shapes (for testing the suite, not timing)."""
+    """GPU: 32 query heads, 16k/64k tokens. CPU: tiny shapes (for testing the suite, not timing).
+    Dropout and sink rows: 128 and 192/128, causal, GQA, the first distribution and total."""
     if on_gpu:
         heads = ((32, 32), (32, 8))
         totals = (16384, 65536)
@@ -48,12 +58,14 @@ def attention_configs(on_gpu: bool, quick: bool) -> list[AttnConfig]:
         heads = ((4, 4), (4, 1))
         totals = (256,)
         dists = ("short", "equal")  # uniform would make 256 tokens one document: no multi-document paths
+    features = [AttnConfig(dqk, dv, heads[1][0], heads[1][1], True, dists[0], totals[0], feature)
+                for (dqk, dv), feature in itertools.product(((128, 128), (192, 128)), FEATURES[1:])]
     if quick:
         return [AttnConfig(dqk, dv, heads[1][0], heads[1][1], True, dists[0], totals[0])
-                for dqk, dv in ((128, 128), (192, 128))]
+                for dqk, dv in ((128, 128), (192, 128))] + features
     return [AttnConfig(dqk, dv, hq, hkv, causal, dist, total)
             for (dqk, dv), (hq, hkv), causal, dist, total
-            in itertools.product(HEAD_DIMS, heads, (True, False), dists, totals)]
+            in itertools.product(HEAD_DIMS, heads, (True, False), dists, totals)] + features
 
 
 def attention_modes(quick: bool) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from bench.configs import AttnConfig
+from bench.configs import FEATURES, AttnConfig
 from bench.inputs import AttnInputs
 
 
@@ -55,9 +55,15 @@ def _first(out):
 class Provider:
     name = ""
     description = ""
+    features = ("none",)  # the configs' attention options (bench.configs.FEATURES) it runs
 
     def unavailable(self, device: torch.device) -> str | None:
         return None
+
+    def feature_skip(self, cfg: AttnConfig) -> str | None:
+        if cfg.feature in self.features:
+            return None
+        return f"{cfg.feature}: not an option of {self.name} (or not comparable: another RNG, no sinks)"
 
     def skip_reason(self, cfg: AttnConfig, mode: str, dtype: torch.dtype, device: torch.device) -> str | None:
         return None
@@ -69,6 +75,7 @@ class Provider:
 class Coreattn(Provider):
     name = "coreattn"
     description = "coreattn.varlen_attn (Triton on GPU; its torch backend on CPU)"
+    features = FEATURES
 
     def build(self, inp, cfg, mode):
         from coreattn import varlen_attn
@@ -76,10 +83,15 @@ class Coreattn(Provider):
         # explicit: on CPU the tests set TRITON_INTERPRET=1, and the interpreter is not timed
         backend = "triton" if inp.q.device.type == "cuda" else "torch"
         q, k, v = (_leaf(t, True) for t in (inp.q, inp.k, inp.v))
+        leaves = [q, k, v]
+        extra = {}
+        if cfg.feature == "sink":  # learnable sinks, as gpt-oss trains them
+            extra["softmax_offset"] = torch.zeros(cfg.heads_q, device=q.device, requires_grad=True)
+            leaves.append(extra["softmax_offset"])
         fn = functools.partial(varlen_attn, q, k, v, inp.cu_seqlens, inp.cu_seqlens, inp.max_seqlen,
                                inp.max_seqlen, softmax_scale=inp.softmax_scale, causal=cfg.causal,
-                               backend=backend)
-        return Prepared(fn, [q, k, v], {"backend": backend})
+                               dropout_p=cfg.dropout_p, backend=backend, **extra)
+        return Prepared(fn, leaves, {"backend": backend})
 
 
 def _torch_varlen_attn():
@@ -132,6 +144,7 @@ def _padded(x: torch.Tensor, cu: torch.Tensor, seqlens: list[int], max_len: int)
 class SdpaPadded(Provider):
     name = "sdpa-padded"
     description = "F.scaled_dot_product_attention on the zero-padded [B, H, S, D] batch"
+    features = ("none", FEATURES[1])  # its own dropout (another RNG; the same work)
 
     @staticmethod
     def _extra_bytes(cfg: AttnConfig, seqlens: list[int], dtype: torch.dtype) -> int:
@@ -160,7 +173,7 @@ class SdpaPadded(Provider):
             # this to math ([B, H, S, S] scores): repeat the k/v heads once, outside the timed region
             kv = tuple(t.repeat_interleave(group, dim=1) for t in kv)
         q, k, v = (_leaf(_padded(t, inp.cu_seqlens, seqlens, s), True) for t in (inp.q, *kv))
-        kwargs = {"scale": inp.softmax_scale}
+        kwargs = {"scale": inp.softmax_scale, "dropout_p": cfg.dropout_p}
         if k.shape[1] != q.shape[1]:
             kwargs["enable_gqa"] = True
         if not masked:
@@ -260,6 +273,7 @@ def _flash_attn_varlen():
 class FlashAttn(Provider):
     name = "flash-attn"
     description = "flash_attn.flash_attn_varlen_func (flash-attn 2)"
+    features = ("none", FEATURES[1])  # its own dropout (another RNG; the same work)
 
     def unavailable(self, device):
         try:
@@ -280,7 +294,8 @@ class FlashAttn(Provider):
     def build(self, inp, cfg, mode):
         q, k, v = (_leaf(t, True) for t in (inp.q, inp.k, inp.v))
         fn = functools.partial(_flash_attn_varlen(), q, k, v, inp.cu_seqlens, inp.cu_seqlens, inp.max_seqlen,
-                               inp.max_seqlen, softmax_scale=inp.softmax_scale, causal=cfg.causal)
+                               inp.max_seqlen, dropout_p=cfg.dropout_p, softmax_scale=inp.softmax_scale,
+                               causal=cfg.causal)
         return Prepared(fn, [q, k, v], {})
 
 

@@ -19,8 +19,10 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
 
-from oracle import attention_ref
+from coreattn.layers import dropout
+from oracle import attention_ref, max_logit_ref
 
 VOCAB = 96
 
@@ -52,7 +54,10 @@ def megatron_cpu_shims(monkeypatch):
 
 class RefCoreAttention(MegatronModule):
     """Reference core attention: the per-sequence oracle (float64 with ``upcast``, else the naive
-    fp32-softmax baseline). Causal is top-left; sbhd padding masks [b,1,1,s] drop keys and queries."""
+    fp32-softmax baseline). Causal is top-left; sbhd padding masks [b,1,1,s] drop keys and queries.
+    Megatron's options, from their definitions: config.window_size (per layer), attention dropout in
+    training (coreattn's keep mask on its token ids, the RNG state drawn once per call as CoreAttention
+    draws it), softmax_type's ``softmax_offset`` and qk-clip's ``current_max_attn_logits``."""
 
     upcast = True
 
@@ -62,18 +67,39 @@ class RefCoreAttention(MegatronModule):
         super().__init__(config=config)
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale
+        self.attention_dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        in_window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, max(1, layer_number))
+        self.window = tuple(config.window_size) if in_window else (-1, -1)
+        self.track_max = config.qk_clip or config.log_max_attention_logit
+        self.current_max_attn_logits = None
+        heads = config.num_attention_heads
+        if config.softmax_type == "learnable":
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(heads, dtype=config.params_dtype))
+        elif config.softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(heads, dtype=config.params_dtype), persistent=False)
+        else:
+            self.softmax_offset = None
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
-        opts = dict(causal=causal, bottom_right=False, softmax_scale=self.softmax_scale, upcast=self.upcast)
+        p = self.attention_dropout if self.training else 0.0
+        keep_fn = None
+        if p > 0:
+            state = dropout.rng_state(query.device)
+            keep_fn = lambda h, qi, ki: dropout.keep_mask(state, p, h, qi, ki)  # noqa: E731
+        opts = dict(causal=causal, bottom_right=False, softmax_scale=self.softmax_scale, upcast=self.upcast,
+                    window=self.window, softmax_offset=self.softmax_offset, dropout_p=p, keep_fn=keep_fn)
+        limits = dict(causal=causal, window=self.window, bottom_right=False, softmax_scale=self.softmax_scale)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu_q, cu_k = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
             out, _ = attention_ref(query, key, value, cu_q, cu_k, **opts)
+            self._track(max_logit_ref(query.detach(), key.detach(), cu_q, cu_k, **limits))
             return out.to(query.dtype).reshape(out.shape[0], -1)
         sq, b = query.shape[:2]
-        outs = []
+        sk = key.shape[0]
+        outs, best = [], None
         for i in range(b):
             keep = torch.ones(sq, dtype=torch.bool)
             if attention_mask is not None and mask_type in (AttnMaskType.padding, AttnMaskType.padding_causal):
@@ -81,12 +107,24 @@ class RefCoreAttention(MegatronModule):
             idx = keep.nonzero().squeeze(1)
             n = idx.numel()
             cu = torch.tensor([0, n], dtype=torch.int32)
-            o, _ = attention_ref(query[idx, i], key[idx, i], value[idx, i], cu, cu, **opts)
+            o, _ = attention_ref(query[idx, i], key[idx, i], value[idx, i], cu, cu, q_ids=i * sq + idx,
+                                 k_ids=i * sk + idx, **opts)
+            m = max_logit_ref(query[idx, i].detach(), key[idx, i].detach(), cu, cu, **limits)
+            best = m if best is None else torch.maximum(best, m)
             full = o.new_zeros((sq,) + o.shape[1:])
             full[idx] = o
             outs.append(full)
+        self._track(best)
         out = torch.stack(outs, dim=1).to(query.dtype)  # [sq, b, h, dv]
         return out.reshape(sq, b, -1)
+
+    def _track(self, max_logit):
+        if not self.track_max:
+            return
+        if self.current_max_attn_logits is None:
+            self.current_max_attn_logits = max_logit
+        else:
+            self.current_max_attn_logits = torch.maximum(self.current_max_attn_logits, max_logit)
 
 
 class NaiveCoreAttention(RefCoreAttention):

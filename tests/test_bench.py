@@ -101,6 +101,13 @@ def test_quick_run_on_cpu(tmp_path, capsys):
     assert ("hdim128x128-gqa4-causal-short-256", "fwd", "flex") in ok
     skipped = {r["provider"]: r["reason"] for r in attn if r["status"] == "skipped"}
     assert "megatron-local" in skipped and "torch-varlen" in skipped
+    for feature in ("dropout0.1", "sink"):  # the attention options run (on CPU: only that they run)
+        for dims in ("128x128", "192x128"):
+            cfg = f"hdim{dims}-gqa4-causal-short-256-{feature}"
+            assert (cfg, "fwdbwd", "coreattn") in ok
+            flex = next(r for r in attn if (r["config"], r["mode"], r["provider"]) == (cfg, "fwd", "flex"))
+            assert flex["status"] == "skipped" and feature in flex["reason"]
+    assert ("hdim128x128-gqa4-causal-short-256-dropout0.1", "fwdbwd", "sdpa-padded") in ok
 
     masks = {(r["op"], r["provider"]): r for r in rows if r["kind"] == "masks"}
     for op in ("padding_mask", "cu_seqlens", "position_ids", "unpad", "pad", "dense_4d_causal"):

@@ -474,6 +474,25 @@ def test_varlen_attn_through_dispatch_returns_no_lse(fake_npu, monkeypatch):
     assert_flash_criterion("out", out, naive, ref)
 
 
+def test_dropout_maps_to_keep_prob_and_sinks_raise(fake_npu, monkeypatch):
+    """Dropout goes to the op's keep_prob (its own RNG: masks differ from the other backends'); the op has
+    no sinks and no max logit, so those raise instead of being dropped silently."""
+    _pin_npu_fused(monkeypatch)
+    case = Case(dqk=32, dv=32, hq=2, hkv=2, causal=True, lens_q=(5, 9))
+    q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(case, torch.float32, "cpu", requires_grad=True)
+    out = coreattn.varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, dropout_p=0.25)
+    assert fake_npu.calls[0]["keep_prob"] == 0.75
+    out.sum().backward()  # the op's own autograd
+    assert torch.isfinite(q.grad).all()
+    padded = [t.detach().reshape(1, 14, *t.shape[1:]) for t in (q, k, v)]
+    coreattn.padded_attn(*padded, dropout_p=0.5)
+    assert fake_npu.calls[-1]["keep_prob"] == 0.5
+    with pytest.raises(NotImplementedError, match="softmax_offset"):
+        coreattn.varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, softmax_offset=torch.zeros(2))
+    with pytest.raises(NotImplementedError, match="return_max_logit"):
+        coreattn.varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, return_max_logit=True)
+
+
 # selection and detection --------------------------------------------------------------------
 
 def test_npu_defaults_to_npu_fused(fake_npu, monkeypatch):
