@@ -17,10 +17,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from attn_cases import assert_flash_criterion
 from coreattn.layers import dropout
 from oracle import attention_ref, max_logit_ref
 
@@ -142,3 +145,52 @@ def clone_with(model, config, spec):
     other = build_gpt(config, spec)
     other.load_state_dict(model.state_dict(), strict=False)
     return other
+
+
+def gqa_config(**kw):
+    """A tiny GQA GPT config (4 q heads, 2 groups, head dim 16) with dropout off unless given."""
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                ffn_hidden_size=96, attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def mla_config(**kw):
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32,
+                qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12, ffn_hidden_size=96, normalization="RMSNorm",
+                rope_type="rope", attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True)
+    base.update(kw)
+    return MLATransformerConfig(**base)
+
+
+def packed_batch(lens, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (1, sum(lens)), generator=gen)
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+                             max_seqlen_kv=max(lens))
+    weight = torch.randn(1, sum(lens), VOCAB, generator=gen)
+    return ids, pos, params, weight
+
+
+def assert_model_criterion(tag, got, naive, ref):
+    (g_out, g_grads), (n_out, n_grads), (r_out, r_grads) = got, naive, ref
+    assert_flash_criterion(f"{tag} logits", g_out, n_out, r_out)
+    assert g_grads.keys() == r_grads.keys()
+    for name, grad in g_grads.items():
+        assert_flash_criterion(f"{tag} grad {name}", grad, n_grads[name], r_grads[name])
+
+
+def adam_losses(model, ids, pos, params, steps: int, lr: float = 3e-3) -> list[float]:
+    """Next-token losses of ``steps`` Adam steps on a packed thd batch."""
+    labels = torch.roll(ids, -1, dims=1)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(ids, pos, attention_mask=None, labels=labels, packed_seq_params=params).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

@@ -10,15 +10,15 @@ pytest.importorskip("megatron.core")
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
-from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 import coreattn  # noqa: E402
 from attn_cases import assert_flash_criterion  # noqa: E402
-from coreattn.adapters.megatron import use_coreattn  # noqa: E402
+from coreattn.adapters.megatron import replace_core_attention, use_coreattn  # noqa: E402
 from coreattn.layers import CoreAttention  # noqa: E402
-from megatron_env import (VOCAB, NaiveCoreAttention, RefCoreAttention, build_gpt, clone_with,  # noqa: E402,F401
-                          megatron_cpu, megatron_cpu_shims)
-from coreattn.adapters.megatron import replace_core_attention  # noqa: E402
+from megatron_env import (NaiveCoreAttention, RefCoreAttention, adam_losses, assert_model_criterion,  # noqa: E402,F401
+                          build_gpt, clone_with, gqa_config, megatron_cpu, megatron_cpu_shims, mla_config,
+                          packed_batch)
 
 pytestmark = pytest.mark.usefixtures("megatron_cpu", "megatron_cpu_shims")
 
@@ -27,31 +27,8 @@ HQ, HKV, DK, DV = 4, 2, 24, 16
 
 
 def gpt_config(**kw):
-    """A tiny GQA GPT config with Megatron's defaults otherwise (attention_dropout 0.1)."""
-    base = dict(num_layers=2, hidden_size=64, num_attention_heads=HQ, num_query_groups=HKV, kv_channels=16,
-                ffn_hidden_size=96, hidden_dropout=0.0, use_cpu_initialization=True)
-    base.update(kw)
-    return TransformerConfig(**base)
-
-
-def mla_config(**kw):
-    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32,
-                qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12, ffn_hidden_size=96, normalization="RMSNorm",
-                rope_type="rope", attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True)
-    base.update(kw)
-    return MLATransformerConfig(**base)
-
-
-def packed_batch(lens, seed=0):
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (1, sum(lens)), generator=gen)
-    pos = torch.cat([torch.arange(n) for n in lens])[None]
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
-                             max_seqlen_kv=max(lens))
-    return ids, pos, params, torch.randn(1, sum(lens), VOCAB, generator=gen)
+    """gqa_config with Megatron's default attention_dropout (0.1) unless given."""
+    return gqa_config(**{"attention_dropout": TransformerConfig.attention_dropout, **kw})
 
 
 def step(model, ids, pos, params, weight, seed):
@@ -61,14 +38,6 @@ def step(model, ids, pos, params, weight, seed):
     logits = model(ids, pos, attention_mask=None, packed_seq_params=params)[0]
     (logits * weight[0].to(logits.dtype)).sum().backward()
     return logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_model_criterion(tag, got, naive, ref):
-    (g_out, g_grads), (n_out, n_grads), (r_out, r_grads) = got, naive, ref
-    assert_flash_criterion(f"{tag} logits", g_out, n_out, r_out)
-    assert g_grads.keys() == r_grads.keys()
-    for name, grad in g_grads.items():
-        assert_flash_criterion(f"{tag} grad {name}", grad, n_grads[name], r_grads[name])
 
 
 def references(model, config, base_spec):
@@ -212,20 +181,11 @@ def test_gpt_with_default_attention_dropout_trains_reproducibly():
     config = gpt_config()
     base = get_gpt_layer_local_spec()
     ids, pos, params, _ = packed_batch(LENS)
-    labels = torch.roll(ids, -1, dims=1)
 
     def train(seed):
         m = build_gpt(config, use_coreattn(base, backend="torch"))
-        opt = torch.optim.Adam(m.parameters(), lr=3e-3)
         torch.manual_seed(seed)
-        losses = []
-        for _ in range(2):
-            opt.zero_grad()
-            loss = m(ids, pos, attention_mask=None, labels=labels, packed_seq_params=params).mean()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return m, losses
+        return m, adam_losses(m, ids, pos, params, steps=2)
 
     m1, l1 = train(5)
     _, l2 = train(5)

@@ -14,47 +14,19 @@ pytest.importorskip("megatron.core")
 
 from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
     get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_mtp_block_spec)
-from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
-from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig  # noqa: E402
 
-from attn_cases import assert_flash_criterion  # noqa: E402
 from coreattn.adapters.megatron import patch_mla_native_value_dim, replace_core_attention, use_coreattn  # noqa: E402
 from coreattn.layers import CoreAttention  # noqa: E402
-from megatron_env import (VOCAB, NaiveCoreAttention, RefCoreAttention, build_gpt, clone_with,  # noqa: E402,F401
-                          megatron_cpu, megatron_cpu_shims)
+from megatron_env import (VOCAB, NaiveCoreAttention, RefCoreAttention, adam_losses, assert_model_criterion,  # noqa: E402,F401
+                          build_gpt, clone_with, gqa_config, megatron_cpu, megatron_cpu_shims, mla_config,
+                          packed_batch)
 
 pytestmark = pytest.mark.usefixtures("megatron_cpu", "megatron_cpu_shims")
 
 LENS = (5, 11, 1, 7)
 BACKENDS = ["torch", "triton"]
-
-
-def gqa_config(**kw):
-    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
-                ffn_hidden_size=96, attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True)
-    base.update(kw)
-    return TransformerConfig(**base)
-
-
-def mla_config(**kw):
-    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32,
-                qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12, ffn_hidden_size=96, normalization="RMSNorm",
-                rope_type="rope", attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True)
-    base.update(kw)
-    return MLATransformerConfig(**base)
-
-
-def packed_batch(lens, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (1, sum(lens)), generator=gen)
-    pos = torch.cat([torch.arange(n) for n in lens])[None]
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
-                             max_seqlen_kv=max(lens))
-    weight = torch.randn(1, sum(lens), VOCAB, generator=gen)
-    return ids, pos, params, weight
 
 
 def run_thd(model, ids, pos, params, weight):
@@ -75,14 +47,6 @@ def run_per_sequence(model, ids, lens, weight):
         outs.append(logits)
         start += n
     return torch.cat(outs), {n: p.grad for n, p in model.named_parameters()}
-
-
-def assert_model_criterion(tag, got, naive, ref):
-    (g_out, g_grads), (n_out, n_grads), (r_out, r_grads) = got, naive, ref
-    assert_flash_criterion(f"{tag} logits", g_out, n_out, r_out)
-    assert g_grads.keys() == r_grads.keys()
-    for name, grad in g_grads.items():
-        assert_flash_criterion(f"{tag} grad {name}", grad, n_grads[name], r_grads[name])
 
 
 def references(model, config, base_spec, run):
@@ -164,15 +128,7 @@ def test_sbhd_padding_mask_matches_thd(backend):
 def test_optimizer_steps_lower_the_loss():
     model = build_gpt(gqa_config(), use_coreattn(get_gpt_layer_local_spec(), backend="torch"))
     ids, pos, params, _ = packed_batch(LENS)
-    labels = torch.roll(ids, -1, dims=1)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(6):
-        opt.zero_grad()
-        loss = model(ids, pos, attention_mask=None, labels=labels, packed_seq_params=params).mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = adam_losses(model, ids, pos, params, steps=6)
     assert losses[-1] < 0.9 * losses[0], losses
 
 
