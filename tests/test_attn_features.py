@@ -237,26 +237,33 @@ def test_max_logit_ignores_masked_pairs_and_dropout(backend):
     assert torch.isneginf(none).all()
 
 
+@pytest.mark.parametrize("padding", ["keep-masks", "spans"])
 @pytest.mark.parametrize("backend, dtype", _backend_dtypes(), ids=lambda x: str(x).split(".")[-1])
-def test_padded_keep_masks_with_holes_and_every_feature(backend, dtype):
-    """padded_attn with [B, S] keep masks (holes, an empty row), dropout on b * S + position ids, sinks,
-    max logits, GQA and 192/128, against the padded oracle with the same keep mask."""
+def test_padded_batches_with_every_feature(backend, dtype, padding):
+    """padded_attn with [B, S] keep masks (holes, left and right padding, an empty row) or spans (left and
+    right padding, an empty span), dropout on b * S + position ids, sinks, max logits, GQA and 192/128,
+    against the padded oracle with the same keep mask."""
     b, s, hq, hkv = 3, 21, 4, 2
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(b, s, h, 192, generator=gen).to(dtype) for h in (hq, hkv))
     v = torch.randn(b, s, hkv, 128, generator=gen).to(dtype)
-    keep = torch.ones(b, s, dtype=torch.bool)
-    keep[0, 15:] = False  # right padding
-    keep[1, [0, 1, 7, 8, 9, 20]] = False  # holes and left padding
-    keep[2] = False  # an empty sample
+    keep = torch.zeros(b, s, dtype=torch.bool)
+    keep[0, :15] = True  # right padding
+    keep[1, 2:] = True  # left padding (an empty third sample)
+    where = dict(q_start=torch.tensor([0, 2, 21], dtype=torch.int32), q_len=torch.tensor([15, 19, 0], dtype=torch.int32))
+    if padding == "keep-masks":
+        keep[1, [7, 8, 9, 20]] = False  # holes
+        where = dict(q_keep_mask=keep, k_keep_mask=keep)
+    else:
+        where.update(k_start=where["q_start"], k_len=where["q_len"])
+    where = {name: t.to(KERNEL_DEVICE) for name, t in where.items()}
     q, k, v = (t.to(KERNEL_DEVICE).requires_grad_() for t in (q, k, v))
     offset = _offset(hq, q.device)
     p = 0.3
     state = _state(21, q.device)
     torch.manual_seed(21)
-    out, max_logit = coreattn.padded_attn(q, k, v, q_keep_mask=keep.to(q.device), k_keep_mask=keep.to(q.device),
-                                          causal=True, dropout_p=p, softmax_offset=offset, return_max_logit=True,
-                                          backend=backend)
+    out, max_logit = coreattn.padded_attn(q, k, v, causal=True, dropout_p=p, softmax_offset=offset,
+                                          return_max_logit=True, backend=backend, **where)
     leaves = [[t.detach().cpu().requires_grad_() for t in (q, k, v, offset)] for _ in range(2)]
     ref, naive = (padded_attention_ref(*lv[:3], keep, keep, causal=True, upcast=up, softmax_offset=lv[3],
                                        dropout_p=p, keep_fn=_keep_fn(state, p))
