@@ -155,6 +155,19 @@ class Ring:
         return recv
 
 
+class LocalRing(Ring):
+    """The ring's compute on one process, for benchmarks: every step attends this rank's own K/V
+    buffer (same shapes as the chunks it would receive) and nothing is sent."""
+
+    def __init__(self, layout: CPLayout, params: VarlenParams, causal: bool):
+        n, r = layout.cp_size, layout.cp_rank
+        self.group, self.layout, self.next, self.prev = None, layout, r, r
+        self.steps = [step_parts(layout, (r - i) % n, params, causal) for i in range(n)]
+
+    def start(self, send: torch.Tensor):
+        return send, ()
+
+
 def _pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """[n, (B,) Hkv * (Dqk + Dv)]: one buffer, one send per step."""
     return torch.cat([k.flatten(-2), v.flatten(-2)], dim=-1)
