@@ -99,8 +99,8 @@ CASES = [
            lens=(17, 2, 9), extra=(0, 1, 0)),
     # a2a runs whole sequences: any window
     CPCase("thd-window2_3-a2a-f64", causal=False, window=(2, 3), comms=("a2a",)),
-    CPCase("triton-thd-causal-dropout-sink-maxlogit-f32", dtype=torch.float32, hq=2, hkv=1, dqk=32, dv=16,
-           lens=(5, 9), extra=(0, 1), backend="triton", worlds=(2,), comms=("p2p",), dropout_p=0.2, sink=True,
+    CPCase("triton-thd-causal-window3-dropout-sink-maxlogit-f32", dtype=torch.float32, hq=2, hkv=1, dqk=32, dv=16,
+           window=(3, 0), lens=(5, 9), extra=(0, 1), backend="triton", worlds=(2,), comms=("p2p",), dropout_p=0.2, sink=True,
            max_logit=True),
     CPCase("triton-thd-causal-sink-maxlogit-a2a-f32", dtype=torch.float32, hq=2, hkv=1, dqk=32, dv=16, lens=(7, 12),
            extra=(0, 1), backend="triton", worlds=(2,), comms=("a2a",), sink=True, max_logit=True),
