@@ -62,9 +62,10 @@ def format_table(rows: list[dict], meta: dict, primary: str = "coreattn") -> str
         parts.append(_table(["masks", "op", "provider", "ms", "vs loop x", "out bytes", "note"], lines))
     cp = _cp_lines(rows)
     if cp:
-        parts.append("context parallelism, per layer per rank (bytes COMPUTED from shapes, not measured):\n" +
-                     _table(["config", "cp", "dtype", "all-gather MiB", "reduce-scatter MiB", "all_reduce fallback MiB",
-                             "K/V held MiB", "own K/V MiB", "rank fwd+bwd ms", "TFLOP/s"], cp))
+        parts.append("context parallelism, per layer per rank (bytes COMPUTED from shapes, not measured; each rank "
+                     "sends what it receives):\n" +
+                     _table(["config", "cp", "comm", "dtype", "fwd sent MiB", "bwd sent MiB", "K/V saved MiB",
+                             "K/V peak MiB", "own K/V MiB", "rank fwd+bwd ms", "TFLOP/s", "note"], cp))
     skipped = Counter((r["kind"], r["provider"], r["reason"]) for r in rows if r["status"] == "skipped")
     if skipped:
         parts.append("skipped:\n" + "\n".join(f"  {kind} {provider}: {reason} ({n} case{'s' if n > 1 else ''})"
@@ -79,18 +80,26 @@ def _mib(value) -> str:
 
 
 def _cp_lines(rows: list[dict]) -> list[list[str]]:
-    """One line per (config, cp, dtype): the computed volumes and, where timed, the rank's compute."""
-    timed = {(r["config"], r["cp_size"], r["dtype"]): r for r in rows
+    """One line per (config, cp, comm, dtype): the computed volumes and, where timed, the rank's compute."""
+    timed = {(r["config"], r["cp_size"], r["comm"], r["dtype"]): r for r in rows
              if r["kind"] == "cp" and r.get("op") == "rank_fwdbwd" and r["status"] == "ok"}
     lines = []
     for r in rows:
         if r["kind"] != "cp" or r.get("op") != "comm":
             continue
-        t = timed.get((r["config"], r["cp_size"], r["dtype"]), {})
-        lines.append([r["config"], str(r["cp_size"]), r["dtype"], _mib(r["allgather_kv_bytes"]),
-                      _mib(r["reducescatter_dkv_bytes"]), _mib(r["allreduce_fallback_dkv_bytes"]),
-                      _mib(r["kv_held_bytes"]), _mib(r["kv_local_bytes"]), _fmt(t.get("ms"), ".3f"),
-                      _fmt(t.get("tflops"), ".4g")])
+        head = [r["config"], str(r["cp_size"]), r["comm"], r["dtype"]]
+        if r["status"] != "ok":
+            lines.append(head + ["-"] * 7 + [f"{r['status']}: {r['reason']}"])
+            continue
+        t = timed.get((r["config"], r["cp_size"], r["comm"], r["dtype"]), {})
+        note = ""
+        if "bwd_fallback_bytes" in r:
+            note = f"bwd {_mib(r['bwd_fallback_bytes'])} MiB via the all_reduce fallback"
+        elif "qo_saved_bytes" in r:
+            note = f"also saves q/out of its heads: {_mib(r['qo_saved_bytes'])} MiB"
+        lines.append(head + [_mib(r["fwd_bytes"]), _mib(r["bwd_bytes"]), _mib(r["kv_saved_bytes"]),
+                             _mib(r["kv_peak_bytes"]), _mib(r["kv_local_bytes"]), _fmt(t.get("ms"), ".3f"),
+                             _fmt(t.get("tflops"), ".4g"), note])
     return lines
 
 

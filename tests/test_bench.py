@@ -118,8 +118,11 @@ def test_quick_run_on_cpu(tmp_path, capsys):
     assert masks[("dense_4d_causal", "torch-dense")]["dense_bytes"] == 8 * 2048 * 2048
 
     cp = [r for r in rows if r["kind"] == "cp"]
-    comm = {r["cp_size"]: r for r in cp if r["op"] == "comm"}
-    assert set(comm) == {1, 2, 4} and all(r["status"] == "ok" and "not measured" in r["method"] for r in comm.values())
+    comm = {(r["config"], r["cp_size"], r["comm"]): r for r in cp if r["op"] == "comm"}
+    assert {c for _, c, _ in comm} == set(cp_bench.CP_SIZES)
+    assert {m for _, c, m in comm if c > 1} == set(cp_bench.COMMS)
+    for (_, cp_size, name), r in comm.items():  # a2a skipped where the heads do not split
+        assert (r["status"] == "ok" and "not measured" in r["method"]) or (name == "a2a" and "a2a needs" in r["reason"])
     assert all(r["status"] == "skipped" for r in cp if r["op"] != "comm")  # CPU: nothing timed
     assert "context parallelism, per layer per rank (bytes COMPUTED" in out
 
@@ -164,15 +167,25 @@ def test_megatron_memory_estimate_runs_16k_equal_fwd_on_80gb(monkeypatch):
 
 
 def test_cp_comm_volume_closed_form():
-    cfg = cp_bench.CPConfig()  # 64k tokens, Hkv 8, Dqk 192, Dv 128
-    per_token = 8 * (192 + 128) * 2  # bf16
-    for cp in (1, 2, 4):
-        vol = cp_bench.comm_volume(cfg, cp, 2)
-        ring = (cp - 1) * (65536 // cp) * per_token
-        assert vol["allgather_kv_bytes"] == vol["reducescatter_dkv_bytes"] == ring
-        assert vol["allreduce_fallback_dkv_bytes"] == 2 * ring
-        assert vol["kv_held_bytes"] == 65536 * per_token
-    assert cp_bench.comm_volume(cfg, 2, 2)["allgather_kv_bytes"] == 160 * 2**20
+    mla = next(c for c in cp_bench.cp_configs() if c.name == "mla" and c.total_tokens == 131072)
+    kv, q, o = 128 * (192 + 128) * 2, 128 * 192 * 2, 128 * 128 * 2  # bf16 bytes per token
+    assert mla.id == "cp-mla-hdim192x128-h128kv128-causal-1x128k"
+    assert cp_bench.comm_volume(mla, 1, "none", 2)["fwd_bytes"] == 0
+    for cp in (2, 4, 8):
+        n = 131072 // cp
+        ag = cp_bench.comm_volume(mla, cp, "all_gather", 2)
+        assert ag["fwd_bytes"] == ag["bwd_bytes"] == (cp - 1) * n * kv and ag["bwd_fallback_bytes"] == 2 * ag["bwd_bytes"]
+        assert ag["kv_saved_bytes"] == 131072 * kv == 10 * 2**30  # the whole layer's K/V whatever cp is
+        ring = cp_bench.comm_volume(mla, cp, "p2p", 2)
+        assert ring["fwd_bytes"] == (cp - 1) * n * kv and ring["bwd_bytes"] == (2 * cp - 1) * n * kv
+        assert ring["kv_peak_bytes"] == 2 * n * kv and ring["kv_saved_bytes"] == 0
+        a2a = cp_bench.comm_volume(mla, cp, "a2a", 2)
+        assert a2a["fwd_bytes"] == a2a["bwd_bytes"] == (cp - 1) * n * (q + kv + o) // cp
+        assert a2a["kv_saved_bytes"] == n * kv
+    gqa = cp_bench.CPConfig(heads_q=8, heads_kv=2, total_tokens=4096)
+    assert cp_bench.comm_volume(gqa, 8, "a2a", 2)["kv_saved_bytes"] == 512 * 4 * (2 * 256 * 2)  # kv heads x4
+    assert cp_bench.a2a_skip_reason(cp_bench.CPConfig(heads_q=12, heads_kv=4), 8) is not None
+    assert cp_bench.a2a_skip_reason(cp_bench.CPConfig(heads_q=16, heads_kv=3), 4) is not None
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -198,3 +211,17 @@ def test_cp_rank_compute_is_rank0_of_full_attention():
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     out.sum().backward()
     assert q.grad is not None and k.grad is not None and v.grad is not None
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_cp_rank_compute_other_exchanges_run(comm):
+    """The ring's steps on a local buffer and a2a's whole sequences run forward and backward, with
+    the FLOPs of rank 0's share (a causal cp split gives every rank the same pairs)."""
+    cfg = cp_bench.CPConfig(total_tokens=32, heads_q=4, heads_kv=2, head_dim_qk=16, head_dim_v=8)
+    fn, leaves = cp_bench.rank_compute(cfg, 2, torch.float64, torch.device("cpu"), backend="torch", comm=comm)
+    out = fn()
+    assert out.shape == ((16, 4, 8) if comm == "p2p" else (32, 2, 8)) and torch.isfinite(out).all()
+    out.sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
+    pairs, flops = cp_bench.rank_flops(cfg, 2, comm)
+    assert flops == attention_flops(visible_pairs(32, 32, True), 4, 16, 8, "fwdbwd") // 2

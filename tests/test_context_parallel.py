@@ -1,10 +1,14 @@
 """coreattn.cp_attn under real collectives: 2 and 4 CPU processes (gloo) against single-process attention.
 
-One spawn per world size runs every case and writes each rank's output and gradients to files;
-the parent reassembles the global tensors and compares them, on the real tokens, with the float64
-oracle (tests/oracle.py) and coreattn.varlen_attn by the flash-attention criterion; padding tokens
-must give exact zeros. Most cases use the torch backend (float64/float32); one tiny case runs the
-Triton kernels under the interpreter.
+One spawn per world size runs every case with every exchange (comm = p2p, all_gather, a2a) and
+writes each rank's output and gradients to files; the parent reassembles the global tensors and
+compares them, on the real tokens, with the float64 oracle (tests/oracle.py) and
+coreattn.varlen_attn by the flash-attention criterion; padding tokens must give exact zeros.
+Cases with dropout, a softmax offset (sink) or max logits are compared with a float64 oracle
+written here (sink column, the shared keep mask on global token ids) and with single-process
+attention on the global padded layout drawn from the same seed: cp > 1 must drop what cp = 1
+drops. Most cases use the torch backend (float64/float32); tiny cases run the Triton kernels
+under the interpreter.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ import torch.multiprocessing as mp
 import coreattn
 from attn_cases import assert_flash_criterion
 from coreattn import masks
-from coreattn.layers import context_parallel
-from coreattn.layers.context_parallel import cp_attn
-from oracle import attention_ref
+from coreattn.layers import context_parallel, dropout
+from coreattn.layers.context_parallel import COMMS, cp_attn
+from oracle import _mask, attention_ref
 
 WORLDS = (2, 4)
+SEED = 1234  # every rank and the reference draw the dropout RNG state right after this seed
 
 
 @dataclass(frozen=True)
@@ -47,10 +52,26 @@ class CPCase:
     backend: str = "torch"
     allreduce_fallback: bool = False  # dK/dV through all_reduce + slice instead of reduce_scatter_tensor
     worlds: tuple[int, ...] = WORLDS
+    comms: tuple[str, ...] = COMMS
+    dropout_p: float = 0.0
+    sink: bool = False  # a softmax offset [Hq] (learnable sinks), checked with its gradient
+    max_logit: bool = False
 
     @property
     def id(self) -> str:
         return self.name
+
+    @property
+    def features(self) -> bool:
+        return self.dropout_p > 0 or self.sink or self.max_logit
+
+    def runs(self, comm: str, world: int) -> bool:
+        """a2a needs heads divisible over the ranks (K/V heads, or ranks over K/V heads) and no dropout."""
+        if comm not in self.comms or world not in self.worlds:
+            return False
+        if comm == "a2a":
+            return self.hq % world == 0 and (self.hkv % world == 0 or world % self.hkv == 0) and self.dropout_p == 0
+        return not (comm != "all_gather" and self.allreduce_fallback)
 
 
 CASES = [
@@ -69,11 +90,29 @@ CASES = [
            extra=(0, 0, 1), backend="triton", worlds=(2,)),
     CPCase("triton-sbhd-full-f32", layout="sbhd", causal=False, dtype=torch.float32, hq=2, hkv=1, dqk=32, dv=16,
            lens=(3, 0), units=2, backend="triton", worlds=(2,)),
+    # dropout (same mask as cp = 1), sinks and max logits
+    CPCase("thd-causal-dropout-sink-maxlogit-f64", dropout_p=0.25, sink=True, max_logit=True),
+    CPCase("thd-full-sink-maxlogit-gqa2-f64", causal=False, sink=True, max_logit=True, lens=(9, 2), extra=(0, 1)),
+    CPCase("sbhd-causal-window3-dropout-sink-f64", layout="sbhd", window=(3, 0), dropout_p=0.3, sink=True,
+           lens=(0, 4, 7)),
+    CPCase("thd-causal-window5-dropout-f32", dtype=torch.float32, window=(5, 0), dropout_p=0.2, max_logit=True,
+           lens=(17, 2, 9), extra=(0, 1, 0)),
+    # a2a runs whole sequences: any window
+    CPCase("thd-window2_3-a2a-f64", causal=False, window=(2, 3), comms=("a2a",)),
+    CPCase("triton-thd-causal-window3-dropout-sink-maxlogit-f32", dtype=torch.float32, hq=2, hkv=1, dqk=32, dv=16,
+           window=(3, 0), lens=(5, 9), extra=(0, 1), backend="triton", worlds=(2,), comms=("p2p",), dropout_p=0.2, sink=True,
+           max_logit=True),
+    CPCase("triton-thd-causal-sink-maxlogit-a2a-f32", dtype=torch.float32, hq=2, hkv=1, dqk=32, dv=16, lens=(7, 12),
+           extra=(0, 1), backend="triton", worlds=(2,), comms=("a2a",), sink=True, max_logit=True),
 ]
 
 
-def cases_for(world: int) -> list[CPCase]:
-    return [c for c in CASES if world in c.worlds]
+def runs_for(world: int) -> list[tuple[CPCase, str]]:
+    return [(c, comm) for c in CASES for comm in COMMS if c.runs(comm, world)]
+
+
+def sink_logits(case: CPCase) -> torch.Tensor:
+    return torch.linspace(-1.0, 1.5, case.hq, dtype=torch.float64).to(case.dtype)
 
 
 def case_inputs(case: CPCase, world: int) -> dict:
@@ -112,12 +151,16 @@ def partition(case: CPCase, inp: dict, world: int, rank: int) -> torch.Tensor:
     return masks.cp_partition_indices_sbhd(inp["q"].shape[0], world, rank)
 
 
-def run_case(case: CPCase, world: int, rank: int, group) -> dict:
+def run_case(case: CPCase, comm: str, world: int, rank: int, group) -> dict:
     inp = case_inputs(case, world)
     idx = partition(case, inp, world, rank)
     q, k, v = (masks.cp_shard(inp[n], idx).requires_grad_() for n in ("q", "k", "v"))
     kwargs = dict(cp_group=group, layout=case.layout, cu_seqlens_q=inp["cu"], cu_seqlens_kv=inp["cu"],
-                  causal=case.causal, window_size=case.window, backend=case.backend)
+                  causal=case.causal, window_size=case.window, backend=case.backend, comm=comm,
+                  dropout_p=case.dropout_p, return_max_logit=case.max_logit)
+    offset = sink_logits(case).requires_grad_() if case.sink else None
+    if offset is not None:
+        kwargs.update(softmax_offset=offset)
     if case.layout == "thd":
         kwargs.update(max_seqlen_q=inp["max_seqlen"], max_seqlen_kv=inp["max_seqlen"])
         if not case.unpadded:
@@ -125,11 +168,27 @@ def run_case(case: CPCase, world: int, rank: int, group) -> dict:
     if case.allreduce_fallback:
         context_parallel._NO_REDUCE_SCATTER.add(str(dist.get_backend(group)))
     try:
+        torch.manual_seed(SEED)
         out = cp_attn(q, k, v, **kwargs)
+        out, max_logit = out if case.max_logit else (out, None)
         out.backward(masks.cp_shard(inp["dout"], idx))
     finally:
         context_parallel._NO_REDUCE_SCATTER.clear()
-    return dict(idx=idx, out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
+    return dict(idx=idx, out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, max_logit=max_logit,
+                d_offset=None if offset is None else offset.grad)
+
+
+def deterministic_check(world: int, rank: int, group) -> dict[str, bool]:
+    """The same call twice gives bitwise the same output and gradients, per exchange."""
+    case = next(c for c in CASES if c.name == "thd-causal-window5-dropout-f32")
+    alike = {}
+    for comm in ("p2p", "all_gather"):
+        a, b = (run_case(case, comm, world, rank, group) for _ in range(2))
+        alike[comm] = all(torch.equal(a[n], b[n]) for n in ("out", "dq", "dk", "dv"))
+    plain = next(c for c in CASES if c.name == "thd-causal-gqa2-f64")
+    a, b = (run_case(plain, "a2a", world, rank, group) for _ in range(2))
+    alike["a2a"] = all(torch.equal(a[n], b[n]) for n in ("out", "dq", "dk", "dv"))
+    return alike
 
 
 def _error(fn) -> str:
@@ -157,7 +216,23 @@ def bad_inputs(world: int, group) -> dict[str, str]:
         return lambda: cp_attn(*qkv(tokens), **args)
 
     odd_padded = torch.tensor([0, two_cp + 2, 4 * two_cp + 2], dtype=torch.int32)
+
+    def heads(hq, hkv, **kw):
+        q = torch.zeros(n, hq, 8)
+        k, v = torch.zeros(n, hkv, 8), torch.zeros(n, hkv, 4)
+        args = dict(cp_group=group, layout="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=cu_padded,
+                    max_seqlen_q=2 * two_cp, max_seqlen_kv=2 * two_cp, backend="torch", comm="a2a")
+        args.update(kw)
+        return lambda: cp_attn(q, k, v, **args)
+
     return {
+        "comm_unknown": _error(thd(comm="ring")),
+        "comm_type": _error(thd(comm=None)),
+        "comm_hierarchical": _error(thd(comm="a2a+p2p")),
+        "a2a_q_heads": _error(heads(world + 1, 1)),
+        "a2a_kv_heads": _error(heads(3 * world, 3)),
+        "a2a_dropout": _error(heads(world, 1, dropout_p=0.1)),
+        "p2p_window": _error(thd(window_size=(2, 3), comm="p2p")),
         "padded_not_multiple": _error(thd(cu_seqlens_q_padded=odd_padded)),
         "real_not_multiple": _error(thd(cu_seqlens_q_padded=None)),
         "local_tokens": _error(thd(tokens=n + 2)),
@@ -191,8 +266,9 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         group = dist.new_group(list(range(world)))  # a cp_group that is not the default group
-        results = {case.id: run_case(case, world, rank, group) for case in cases_for(world)}
+        results = {(case.id, comm): run_case(case, comm, world, rank, group) for case, comm in runs_for(world)}
         results["errors"] = bad_inputs(world, group)
+        results["deterministic"] = deterministic_check(world, rank, group)
         if world == 2:
             results["megatron_sbhd"] = megatron_sbhd_check(world, rank, group)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -221,8 +297,15 @@ def _real_rows(x: torch.Tensor, keep: torch.Tensor, layout: str) -> torch.Tensor
     return x.transpose(0, 1)[keep.transpose(0, 1)]  # [B, S, ...] rows in sample order
 
 
-def _reference(case: CPCase, inp: dict):
-    """Oracle (float64 and naive same-dtype) and single-process coreattn.varlen_attn outputs and grads."""
+_REFS: dict = {}
+
+
+def _reference(case: CPCase, inp: dict, world: int):
+    """Oracle (float64 and naive same-dtype) and single-process coreattn.varlen_attn outputs and grads
+    on the real tokens (cached per case and world)."""
+    key = (case, world)
+    if key in _REFS:
+        return _REFS[key]
     layout = case.layout
     real = [_real_rows(inp[n], inp["keep"], layout) for n in ("q", "k", "v", "dout")]
     cu, longest = inp["cu"], max(inp["real"])
@@ -237,17 +320,124 @@ def _reference(case: CPCase, inp: dict):
                                    upcast=name == "oracle")
         grads = torch.autograd.grad(out, (q, k, v), real[3].to(out.dtype))
         results[name] = dict(zip(("out", "dq", "dk", "dv"), (out.detach(), *grads)))
+    _REFS[key] = results
     return results
 
 
-@pytest.mark.parametrize("case,world", [pytest.param(c, w, id=f"{c.id}-cp{w}") for c in CASES for w in c.worlds])
-def test_cp_attn_matches_single_process(case, world, cp_results):
+def _sequences(case: CPCase, inp: dict):
+    """(index into the global tensor's leading dims, dropout token ids) of each sequence's real tokens."""
+    for b, n in enumerate(inp["real"]):
+        pos = torch.arange(n)
+        if case.layout == "thd":
+            start = int(inp["cu_padded"][b])
+            yield (start + pos,), start + pos
+        else:
+            yield (pos, torch.full_like(pos, b)), b * inp["q"].shape[0] + pos
+
+
+def _feature_oracle(case: CPCase, inp: dict, state: torch.Tensor | None) -> dict:
+    """Float64 attention with the sink as an extra logit column and dropout through the shared keep
+    mask (coreattn/layers/dropout.py) on global padded token ids; gradients by autograd, and the
+    max visible logit per head (and per token, for each rank's share)."""
+    q, k, v = (inp[n].double().requires_grad_() for n in ("q", "k", "v"))
+    offset = sink_logits(case).double().requires_grad_() if case.sink else None
+    scale = 1.0 / case.dqk ** 0.5
+    group = case.hq // case.hkv
+    out = q.new_zeros(q.shape[:-1] + (case.dv,))
+    row_max = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float64)  # [.., Hq] per token
+    heads = torch.arange(case.hq)
+    for index, ids in _sequences(case, inp):
+        n = ids.numel()
+        if n == 0:
+            continue
+        qs, ks, vs = q[index], k[index].repeat_interleave(group, 1), v[index].repeat_interleave(group, 1)
+        s = (torch.einsum("ihd,jhd->hij", qs, ks) * scale).masked_fill(~_mask(n, n, case.causal, case.window, True,
+                                                                               "cpu"), float("-inf"))
+        row_max[index] = s.detach().amax(-1).t()
+        if offset is not None:
+            s = torch.cat([s, offset[:, None, None].expand(-1, n, 1)], dim=-1)
+        p = s.softmax(-1)[..., :n]
+        if case.dropout_p > 0:
+            keep = dropout.keep_mask(state, case.dropout_p, heads[:, None, None], ids[None, :, None], ids[None, None, :])
+            p = p * keep / (1 - case.dropout_p)
+        out = out.index_put(index, torch.einsum("hij,jhd->ihd", p, vs))
+    leaves = (q, k, v) + ((offset,) if offset is not None else ())
+    grads = torch.autograd.grad(out, leaves, inp["dout"].double())
+    res = dict(zip(("out", "dq", "dk", "dv", "d_offset"), (out.detach(), *grads)))
+    res["row_max"] = row_max
+    return res
+
+
+def _single_process(case: CPCase, inp: dict) -> dict:
+    """coreattn on the global padded layout (thd: cu_seqlens_padded with seqused; sbhd: q_len/k_len),
+    so its dropout token ids are cp_attn's; the RNG state drawn right after SEED."""
+    q, k, v = (inp[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    offset = sink_logits(case).requires_grad_() if case.sink else None
+    opts = dict(causal=case.causal, window_size=case.window, dropout_p=case.dropout_p, softmax_offset=offset,
+                return_max_logit=case.max_logit, backend=case.backend)
+    torch.manual_seed(SEED)
+    if case.layout == "thd":
+        cu, used = inp["cu_padded"], (inp["cu"][1:] - inp["cu"][:-1])
+        out = coreattn.varlen_attn(q, k, v, cu, cu, inp["max_seqlen"], inp["max_seqlen"], seqused_q=used,
+                                   seqused_k=used, **opts)
+    else:
+        lens = (inp["cu"][1:] - inp["cu"][:-1])
+        out = coreattn.padded_attn(q, k, v, layout="sbhd", q_len=lens, k_len=lens, **opts)
+    out, max_logit = out if case.max_logit else (out, None)
+    leaves = (q, k, v) + ((offset,) if offset is not None else ())
+    grads = torch.autograd.grad(out, leaves, inp["dout"])
+    res = dict(zip(("out", "dq", "dk", "dv", "d_offset"), (out.detach(), *grads)))
+    res["max_logit"] = max_logit
+    return res
+
+
+def _unshard(ranks: list[dict], key, name: str, size: int) -> torch.Tensor:
+    return masks.cp_unshard([r[key][name] for r in ranks], [r[key]["idx"] for r in ranks], size=size)
+
+
+def _check_features(case: CPCase, comm: str, world: int, ranks: list[dict], key, inp: dict) -> None:
+    torch.manual_seed(SEED)
+    state = dropout.rng_state(torch.device("cpu")) if case.dropout_p > 0 else None
+    oracle, single = _feature_oracle(case, inp, state), _single_process(case, inp)
+    keep = inp["keep"]
+    for name in ("out", "dq", "dk", "dv"):
+        got = _unshard(ranks, key, name, inp["q"].shape[0])
+        assert not got[~keep].any(), f"{name}: padding tokens must be exactly zero"
+        assert_flash_criterion(f"{name} vs cp=1", got[keep], single[name][keep], oracle[name][keep])
+    if case.sink:
+        d_offset = torch.stack([r[key]["d_offset"] for r in ranks]).sum(0)  # Megatron sums it over dp x cp
+        assert_flash_criterion("d softmax_offset", d_offset, single["d_offset"], oracle["d_offset"])
+    if case.max_logit:
+        per_rank = torch.stack([r[key]["max_logit"] for r in ranks])  # [cp, Hq]
+        assert per_rank.dtype == (torch.float64 if case.dtype == torch.float64 else torch.float32)
+        assert_flash_criterion("max_logit", per_rank.amax(0), single["max_logit"], oracle["row_max"].flatten(0, -2).amax(0))
+        for rank, r in enumerate(ranks):
+            if comm == "a2a":  # the rank's heads, over every query; -inf elsewhere
+                mine = torch.zeros(case.hq, dtype=torch.bool)
+                mine[rank * case.hq // world:(rank + 1) * case.hq // world] = True
+                assert torch.isneginf(r[key]["max_logit"][~mine]).all()
+                expect = oracle["row_max"].flatten(0, -2).amax(0)[mine]
+                torch.testing.assert_close(r[key]["max_logit"][mine].double(), expect, rtol=1e-5, atol=1e-5)
+            else:  # its own queries, every head
+                expect = masks.cp_shard(oracle["row_max"], r[key]["idx"]).flatten(0, -2).amax(0)
+                torch.testing.assert_close(r[key]["max_logit"].double(), expect, rtol=1e-5, atol=1e-5)
+
+
+RUNS = [pytest.param(c, comm, w, id=f"{c.id}-{comm}-cp{w}") for c in CASES for w in c.worlds for comm in COMMS
+        if c.runs(comm, w)]
+
+
+@pytest.mark.parametrize("case,comm,world", RUNS)
+def test_cp_attn_matches_single_process(case, comm, world, cp_results):
     ranks = cp_results(world)
     inp = case_inputs(case, world)
-    ref = _reference(case, inp)
-    dim_size = inp["q"].shape[0]
+    key = (case.id, comm)
+    if case.features:
+        _check_features(case, comm, world, ranks, key, inp)
+        return
+    ref = _reference(case, inp, world)
     for name in ("out", "dq", "dk", "dv"):
-        got = masks.cp_unshard([r[case.id][name] for r in ranks], [r[case.id]["idx"] for r in ranks], size=dim_size)
+        got = _unshard(ranks, key, name, inp["q"].shape[0])
         assert got.dtype == case.dtype
         pad = ~inp["keep"]
         assert not got[pad].any(), f"{name}: padding tokens must be exactly zero"
@@ -257,11 +447,17 @@ def test_cp_attn_matches_single_process(case, world, cp_results):
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"cp{w}")
+def test_backward_is_deterministic(world, cp_results):
+    for r in cp_results(world):
+        assert r["deterministic"] == {"p2p": True, "all_gather": True, "a2a": True}
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"cp{w}")
 def test_partition_matches_what_each_rank_held(world, cp_results):
     """Every global token is held by exactly one rank (the shards the workers used)."""
     ranks = cp_results(world)
     case = CASES[0]
-    idx = torch.cat([r[case.id]["idx"] for r in ranks])
+    idx = torch.cat([r[(case.id, "p2p")]["idx"] for r in ranks])
     total = case_inputs(case, world)["q"].shape[0]
     assert torch.equal(idx.sort().values, torch.arange(total))
 
@@ -271,6 +467,13 @@ def test_megatron_get_batch_on_this_cp_rank_agrees(cp_results):
 
 
 BAD = {
+    "comm_unknown": ("ValueError", r"comm must be one of \('p2p', 'all_gather', 'a2a'\), got 'ring'"),
+    "comm_type": ("TypeError", r"comm must be a str"),
+    "comm_hierarchical": ("NotImplementedError", r"comm='a2a\+p2p' \(hierarchical"),
+    "a2a_q_heads": ("ValueError", r"Hq = \d+ is not divisible by cp_size"),
+    "a2a_kv_heads": ("ValueError", r"Hkv = 3, cp_size = \d"),
+    "a2a_dropout": ("NotImplementedError", r"comm='a2a' with dropout_p > 0"),
+    "p2p_window": ("NotImplementedError", r"window_size=\(2, 3\)"),
     "padded_not_multiple": ("ValueError", r"cu_seqlens_q_padded: sequence 0 has length \d+, not a multiple of 2 \* cp_size"),
     "real_not_multiple": ("ValueError", r"cu_seqlens_q: sequence 0 has length 5, not a multiple of 2 \* cp_size"),
     "local_tokens": ("ValueError", r"local tokens but cu_seqlens_q_padded\[-1\]"),
@@ -296,9 +499,10 @@ def test_bad_inputs_under_cp(check, world, cp_results):
 # ---- in-process: no group (cp_size 1) and argument errors that need no collective
 
 
+@pytest.mark.parametrize("comm", COMMS)
 @pytest.mark.parametrize("layout", ["thd", "sbhd"])
 @pytest.mark.parametrize("window", [(-1, -1), (2, 1)], ids=["full", "win2_1"])
-def test_without_group_is_plain_attention(layout, window):
+def test_without_group_is_plain_attention(layout, window, comm):
     case = CPCase("nogroup", layout=layout, causal=False, window=window, lens=(5, 0, 3) if layout == "thd" else (0, 4),
                   extra=(0, 1, 0))
     inp = case_inputs(case, 1)
@@ -306,8 +510,8 @@ def test_without_group_is_plain_attention(layout, window):
     kwargs = dict(cu_seqlens_q=inp["cu"], causal=False, window_size=window, backend="torch")
     if layout == "thd":
         kwargs.update(cu_seqlens_q_padded=inp["cu_padded"])
-    out = cp_attn(q, k, v, cp_group=None, layout=layout, **kwargs)
-    ref = _reference(case, inp)
+    out = cp_attn(q, k, v, cp_group=None, layout=layout, comm=comm, **kwargs)
+    ref = _reference(case, inp, 1)
     assert not out.detach()[~inp["keep"]].any()
     assert_flash_criterion("out", _real_rows(out.detach(), inp["keep"], layout), ref["naive"]["out"],
                            ref["oracle"]["out"])
@@ -322,6 +526,10 @@ def test_argument_errors_without_group():
         cp_attn(q, k, v, cp_group=2, layout="thd", cu_seqlens_q=cu)
     with pytest.raises(ValueError, match="needs cu_seqlens_q"):
         cp_attn(q, k, v, cp_group=None, layout="thd")
+    with pytest.raises(ValueError, match="comm must be one of"):
+        cp_attn(q, k, v, cp_group=None, layout="thd", cu_seqlens_q=cu, comm="allgather")
+    with pytest.raises(NotImplementedError, match="a2a\\+p2p"):
+        cp_attn(q, k, v, cp_group=None, layout="thd", cu_seqlens_q=cu, comm="a2a+p2p")
     with pytest.raises(ValueError, match="q has 8 local tokens/rows but k has 6"):
         cp_attn(q, k[:6], v[:6], cp_group=None, layout="thd", cu_seqlens_q=cu)
     with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):

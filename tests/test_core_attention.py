@@ -304,7 +304,37 @@ def test_unusable_override_raises(monkeypatch):
         make_layer(AttnMaskType.causal, backend="triton")(q, k, v, None)
 
 
+def _cp_layer(cp_size=2, layer_number=1, given=None, **cfg):
+    """A CoreAttention built as Megatron builds it under context parallelism (a stand-in cp group)."""
+    group = type("Group", (), {"size": lambda self, n=cp_size: n})()
+    pgs = type("PGs", (), {"cp": group, "tp": type("Group", (), {"size": lambda self: 1})()})()
+    config = make_config(context_parallel_size=cp_size, **cfg)
+    return CoreAttention(config, layer_number, AttnMaskType.causal, "self", cp_comm_type=given,
+                         pg_collection=pgs, backend="torch")
+
+
+@pytest.mark.parametrize("given,config_value,layer_number,expected", [
+    ("a2a", None, 1, "a2a"),  # what Megatron passes (the layer's own value)
+    ("all_gather", "p2p", 2, "all_gather"),  # the argument wins over the config
+    (None, None, 1, "p2p"),  # Megatron's default, run as p2p like its Transformer Engine wrapper
+    (None, "a2a", 1, "a2a"),
+    (None, ["a2a", "all_gather"], 2, "all_gather"),  # built without the argument: the layer's entry
+])
+def test_cp_comm_type_per_layer(given, config_value, layer_number, expected):
+    layer = _cp_layer(layer_number=layer_number, given=given, cp_comm_type=config_value)
+    assert layer.cp_comm_type == expected
+
+
 class TestBadInput:
+    def test_cp_comm_type_unknown(self):
+        with pytest.raises(ValueError, match=r"comm must be one of \('p2p', 'all_gather', 'a2a'\), got 'ring'"):
+            _cp_layer(given="ring")
+
+    def test_cp_comm_type_hierarchical(self):
+        with pytest.raises(NotImplementedError, match="a2a\\+p2p"):
+            _cp_layer(given="a2a+p2p")
+        assert _cp_layer(cp_size=1, given="a2a+p2p").cp_comm_type == "a2a+p2p"  # no CP: never used
+
     def test_attention_bias(self):
         q, k, v = sbhd_inputs(5, 5, device="cpu")
         with pytest.raises(NotImplementedError, match="attention_bias"):

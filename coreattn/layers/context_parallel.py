@@ -1,14 +1,18 @@
-"""Context parallelism for self-attention over Megatron's cp_group: all-gather K/V, two span calls.
+"""Context parallelism for self-attention over Megatron's cp_group: ``cp_attn`` and the all-gather exchange.
 
 Layout (Megatron-Core ``get_batch_on_this_cp_rank`` / TE ``thd_get_partitioned_indices``): each
 sequence, padded to L_b (a multiple of 2*cp), is cut into 2*cp chunks of c_b = L_b / (2*cp)
 tokens; rank r holds chunks r and 2*cp-1-r. cu_seqlens stay global.
 
-Algorithm: K and V are all-gathered once (one autograd Function; its backward reduce-scatters
-dK/dV) and reordered to global token order. Each local chunk j of sequence b then attends, in
-span mode, to the global key prefix it may see: with bottom-right alignment, query i of the chunk
-sees keys <= j*c_b + i, exactly global causal. The two local chunk sets run as two calls, so the
-key spans of one call never overlap (the dK/dV kernel writes each sequence's key range once).
+Exchanges (``comm``, Megatron's ``cp_comm_type``): ``"p2p"``, a ring passing K/V chunks
+(coreattn/layers/cp_ring.py); ``"a2a"``, all-to-all from sequence shards to head shards
+(coreattn/layers/cp_a2a.py); ``"all_gather"``, here:
+
+K and V are all-gathered once (one autograd Function; its backward reduce-scatters dK/dV) and
+reordered to global token order. Each local chunk j of sequence b then attends, in span mode, to
+the global key prefix it may see: with bottom-right alignment, query i of the chunk sees keys
+<= j*c_b + i, exactly global causal. The two local chunk sets run as two calls, so the key spans of
+one call never overlap (the dK/dV kernel writes each sequence's key range once).
 """
 
 from __future__ import annotations
@@ -24,10 +28,15 @@ from coreattn.kernels.packing import Packing
 from coreattn.layers import dropout
 from coreattn.layers.checks import (VarlenParams, check_cu_seqlens, check_flag, check_max_seqlen, check_options,
                                     check_qkv, check_softmax_offset, validation_enabled)
+from coreattn.layers.cp_a2a import a2a_attn
+from coreattn.layers.cp_layout import make_layout
+from coreattn.layers.cp_ring import Ring, RingAttnFunction, ring_impl
 from coreattn.layers.dispatch import run_attention
 from coreattn.layers.masks import _zigzag_positions
 
 LAYOUTS = ("thd", "sbhd")
+COMMS = ("p2p", "all_gather", "a2a")  # Megatron's cp_comm_type values that cp_attn runs
+DEFAULT_COMM = "p2p"  # Megatron's default (cp_comm_type None runs p2p)
 
 # Process-group backends whose reduce_scatter_tensor raised "unsupported" once (gloo before it
 # gained one); dK/dV then go through all_reduce + slice, twice the traffic of a reduce-scatter.
@@ -59,6 +68,19 @@ def _group_size_rank(cp_group) -> tuple[int, int]:
     if not isinstance(cp_group, dist.ProcessGroup):
         raise TypeError(f"cp_group must be a torch.distributed.ProcessGroup or None, got {type(cp_group).__name__}")
     return dist.get_world_size(cp_group), dist.get_rank(cp_group)
+
+
+def check_comm(comm) -> str:
+    """A Megatron ``cp_comm_type`` that cp_attn runs; "a2a+p2p" and anything else raise."""
+    if not isinstance(comm, str):
+        raise TypeError(f"comm must be a str (one of {COMMS}), got {type(comm).__name__}")
+    if comm == "a2a+p2p":
+        raise NotImplementedError("comm='a2a+p2p' (hierarchical context parallelism over Megatron's "
+                                  "hierarchical_context_parallel_sizes groups) is not supported; use 'p2p', "
+                                  "'all_gather' or 'a2a'")
+    if comm not in COMMS:
+        raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
+    return comm
 
 
 def _window_is_causal(params: VarlenParams, window_size) -> bool:
@@ -255,7 +277,7 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
             max_seqlen_q: int | None = None, max_seqlen_kv: int | None = None, causal: bool = False,
             softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
             deterministic: bool = True, dropout_p: float = 0.0, softmax_offset: torch.Tensor | None = None,
-            return_max_logit: bool = False, backend: str | Backend | None = None):
+            return_max_logit: bool = False, backend: str | Backend | None = None, comm: str = DEFAULT_COMM):
     """Self-attention under Megatron context parallelism (zig-zag chunks over ``cp_group``).
 
     Args:
@@ -267,7 +289,19 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
             ``cp_partition_indices_sbhd`` and ``cp_shard``, or Megatron's ``get_batch_on_this_cp_rank``.
             GQA (Hq a multiple of Hkv) and Dv != Dqk are fine.
         cp_group: the context-parallel ``ProcessGroup`` (cp_size and rank come from it); None means
-            no context parallelism (one rank, no communication).
+            no context parallelism (one rank, no communication; ``comm`` is then only checked).
+        comm: the exchange, Megatron's ``cp_comm_type`` (default ``"p2p"``, as Megatron runs
+            ``cp_comm_type=None``):
+            ``"p2p"``: a ring passing K/V chunks (coreattn/layers/cp_ring.py); each rank holds two
+            local K/V buffers, sends and receives (cp-1) local K/V shares in the forward, and K/V
+            plus dK/dV shares in the backward; sends overlap compute on GPUs. Needs a backend that
+            returns the log-sum-exp (triton, torch; not npu_fused).
+            ``"all_gather"``: K/V all-gathered (every rank holds the whole layer's K/V), dK/dV
+            reduce-scattered; fewest messages, memory does not shrink with cp.
+            ``"a2a"``: all-to-all to whole sequences of Hq/cp heads and back (coreattn/layers/cp_a2a.py);
+            needs Hq divisible by cp and Hkv divisible by cp (or cp by Hkv: K/V heads replicated);
+            supports any window; no dropout yet (raises).
+            ``"a2a+p2p"`` raises NotImplementedError; other values raise ValueError.
         cu_seqlens_q, cu_seqlens_kv: GLOBAL int32 ``[B+1]`` real lengths (Megatron's PackedSeqParams).
             Required for thd; optional for sbhd (per-sample real lengths, right padding; None: all
             tokens are real). kv defaults to q and must equal it (self-attention).
@@ -279,30 +313,30 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
             for sbhd (the padded length is s_local * cp).
         causal: global causal mask (top-left = bottom-right here: q and k are the same tokens).
         window_size: ``(left, 0)`` or ``(left, -1)`` with causal (sliding window) or ``(-1, -1)``;
-            other windows raise NotImplementedError when cp_size > 1.
+            other windows raise NotImplementedError when cp_size > 1, except with ``comm="a2a"``
+            (whole sequences: any window).
         softmax_scale, deterministic, softmax_offset, backend: as in ``coreattn.varlen_attn``.
         dropout_p: as in ``coreattn.varlen_attn``, with global token ids (the position in the
             global padded layout: thd ``cu_seqlens_q_padded[b] + i``, sbhd ``b * S + i``), so for
-            the same RNG state every cp degree drops what cp = 1 drops. Each rank draws the state
-            from its own generator: ranks seeded alike (as Megatron seeds context-parallel ranks)
-            get the mask of cp = 1.
-        return_max_logit: also return this rank's max visible scaled logit per q head, float32
-            ``[Hq]`` (over its own queries; Megatron's ``clip_qk`` all-reduces it with MAX over the
-            data- and context-parallel group).
+            the same RNG state every cp degree drops what cp = 1 drops. One RNG state per call,
+            drawn by each rank from its own generator: ranks seeded alike (as Megatron seeds
+            context-parallel ranks) get the mask of cp = 1.
+        return_max_logit: also return a float32 ``[Hq]`` max visible scaled logit per q head:
+            p2p and all_gather over this rank's queries; a2a over every query of the heads this
+            rank computed, -inf for the other heads. Megatron's ``clip_qk`` all-reduces it with MAX
+            over the data- and context-parallel group, which gives the layer's max either way.
 
     Returns:
         out ``[t_local, Hq, Dv]`` (thd) or ``[s_local, B, Hq, Dv]`` (sbhd), q's dtype; padding tokens
-        output zeros and get zero gradients. Differentiable in q, k, v (and softmax_offset). With
-        ``return_max_logit``: ``(out, max_logit)``.
+        output zeros and get zero gradients. Differentiable in q, k, v (and softmax_offset; each
+        rank's d softmax_offset is its own part, to be summed over the cp group as Megatron's
+        gradient reduction does). With ``return_max_logit``: ``(out, max_logit)``.
 
-    Communication per call: forward one all-gather of K and V ((cp-1)/cp of the global K/V bytes
-    received per rank); backward one reduce-scatter of dK/dV of the same size (with gloo backends
-    lacking reduce_scatter_tensor: all_reduce + slice, twice the traffic).
-
-    Memory trade-off: every rank holds, and saves for the backward, the FULL global K and V of the
-    layer (T * Hkv * (Dqk + Dv) elements, cp times its own share), plus a transient second copy
-    during the reorder. Simple and load-balanced, but K/V memory does not shrink with cp; with
-    many KV heads (MLA expands k_pos_emb to every head) a ring (P2P) exchange keeps less.
+    Communication per layer and rank (n = T / cp local tokens; ``python -m bench --what cp``
+    tabulates these): p2p forward (cp-1) local K/V shares sent and received, backward (cp-1) K/V
+    and cp dK/dV shares; all_gather forward (cp-1) K/V shares received, backward the same in
+    dK/dV (reduce-scatter; with gloo backends lacking reduce_scatter_tensor: all_reduce + slice,
+    twice the traffic); a2a (cp-1)/cp of the local q, k, v and out, forward and backward.
 
     Host syncs: none with max_seqlen given and device tensors (spans and reorder indices are built
     with vectorized torch ops). Value checks (lengths multiples of 2*cp, token counts, max_seqlen)
@@ -310,6 +344,7 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    comm = check_comm(comm)
     check_qkv(q, k, v, layout)
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"self-attention under context parallelism: q has {q.shape[0]} local tokens/rows but k has "
@@ -318,8 +353,9 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
     softmax_offset = check_softmax_offset(softmax_offset, q)
     return_max_logit = check_flag("return_max_logit", return_max_logit)
     cp_size, cp_rank = _group_size_rank(cp_group)
-    # one rank: a single call over whole sequences, exact for any window
-    causal_like = _window_is_causal(params, window_size) if cp_size > 1 else params.window_right == 0
+    # one rank or a2a: whole sequences, exact for any window
+    whole = cp_size == 1 or comm == "a2a"
+    causal_like = params.window_right == 0 if whole else _window_is_causal(params, window_size)
     n_local = q.shape[0]
     check = None
     if cu_seqlens_kv is None:
@@ -350,9 +386,10 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
         if reads:
             _check_values_thd(n_local, cp_size, cu_seqlens_q, cu_seqlens_kv, pad_q, pad_kv, pad_name,
                               max_seqlen_q, max_seqlen_kv)
-        plan = build_cp_plan("thd", cp_size, cp_rank, n_local, causal_like, cu_seqlens_q=cu_seqlens_q,
-                             cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_padded=pad_q, max_seqlen_q=max_seqlen_q,
-                             max_seqlen_kv=max_seqlen_kv, device=q.device)
+        plan_args = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_padded=pad_q,
+                         max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, device=q.device)
+        layout_args = dict(real=_lens(cu_seqlens_q), cu_seqlens_padded=pad_q, max_seqlen=max(max_seqlen_q,
+                                                                                              max_seqlen_kv))
     else:
         if cu_seqlens_q_padded is not None:
             raise ValueError("layout 'sbhd' takes no cu_seqlens_q_padded/cu_seqlens_kv_padded: every sample is "
@@ -375,10 +412,24 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
                                      f"length s_local * cp_size), got {cu.tolist()}")
             if not torch.equal(cu_seqlens_q, cu_seqlens_kv):
                 raise ValueError("self-attention under context parallelism: cu_seqlens_kv must equal cu_seqlens_q")
-        plan = build_cp_plan("sbhd", cp_size, cp_rank, n_local, causal_like, batch=batch,
-                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, device=q.device)
+        plan_args = dict(batch=batch, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, device=q.device)
+        real = (torch.full((batch,), n_local * cp_size, dtype=torch.long, device=q.device) if cu_seqlens_q is None
+                else _lens(cu_seqlens_q))
+        layout_args = dict(real=real, batch=batch)
 
-    if cp_size > 1:
-        k, v = _gathered_kv(k, v, plan, cp_group)
-    out, max_logit = attend_local(q, k, v, plan, params, deterministic, backend, softmax_offset, return_max_logit)
+    if cp_size == 1 or comm == "all_gather":
+        plan = build_cp_plan(layout, cp_size, cp_rank, n_local, causal_like, **plan_args)
+        if cp_size > 1:
+            k, v = _gathered_kv(k, v, plan, cp_group)
+        out, max_logit = attend_local(q, k, v, plan, params, deterministic, backend, softmax_offset, return_max_logit)
+    else:
+        cp_layout = make_layout(layout, cp_size, cp_rank, n_local, **layout_args)
+        rng_state = dropout.rng_state(q.device) if params.dropout_p > 0 else None  # one mask for the whole call
+        if comm == "a2a":
+            out, max_logit = a2a_attn(q, k, v, cp_layout, params, cp_group, deterministic, backend, softmax_offset,
+                                      return_max_logit, rng_state)
+        else:
+            impl = ring_impl(q, backend)
+            ring = Ring(cp_group, cp_layout, params, causal_like)
+            out, max_logit = RingAttnFunction.apply(q, k, v, softmax_offset, ring, impl, rng_state, return_max_logit)
     return (out, max_logit) if return_max_logit else out

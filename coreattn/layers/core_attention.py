@@ -33,7 +33,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from coreattn.adapters.backends import ENV_BACKEND, Backend, parse_backend, select_backend
-from coreattn.layers.context_parallel import cp_attn
+from coreattn.layers.context_parallel import check_comm, cp_attn
 from coreattn.layers.dense_mask_attn import dense_mask_attn
 from coreattn.layers.padded_attn import padded_attn
 from coreattn.layers.varlen_attn import varlen_attn
@@ -94,6 +94,25 @@ def _layer_window(config, layer_number: int) -> tuple[int, int]:
     return tuple(window)
 
 
+def _layer_cp_comm_type(cp_comm_type, config, layer_number: int) -> str:
+    """The exchange this layer runs under context parallelism. Megatron passes the layer's own
+    value (``config.cp_comm_type``, or its entry for this layer when it is a list) and nothing
+    when config.cp_comm_type is None; None means "p2p", as Megatron's Transformer Engine wrapper
+    runs it. Built without the argument, the layer reads config.cp_comm_type itself (entry
+    ``layer_number - 1`` of a list). Unknown values raise ValueError; "a2a+p2p" raises
+    NotImplementedError when the model uses context parallelism."""
+    value = cp_comm_type if cp_comm_type is not None else getattr(config, "cp_comm_type", None)
+    if isinstance(value, (list, tuple)):
+        if not 1 <= layer_number <= len(value):
+            raise ValueError(f"config.cp_comm_type has {len(value)} entries, none for layer {layer_number}")
+        value = value[layer_number - 1]
+    value = "p2p" if value is None else value
+    if value == "a2a+p2p" and (getattr(config, "context_parallel_size", 1) or 1) == 1:
+        return value  # never used without context parallelism; checked again if a cp group appears
+    check_comm(value)
+    return value
+
+
 def _masked_bool(mask: torch.Tensor) -> torch.Tensor:
     """Megatron mask (True / nonzero = masked out) as bool."""
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
@@ -123,7 +142,7 @@ class CoreAttention(MegatronModule):
         self.attention_type = attention_type
         self.attention_dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.num_splits = num_splits  # accepted for Transformer Engine signature parity; unused
-        self.cp_comm_type = cp_comm_type
+        self.cp_comm_type = _layer_cp_comm_type(cp_comm_type, config, self.layer_number)
 
         self.hidden_size_per_attention_head_k = k_channels if k_channels is not None else config.kv_channels
         self.hidden_size_per_attention_head_v = v_channels if v_channels is not None else config.kv_channels
@@ -297,7 +316,8 @@ class CoreAttention(MegatronModule):
         return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q=used_q, seqused_k=used_k, **opts)
 
     def _forward_cp(self, q, k, v, attention_mask, mask_type, fmt, params, cp_group, opts) -> torch.Tensor:
-        """Context parallelism (coreattn.cp_attn): Megatron's zig-zag chunks, K/V all-gathered."""
+        """Context parallelism (coreattn.cp_attn): Megatron's zig-zag chunks, exchanged as
+        ``self.cp_comm_type`` says (p2p ring, all_gather or a2a)."""
         if mask_type == AttnMaskType.arbitrary or (fmt != "thd" and attention_mask is not None
                                                    and mask_type in _PADDING):
             raise NotImplementedError(
@@ -307,7 +327,8 @@ class CoreAttention(MegatronModule):
             raise NotImplementedError(f"qkv_format={fmt!r} is not supported under context parallelism (use thd or sbhd)")
         kw = dict(cp_group=cp_group, layout=fmt, causal=opts["causal"], softmax_scale=opts["softmax_scale"],
                   window_size=opts["window_size"], backend=opts["backend"], dropout_p=opts["dropout_p"],
-                  softmax_offset=opts["softmax_offset"], return_max_logit=opts["return_max_logit"])
+                  softmax_offset=opts["softmax_offset"], return_max_logit=opts["return_max_logit"],
+                  comm=self.cp_comm_type)
         if fmt == "thd":
             kw.update(cu_seqlens_q=params.cu_seqlens_q, cu_seqlens_kv=params.cu_seqlens_kv,
                       cu_seqlens_q_padded=getattr(params, "cu_seqlens_q_padded", None),

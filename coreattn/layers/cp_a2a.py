@@ -1,0 +1,120 @@
+"""Context parallelism, all-to-all exchange (Megatron's ``cp_comm_type="a2a"``, DeepSpeed-Ulysses).
+
+One all-to-all turns each rank's sequence shard of q, k and v (all heads) into whole sequences of
+a slice of the heads: rank r gets q heads [r*Hq/cp, (r+1)*Hq/cp) and the K/V heads they read.
+The single-device kernel then runs on whole sequences (any window works), and a second
+all-to-all returns the output to sequence shards. The backward is the same two all-to-alls in
+reverse around the kernels' own backward.
+
+Heads: Hq must be divisible by cp. K/V heads are split likewise when Hkv is divisible by cp;
+with fewer K/V heads than ranks (cp divisible by Hkv) each K/V head is replicated cp/Hkv times
+first (its gradient sums the copies), so each rank receives the one head its q heads share.
+Other head counts raise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from coreattn.kernels.packing import Packing
+from coreattn.layers.checks import VarlenParams
+from coreattn.layers.cp_layout import CPLayout, global_orders
+from coreattn.layers.dispatch import run_attention
+
+
+def check_heads(heads_q: int, heads_kv: int, cp_size: int) -> None:
+    if heads_q % cp_size:
+        raise ValueError(f"comm='a2a' splits the q heads over the cp ranks: Hq = {heads_q} is not divisible by "
+                         f"cp_size = {cp_size} (use comm='p2p' or 'all_gather')")
+    if heads_kv % cp_size and cp_size % heads_kv:
+        raise ValueError(f"comm='a2a' needs the K/V heads divisible by cp_size or cp_size divisible by them "
+                         f"(Hkv = {heads_kv}, cp_size = {cp_size}); use comm='p2p' or 'all_gather'")
+
+
+def _to_heads(xs, cp: int, gather_order: torch.Tensor, group) -> list[torch.Tensor]:
+    """Sequence shards [n, (B,) H, D] -> whole sequences [T, (B,) H/cp, D], global order; one all-to-all
+    for all tensors (each is cut into cp head groups, group p goes to rank p)."""
+    blocks = [x.unflatten(-2, (cp, x.shape[-2] // cp)).movedim(-3, 0).flatten(-2) for x in xs]  # [cp, n, (B,) h*D]
+    send = torch.cat(blocks, dim=-1).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # [cp, n, (B,) W]: rank p's tokens, our heads
+    full = recv.flatten(0, 1).index_select(0, gather_order)  # [T, (B,) W]
+    outs, offset = [], 0
+    for x in xs:
+        heads, dim = x.shape[-2] // cp, x.shape[-1]
+        outs.append(full[..., offset:offset + heads * dim].unflatten(-1, (heads, dim)))
+        offset += heads * dim
+    return outs
+
+
+def _to_seq(ys, cp: int, scatter_order: torch.Tensor, group) -> list[torch.Tensor]:
+    """The inverse: whole sequences [T, (B,) h, D] of our heads -> our sequence shard [n, (B,) h*cp, D]."""
+    send = torch.cat([y.flatten(-2) for y in ys], dim=-1).index_select(0, scatter_order)  # rank-major [T, (B,) W]
+    send = send.unflatten(0, (cp, -1))  # [cp, n, (B,) W]: rank p's tokens
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # [cp, n, (B,) W]: our tokens, head group p
+    outs, offset = [], 0
+    for y in ys:
+        heads, dim = y.shape[-2:]
+        block = recv[..., offset:offset + heads * dim].unflatten(-1, (heads, dim))  # [cp, n, (B,) h, D]
+        outs.append(block.movedim(0, -3).flatten(-3, -2).contiguous())  # [n, (B,) cp*h, D]
+        offset += heads * dim
+    return outs
+
+
+class SeqToHeadsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, cp: int, gather_order, scatter_order, *xs):
+        ctx.group, ctx.cp = group, cp
+        ctx.save_for_backward(scatter_order)
+        return tuple(_to_heads(xs, cp, gather_order, group))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (scatter_order,) = ctx.saved_tensors
+        return (None, None, None, None, *_to_seq([g.contiguous() for g in grads], ctx.cp, scatter_order, ctx.group))
+
+
+class HeadsToSeqFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, cp: int, gather_order, scatter_order, y):
+        ctx.group, ctx.cp = group, cp
+        ctx.save_for_backward(gather_order)
+        return _to_seq([y], cp, scatter_order, group)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (gather_order,) = ctx.saved_tensors
+        return None, None, None, None, _to_heads([grad.contiguous()], ctx.cp, gather_order, ctx.group)[0]
+
+
+def a2a_attn(q, k, v, layout: CPLayout, params: VarlenParams, group, deterministic: bool, backend,
+             softmax_offset: torch.Tensor | None, return_max_logit: bool, rng_state: torch.Tensor | None):
+    """(out [n, (B,) Hq, Dv], max_logit [Hq] or None): this rank's rows of attention over whole
+    sequences, computed for its head slice; max_logit holds -inf for the other ranks' heads."""
+    cp, rank = layout.cp_size, layout.cp_rank
+    heads_q, heads_kv = q.shape[-2], k.shape[-2]
+    check_heads(heads_q, heads_kv, cp)
+    if params.dropout_p > 0:
+        raise NotImplementedError(
+            "comm='a2a' with dropout_p > 0 is not supported: the kernels key the dropout mask by the q head index "
+            "within a call, and a2a gives each rank a slice of the heads, so the mask would not be the one cp = 1 "
+            "draws (that needs a head offset in the kernels); use comm='p2p' or 'all_gather'")
+    if heads_kv < cp:
+        k, v = (t.repeat_interleave(cp // heads_kv, dim=-2) for t in (k, v))
+    gather_order, scatter_order = global_orders(layout)
+    qh, kh, vh = SeqToHeadsFunction.apply(group, cp, gather_order, scatter_order, q, k, v)
+    start = layout.global_start.to(torch.int32)
+    pack = Packing(layout.fmt, start, layout.real.to(torch.int32))  # default token ids: global positions
+    heads = slice(rank * heads_q // cp, (rank + 1) * heads_q // cp)
+    offset = None if softmax_offset is None else softmax_offset[heads]
+    out, _, part_max = run_attention(qh, kh, vh, pack, pack, layout.max_seqlen, layout.max_seqlen, params,
+                                     deterministic, backend, softmax_offset=offset, return_max_logit=return_max_logit,
+                                     rng_state=rng_state)
+    out = HeadsToSeqFunction.apply(group, cp, gather_order, scatter_order, out)
+    max_logit = None
+    if return_max_logit:
+        max_logit = part_max.new_full((heads_q,), float("-inf"))
+        max_logit[heads] = part_max
+    return out, max_logit
