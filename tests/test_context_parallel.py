@@ -66,11 +66,11 @@ class CPCase:
         return self.dropout_p > 0 or self.sink or self.max_logit
 
     def runs(self, comm: str, world: int) -> bool:
-        """a2a needs heads divisible over the ranks (K/V heads, or ranks over K/V heads) and no dropout."""
+        """a2a needs heads divisible over the ranks (K/V heads, or ranks over K/V heads)."""
         if comm not in self.comms or world not in self.worlds:
             return False
         if comm == "a2a":
-            return self.hq % world == 0 and (self.hkv % world == 0 or world % self.hkv == 0) and self.dropout_p == 0
+            return self.hq % world == 0 and (self.hkv % world == 0 or world % self.hkv == 0)
         return not (comm != "all_gather" and self.allreduce_fallback)
 
 
@@ -102,8 +102,9 @@ CASES = [
     CPCase("triton-thd-causal-window3-dropout-sink-maxlogit-f32", dtype=torch.float32, hq=2, hkv=1, dqk=32, dv=16,
            window=(3, 0), lens=(5, 9), extra=(0, 1), backend="triton", worlds=(2,), comms=("p2p",), dropout_p=0.2, sink=True,
            max_logit=True),
-    CPCase("triton-thd-causal-sink-maxlogit-a2a-f32", dtype=torch.float32, hq=2, hkv=1, dqk=32, dv=16, lens=(7, 12),
-           extra=(0, 1), backend="triton", worlds=(2,), comms=("a2a",), sink=True, max_logit=True),
+    CPCase("triton-thd-causal-dropout-sink-maxlogit-a2a-f32", dtype=torch.float32, hq=2, hkv=1, dqk=32, dv=16,
+           lens=(7, 12), extra=(0, 1), backend="triton", worlds=(2,), comms=("a2a",), dropout_p=0.2, sink=True,
+           max_logit=True),
 ]
 
 
@@ -231,7 +232,6 @@ def bad_inputs(world: int, group) -> dict[str, str]:
         "comm_hierarchical": _error(thd(comm="a2a+p2p")),
         "a2a_q_heads": _error(heads(world + 1, 1)),
         "a2a_kv_heads": _error(heads(3 * world, 3)),
-        "a2a_dropout": _error(heads(world, 1, dropout_p=0.1)),
         "p2p_window": _error(thd(window_size=(2, 3), comm="p2p")),
         "padded_not_multiple": _error(thd(cu_seqlens_q_padded=odd_padded)),
         "real_not_multiple": _error(thd(cu_seqlens_q_padded=None)),
@@ -472,7 +472,6 @@ BAD = {
     "comm_hierarchical": ("NotImplementedError", r"comm='a2a\+p2p' \(hierarchical"),
     "a2a_q_heads": ("ValueError", r"Hq = \d+ is not divisible by cp_size"),
     "a2a_kv_heads": ("ValueError", r"Hkv = 3, cp_size = \d"),
-    "a2a_dropout": ("NotImplementedError", r"comm='a2a' with dropout_p > 0"),
     "p2p_window": ("NotImplementedError", r"window_size=\(2, 3\)"),
     "padded_not_multiple": ("ValueError", r"cu_seqlens_q_padded: sequence 0 has length \d+, not a multiple of 2 \* cp_size"),
     "real_not_multiple": ("ValueError", r"cu_seqlens_q: sequence 0 has length 5, not a multiple of 2 \* cp_size"),

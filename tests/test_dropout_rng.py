@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.layers.dropout import check_dropout_p, keep_mask, keep_threshold, philox, rng_state
+from coreattn.layers.dropout import check_dropout_p, keep_mask, keep_threshold, philox, rng_state, with_head_offset
 
 # Random123's known-answer vectors for philox4x32-10: counter, key (k0, k1), output
 KAT = [
@@ -73,7 +73,7 @@ def test_rng_state_follows_the_generator():
     gen = torch.Generator().manual_seed(5)
     first, second = rng_state(torch.device("cpu"), gen), rng_state(torch.device("cpu"), gen)
     assert torch.equal(a, b) and torch.equal(a, first) and not torch.equal(first, second)
-    assert a.dtype == torch.int64 and a.shape == (2,)
+    assert a.dtype == torch.int64 and a.shape == (3,) and a[2] == 0  # seed, offset, head offset
 
 
 @pytest.mark.parametrize("bad, exc", [(1.0, ValueError), (-0.1, ValueError), (float("nan"), ValueError),
@@ -81,3 +81,12 @@ def test_rng_state_follows_the_generator():
 def test_check_dropout_p_rejects(bad, exc):
     with pytest.raises(exc, match="dropout_p"):
         check_dropout_p(bad)
+
+
+def test_head_offset_shifts_the_heads():
+    """A call on heads [2, 4) of a layer with the state's head offset 2 draws those heads' mask."""
+    state = rng_state(torch.device("cpu"), torch.Generator().manual_seed(4))
+    q_ids, k_ids = torch.arange(16)[None, :, None], torch.arange(16)[None, None, :]
+    whole = keep_mask(state, 0.5, torch.arange(4)[:, None, None], q_ids, k_ids)
+    part = keep_mask(with_head_offset(state, 2), 0.5, torch.arange(2)[:, None, None], q_ids, k_ids)
+    assert torch.equal(part, whole[2:]) and not torch.equal(part, whole[:2])

@@ -83,7 +83,7 @@ def _load_row_stats(lse_base, delta_base, rows, row_mask):
 def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_seq, q_keep_base, stride_qt,
                   stride_qh, stride_dot, stride_doh, stride_lh, stride_qks, cols, m_lo, m_hi, head0, group,
                   seqlen_q, seqlen_k, shift, window_left, window_right,
-                  sm_scale_log2, seed, rng_offset, q_gid0, k_ids, drop_threshold, drop_scale,
+                  sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
                   HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                   BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
@@ -118,7 +118,8 @@ def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_s
             pT = tl.where(vis, pT, 0.0)
         keep = pT == pT
         if DROPOUT:
-            keep = _dropout_keep(seed, rng_offset, head, (q_gid0 + rows)[None, :], k_ids[:, None], drop_threshold)
+            keep = _dropout_keep(seed, rng_offset, head + drop_head0, (q_gid0 + rows)[None, :], k_ids[:, None],
+                                 drop_threshold)
         if DV:
             pdT = pT
             if DROPOUT:
@@ -182,11 +183,13 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
                 k_keep = _load_keep(k_keep_base, stride_kks, cols, seqlen_k)  # [N]
             seed = 0
             rng_offset = 0
+            drop_head0 = 0  # the call's head offset in dropout's head ids
             q_gid0 = 0
             k_ids = cols
             if DROPOUT:
                 seed = tl.load(rng_ptr)
                 rng_offset = tl.load(rng_ptr + 1).to(tl.int32)
+                drop_head0 = tl.load(rng_ptr + 2).to(tl.int32)
                 q_gid0 = _first_gid(q_gid_ptr, seq, q_start, seqlen_q_total, PACKED, HAS_GID)
                 k_ids = _first_gid(k_gid_ptr, seq, k_start, seqlen_k_total, PACKED, HAS_GID) + cols
             dk = tl.zeros([BLOCK_N, BLOCK_DQK if DK else 16], tl.float32)
@@ -200,22 +203,25 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
                                         delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
                                         stride_doh, stride_lh, stride_qks, cols, lo, full_lo, kv_head * group, group,
                                         seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
-                                        rng_offset, q_gid0, k_ids, drop_threshold, drop_scale, HEAD_DIM_QK,
-                                        HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT,
+                                        rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
+                                        HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT,
+                                        HAS_RIGHT,
                                         HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, True, DOT_PRECISION)
             dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
                                         delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
                                         stride_doh, stride_lh, stride_qks, cols, full_lo, full_hi, kv_head * group, group,
                                         seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
-                                        rng_offset, q_gid0, k_ids, drop_threshold, drop_scale, HEAD_DIM_QK,
-                                        HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT,
+                                        rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
+                                        HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT,
+                                        HAS_RIGHT,
                                         HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, False, DOT_PRECISION)
             dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
                                         delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
                                         stride_doh, stride_lh, stride_qks, cols, full_hi, hi, kv_head * group, group,
                                         seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
-                                        rng_offset, q_gid0, k_ids, drop_threshold, drop_scale, HEAD_DIM_QK,
-                                        HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT,
+                                        rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
+                                        HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT,
+                                        HAS_RIGHT,
                                         HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, True, DOT_PRECISION)
             dk_base = dk_head + seq64 * stride_dkb + k_start.to(tl.int64) * stride_dkt
             dv_base = dv_head + seq64 * stride_dvb + k_start.to(tl.int64) * stride_dvt
@@ -365,11 +371,13 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
                 q_keep = _load_keep(q_keep_base, stride_qks, rows, seqlen_q)  # [M]
             seed = 0
             rng_offset = 0
+            drop_head = head  # the q head as dropout counts it: plus the call's head offset
             q_ids = rows
             k_gid0 = 0
             if DROPOUT:
                 seed = tl.load(rng_ptr)
                 rng_offset = tl.load(rng_ptr + 1).to(tl.int32)
+                drop_head = head + tl.load(rng_ptr + 2).to(tl.int32)
                 q_ids = _first_gid(q_gid_ptr, seq, q_start, seqlen_q_total, PACKED, HAS_GID) + rows
                 k_gid0 = _first_gid(k_gid_ptr, seq, k_start, seqlen_k_total, PACKED, HAS_GID)
             dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
@@ -381,19 +389,19 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP or HAS_K_KEEP)
             dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
                                    stride_vt, stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift, window_left,
-                                   window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
+                                   window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
                                    drop_threshold, drop_scale, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
                                    BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, True,
                                    DOT_PRECISION)
             dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
                                    stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift,
-                                   window_left, window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
+                                   window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
                                    drop_threshold, drop_scale, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
                                    BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, False,
                                    DOT_PRECISION)
             dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
                                    stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift, window_left,
-                                   window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
+                                   window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
                                    drop_threshold, drop_scale, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
                                    BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, True,
                                    DOT_PRECISION)

@@ -142,11 +142,13 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr,
                 q_keep = _load_keep(q_keep_base, stride_qks, rows, seqlen_q)  # [M]
             seed = 0
             rng_offset = 0
+            drop_head = head  # the q head as dropout counts it: plus the call's head offset
             q_ids = rows
             k_gid0 = 0
             if DROPOUT:
                 seed = tl.load(rng_ptr)
                 rng_offset = tl.load(rng_ptr + 1).to(tl.int32)
+                drop_head = head + tl.load(rng_ptr + 2).to(tl.int32)
                 q_ids = _first_gid(q_gid_ptr, seq, q_start, seqlen_q_total, PACKED, HAS_GID) + rows
                 k_gid0 = _first_gid(k_gid_ptr, seq, k_start, seqlen_k_total, PACKED, HAS_GID)
 
@@ -157,19 +159,19 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr,
                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP or HAS_K_KEEP)
             acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
                                           stride_vt, stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift,
-                                          window_left, window_right, sm_scale_log2, seed, rng_offset, head, q_ids,
+                                          window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids,
                                           k_gid0, drop_threshold, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
                                           BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True,
                                           DOT_PRECISION)
             acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
                                           stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift,
-                                          window_left, window_right, sm_scale_log2, seed, rng_offset, head, q_ids,
+                                          window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids,
                                           k_gid0, drop_threshold, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
                                           BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, False,
                                           DOT_PRECISION)
             acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
                                           stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift,
-                                          window_left, window_right, sm_scale_log2, seed, rng_offset, head, q_ids,
+                                          window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids,
                                           k_gid0, drop_threshold, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
                                           BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True,
                                           DOT_PRECISION)
@@ -305,7 +307,7 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
     the caller (coreattn.layers.checks). ``out``/``lse`` may be given as preallocated buffers.
 
     ``dropout_p``/``rng_state``: dropout with the keep mask of coreattn/layers/dropout.py (rng_state
-    the int64 [2] tensor it draws). ``softmax_offset``: float [Hq] sink logits (lse includes the
+    the int64 [3] tensor it draws). ``softmax_offset``: float [Hq] sink logits (lse includes the
     sink). ``return_max_logit``: also return the max visible scaled logit per q head, float32 [Hq]
     (-inf for a head without a visible pair): the result is then (out, lse, max_logit).
     """

@@ -300,7 +300,7 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
             reduce-scattered; fewest messages, memory does not shrink with cp.
             ``"a2a"``: all-to-all to whole sequences of Hq/cp heads and back (coreattn/layers/cp_a2a.py);
             needs Hq divisible by cp and Hkv divisible by cp (or cp by Hkv: K/V heads replicated);
-            supports any window; no dropout yet (raises).
+            supports any window; dropout draws each head's cp = 1 mask (the RNG state's head offset).
             ``"a2a+p2p"`` raises NotImplementedError; other values raise ValueError.
         cu_seqlens_q, cu_seqlens_kv: GLOBAL int32 ``[B+1]`` real lengths (Megatron's PackedSeqParams).
             Required for thd; optional for sbhd (per-sample real lengths, right padding; None: all

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from coreattn.kernels.packing import Packing
+from coreattn.layers import dropout
 from coreattn.layers.checks import VarlenParams
 from coreattn.layers.cp_layout import CPLayout, global_orders
 from coreattn.layers.dispatch import run_attention
@@ -96,11 +97,6 @@ def a2a_attn(q, k, v, layout: CPLayout, params: VarlenParams, group, determinist
     cp, rank = layout.cp_size, layout.cp_rank
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
     check_heads(heads_q, heads_kv, cp)
-    if params.dropout_p > 0:
-        raise NotImplementedError(
-            "comm='a2a' with dropout_p > 0 is not supported: the kernels key the dropout mask by the q head index "
-            "within a call, and a2a gives each rank a slice of the heads, so the mask would not be the one cp = 1 "
-            "draws (that needs a head offset in the kernels); use comm='p2p' or 'all_gather'")
     if heads_kv < cp:
         k, v = (t.repeat_interleave(cp // heads_kv, dim=-2) for t in (k, v))
     gather_order, scatter_order = global_orders(layout)
@@ -108,6 +104,8 @@ def a2a_attn(q, k, v, layout: CPLayout, params: VarlenParams, group, determinist
     start = layout.global_start.to(torch.int32)
     pack = Packing(layout.fmt, start, layout.real.to(torch.int32))  # default token ids: global positions
     heads = slice(rank * heads_q // cp, (rank + 1) * heads_q // cp)
+    if rng_state is not None:  # this rank's heads draw the mask they have in the whole layer
+        rng_state = dropout.with_head_offset(rng_state, heads.start)
     offset = None if softmax_offset is None else softmax_offset[heads]
     out, _, part_max = run_attention(qh, kh, vh, pack, pack, layout.max_seqlen, layout.max_seqlen, params,
                                      deterministic, backend, softmax_offset=offset, return_max_logit=return_max_logit,

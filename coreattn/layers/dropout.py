@@ -15,10 +15,13 @@ Token ids (``Packing.gid``): token i of sequence b's span has id ``gid[b] + i``.
 explicit ``gid`` (``default_gid``): packed thd, its row in the q (or k) tensor; padded bshd/sbhd,
 ``b * S + position``.
 
-The RNG state is an int64 ``[2]`` tensor (seed, offset) on the tensors' device, drawn from that
-device's torch generator (``rng_state``): ``torch.manual_seed`` / ``torch.cuda.manual_seed`` make
-runs reproducible, each call advances the generator, and no value is read on the host (the
-kernels load it; CUDA-graph capture draws it like any other random op).
+The RNG state is an int64 ``[3]`` tensor (seed, offset, head offset) on the tensors' device: seed
+and offset drawn from that device's torch generator (``rng_state``), so ``torch.manual_seed`` /
+``torch.cuda.manual_seed`` make runs reproducible, each call advances the generator, and no value
+is read on the host (the kernels load it; CUDA-graph capture draws it like any other random op).
+The head offset (0 unless ``with_head_offset`` sets it) is added to every q head index: a call on
+a slice of the heads (all-to-all context parallelism) draws the mask those heads have in the
+whole layer.
 """
 
 from __future__ import annotations
@@ -34,9 +37,15 @@ _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
 
 
 def rng_state(device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
-    """A fresh (seed, offset) int64 ``[2]`` tensor on ``device`` from its default generator (or
-    ``generator``); advances that generator like any random op."""
-    return torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64, device=device, generator=generator)
+    """A fresh (seed, offset, head offset 0) int64 ``[3]`` tensor on ``device``, seed and offset from
+    its default generator (or ``generator``); advances that generator like any random op."""
+    drawn = torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64, device=device, generator=generator)
+    return torch.cat([drawn, drawn.new_zeros(1)])
+
+
+def with_head_offset(state: torch.Tensor, head_offset: int) -> torch.Tensor:
+    """``state`` for a call whose q head 0 is head ``head_offset`` of the layer."""
+    return torch.cat([state[:2], state.new_full((1,), head_offset)])
 
 
 def keep_threshold(dropout_p: float) -> int:
@@ -71,10 +80,11 @@ def philox(seed: torch.Tensor, c0, c1, c2, c3, rounds: int = PHILOX_ROUNDS) -> t
 
 def keep_mask(state: torch.Tensor, dropout_p: float, head, q_ids, k_ids) -> torch.Tensor:
     """Bool keep mask for (q head, query token id, key token id), broadcast together (e.g. heads
-    ``[H, 1, 1]``, query ids ``[1, Sq, 1]``, key ids ``[1, 1, Sk]``). ``state`` is an RNG state
-    from ``rng_state``. Memory is that of the broadcast shape: for tests and small shapes."""
+    ``[H, 1, 1]``, query ids ``[1, Sq, 1]``, key ids ``[1, 1, Sk]``; the state's head offset is added
+    to the heads). ``state`` is an RNG state from ``rng_state``. Memory is that of the broadcast
+    shape: for tests and small shapes."""
     seed, offset = state[0], state[1] & _MASK32
-    r = philox(seed, k_ids, q_ids, head, offset)[0]
+    r = philox(seed, k_ids, q_ids, torch.as_tensor(head, device=state.device) + state[2], offset)[0]
     return (r >> 1) >= keep_threshold(dropout_p)
 
 
