@@ -228,8 +228,8 @@ class CoreAttention(MegatronModule):
             used_q, used_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
             cu_q = cu_q if cu_q_pad is None else cu_q_pad
             cu_k = cu_k if cu_k_pad is None else cu_k_pad
-        max_q = _max_seqlen(getattr(params, "max_seqlen_q", None), cu_q)
-        max_k = _max_seqlen(getattr(params, "max_seqlen_kv", None), cu_k)
+        max_q = _max_seqlen(getattr(params, "max_seqlen_q", None), q.shape[0])
+        max_k = _max_seqlen(getattr(params, "max_seqlen_kv", None), k.shape[0])
         out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q=used_q, seqused_k=used_k, **opts)
         return out.reshape(out.shape[0], -1)
 
@@ -282,13 +282,15 @@ def _max_or_none(value):
     return None if value is None else int(value)
 
 
-def _max_seqlen(value, cu: torch.Tensor) -> int:
-    """PackedSeqParams.max_seqlen_* as an int (a tensor in megatron-core < 0.14; None: computed
-    from cu_seqlens, a host sync). It only sizes the kernel grid."""
+def _max_seqlen(value, tokens: int) -> int:
+    """PackedSeqParams.max_seqlen_* as an int (a tensor in megatron-core < 0.14, read on the host).
+    None: the token count, an upper bound that reads no tensor (so torch.compile traces it): the
+    kernels size their grids by the token count and never read max_seqlen, which only bounds the
+    argument checks."""
     if value is None:
-        return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-    if isinstance(value, torch.Tensor):
-        return int(value)
+        return tokens
+    if isinstance(value, (int, torch.SymInt)):
+        return value  # int() would specialize a compiled graph on a symbolic value
     return int(value)
 
 
