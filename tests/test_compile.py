@@ -148,10 +148,14 @@ def test_triton_interpreter_compiled_matches_eager():
     _assert_same(_grads(got, (q, k, v)), _grads(want, (q, k, v)))
 
 
-@pytest.mark.parametrize("dynamic, most", [(True, 1), (None, 2)], ids=["dynamic", "automatic-dynamic"])
-def test_new_packed_lengths_recompile_at_most_once(dynamic, most):
+@pytest.mark.parametrize("dynamic, graphs", [(True, 1), (None, 2)], ids=["dynamic", "automatic-dynamic"])
+def test_new_packed_lengths_recompile_at_most_once(dynamic, graphs, monkeypatch):
     """20 packed batches of new lengths (and numbers of sequences): one graph with dynamic=True; with
-    the default automatic dynamic shapes, the second batch recompiles once and nothing after."""
+    the default automatic dynamic shapes, the second batch recompiles once and nothing after. The
+    backend choice is not logged yet, as in a fresh process (its logging must not add a guard)."""
+    from coreattn.adapters import backends
+
+    monkeypatch.setattr(backends, "_logged", set())
     torch._dynamo.reset()
     counters.clear()
 
@@ -167,7 +171,7 @@ def test_new_packed_lengths_recompile_at_most_once(dynamic, most):
         if step % 7 == 0:
             _assert_same(out, fn(q, k, v, cu, max_len))
         out.sum().backward()
-    assert counters["stats"]["unique_graphs"] <= most
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_value_checks_run_in_the_op_when_compiled():
