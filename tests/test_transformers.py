@@ -194,13 +194,30 @@ def test_supported_mask_patterns_give_the_padding_mask():
 
 # --- torch.compile ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layout", ["right", "packed"])
+def test_position_ids_are_read_once_per_step(monkeypatch):
+    """The op derives cu_seqlens from the position ids once; the other layer and the backward reuse it."""
+    from coreattn.layers import function
+
+    results = []
+    real = function.cu_seqlens_from_position_ids
+    monkeypatch.setattr(function, "cu_seqlens_from_position_ids",
+                        lambda pos, tokens: results.append(real(pos, tokens)) or results[-1])
+    model = hm.build("llama", torch.float32, TORCH_IMPL)
+    hm.run(model, _batch("packed"), hm.weights(hm.sequences()))
+    assert len(results) == 8  # q and k, 2 layers, forward and backward...
+    assert len({id(cu) for cu in results}) == 1  # ...all given the first read's tensor
+    assert results[0].tolist() == [0, 7, 10, 19]
+
+
+@pytest.mark.parametrize("layout", ["right", "packed", "packed-flash-kwargs"])
 def test_compiled_model_has_no_graph_breaks_and_matches_eager(layout):
     torch._dynamo.reset()
     model = hm.build("llama", torch.float32, TORCH_IMPL)
-    batch = _batch(layout)
+    batch = hm.packed(hm.sequences(), flash_kwargs=True) if layout == "packed-flash-kwargs" else _batch(layout)
     explained = torch._dynamo.explain(model)(**batch.kwargs, use_cache=False)
     assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    if layout == "packed-flash-kwargs":
+        return  # traced only: it runs the same varlen_attn op as the compiled tests of tests/test_compile.py
     w = hm.weights(hm.sequences())
     want = hm.run(model, batch, w)
     model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
