@@ -298,3 +298,17 @@ def test_core_attention_compiles_without_graph_breaks(kind):
     got, want = compiled(*args, **kwargs), layer(*args, **kwargs)
     _assert_same(got, want)
     _assert_same(_grads(got, args[:3]), _grads(want, args[:3]))
+
+
+def test_core_attention_follows_the_backend_environment_when_compiled(monkeypatch):
+    """CoreAttention passes its override (None here) to the ops, which resolve it when they run."""
+    monkeypatch.delenv("COREATTN_BACKEND", raising=False)
+    torch._dynamo.reset()
+    layer, (q, k, v, _), _ = _core_attention_case("sbhd")
+    layer.backend = None  # the per-device default (Triton under the interpreter on CPU)
+    q, k, v = (x.detach().double() for x in (q, k, v))
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with pytest.raises(TypeError, match="Triton backend supports"):
+        compiled(q, k, v, None)
+    monkeypatch.setenv("COREATTN_BACKEND", "torch")
+    _assert_same(compiled(q, k, v, None), layer(q, k, v, None))

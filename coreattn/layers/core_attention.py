@@ -153,12 +153,12 @@ class CoreAttention(MegatronModule):
         if getattr(packed_seq_params, "local_cp_size", None) is not None:
             raise NotImplementedError("hybrid context parallelism (packed_seq_params.local_cp_size) is not "
                                       "supported by CoreAttention")
-        backend = self._backend_for(query.device)
+        self._backend_for(query.device)  # an override that cannot run raises here
         causal = mask_type in _CAUSAL_ALIGNMENT
         alignment = _CAUSAL_ALIGNMENT.get(mask_type, "bottom_right")
         fmt = getattr(packed_seq_params, "qkv_format", None) or "sbhd"
         opts = dict(softmax_scale=self.softmax_scale, causal=causal, window_size=self.window_size,
-                    causal_alignment=alignment, backend=backend)
+                    causal_alignment=alignment, backend=self.backend)  # resolved when the attention op runs
         cp_group = getattr(packed_seq_params, "cp_group", None) or self.cp_group
         if cp_group is not None and cp_group.size() > 1:
             return self._forward_cp(query, key, value, attention_mask, mask_type, fmt, packed_seq_params, cp_group,
@@ -210,7 +210,7 @@ class CoreAttention(MegatronModule):
             masked = masked | (j < i + shift - left)
         if right >= 0:
             masked = masked | (j > i + shift + right)
-        if opts["backend"] is Backend.NPU_FUSED:
+        if self._backend_for(q.device) is Backend.NPU_FUSED:
             from coreattn.layers.npu_backend import attn_npu_dense_mask
 
             return attn_npu_dense_mask(q, k, v, masked, layout, self.softmax_scale)
