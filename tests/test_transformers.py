@@ -117,6 +117,29 @@ def test_dropout_runs_and_follows_the_seed():
     assert not torch.equal(train, logits(0))
 
 
+def test_npu_fused_backend_reads_position_ids(monkeypatch):
+    """npu_fused (a fake torch_npu, pinned for CPU tensors) runs the position-ids packing outside the
+    ops: the same result as the torch backend."""
+    import sys
+
+    from coreattn.adapters import npu
+    from coreattn.adapters.backends import Backend
+    from coreattn.layers import dispatch
+    from fake_torch_npu import FakeTorchNpu
+
+    fake = FakeTorchNpu()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake.module)
+    npu.cache_clear()
+    q, k, v = (x.requires_grad_() for x in _qkv(batch=1, seqlen=9))
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1, 2]])
+    want, _ = coreattn_hf.attention_forward(_module(), q, k, v, None, backend="torch", position_ids=position_ids)
+    monkeypatch.setattr(dispatch, "select_backend", lambda device, override=None: Backend.NPU_FUSED)
+    got, _ = coreattn_hf.attention_forward(_module(), q, k, v, None, position_ids=position_ids)
+    npu.cache_clear()
+    assert fake.calls and fake.calls[0]["input_layout"] == "TND" and fake.calls[0]["actual_seq_qlen"] == [4, 6, 9]
+    torch.testing.assert_close(got, want)
+
+
 # --- what coreattn cannot run raises ---------------------------------------------------------------
 
 def _module():

@@ -8,7 +8,8 @@ from coreattn.adapters.backends import Backend, parse_backend, select_backend
 from coreattn.kernels.packing import Packing
 from coreattn.layers import dropout
 from coreattn.layers.checks import VarlenParams, check_layout_values, keep_as_uint8
-from coreattn.layers.function import TORCH, TRITON, attention, attn_torch, rng_state as draw_rng_state  # noqa: F401
+from coreattn.layers.function import (POSITION_IDS, TORCH, TRITON, attention, attn_torch,  # noqa: F401
+                                      cu_seqlens_from_position_ids, rng_state as draw_rng_state)
 
 
 def _npu_fused(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int,
@@ -21,6 +22,9 @@ def _npu_fused(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max
         raise NotImplementedError("softmax_offset and return_max_logit are not supported by the npu_fused "
                                   "backend (npu_fusion_attention has no sink logits and returns no max logit); "
                                   "use backend='triton' or 'torch'")
+    if q_pack.fmt == POSITION_IDS:  # packed thd sequences given by position ids: read them here
+        q_pack = Packing("thd", cu_seqlens_from_position_ids(q_pack.seq, q.shape[0]), gid=q_pack.gid)
+        k_pack = Packing("thd", cu_seqlens_from_position_ids(k_pack.seq, k.shape[0]), gid=k_pack.gid)
     if validate:
         check_layout_values(q_pack.fmt, q_pack.seq, q_pack.lens, q_pack.keep, k_pack.seq, k_pack.lens, k_pack.keep,
                             q.shape[1] if q_pack.fmt == "bshd" else q.shape[0],
