@@ -117,6 +117,24 @@ def test_dropout_runs_and_follows_the_seed():
     assert not torch.equal(train, logits(0))
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_sliding_window_follows_transformers_masks(causal):
+    """sliding_window as transformers' mask functions define it, evaluated densely as reference."""
+    from transformers import masking_utils as mu
+
+    window, seqlen = 3, 9
+    q, k, v = (x.double() for x in _qkv(batch=1, seqlen=seqlen))
+    fn = (mu.sliding_window_causal_mask_function if causal else mu.sliding_window_bidirectional_mask_function)(window)
+    idx = torch.arange(seqlen)
+    visible = fn(0, 0, idx[:, None], idx[None, :])  # [Sq, Sk]
+    scores = torch.einsum("bhsd,bhtd->bhst", q, k.repeat_interleave(2, dim=1)) / 8 ** 0.5
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    want = torch.einsum("bhst,bhtd->bshd", probs, v.repeat_interleave(2, dim=1))
+    got, _ = coreattn_hf.attention_forward(_module(), q, k, v, None, sliding_window=window, is_causal=causal,
+                                           backend="torch")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_npu_fused_backend_reads_position_ids(monkeypatch):
     """npu_fused (a fake torch_npu, pinned for CPU tensors) runs the position-ids packing outside the
     ops: the same result as the torch backend."""
