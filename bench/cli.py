@@ -11,19 +11,21 @@ from pathlib import Path
 import torch
 
 from bench import attention, configs, masks
+from bench import layer as layer_bench
 from bench import context_parallel as cp_bench
 from bench.env import REPO_ROOT, device_slug, run_metadata
 from bench.flops import MODES
 from bench.providers import PRIMARY, PROVIDERS
 from bench.report import NOT_PERF, add_speedups, format_table, write_json
 
-WHAT = ("attention", "masks", "cp")
+WHAT = ("attention", "masks", "cp", "layer")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description="coreattn benchmarks: attention against the kernels users would use instead, "
                                 "mask builders against per-sample loops, context-parallel communication "
-                                "volumes (computed) and per-rank compute.",
+                                "volumes (computed) and per-rank compute, and one transformers decoder layer "
+                                "with coreattn, SDPA and flash attention.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a minimal set that runs in seconds")
     p.add_argument("--out", type=Path, help="output directory (default: bench/results/<device>_<date> on GPU, "
@@ -74,8 +76,10 @@ def main(argv=None) -> int:
     attn_cfgs = [c for c in configs.attention_configs(on_gpu, args.quick) if configs.matches(c.id, args.configs)]
     mask_cfgs = [c for c in configs.mask_configs(on_gpu, args.quick) if configs.matches(c.id, args.configs)]
     cp_cfgs = [c for c in cp_bench.cp_configs() if configs.matches(c.id, args.configs)]
+    layer_cfgs = [c for c in layer_bench.layer_configs(on_gpu, args.quick) if configs.matches(c.id, args.configs)]
     modes = tuple(args.modes or configs.attention_modes(args.quick))
     run_attn, run_masks, run_cp = "attention" in args.what, "masks" in args.what, "cp" in args.what
+    run_layer = "layer" in args.what
 
     if args.list:
         print(f"device: {device}" + ("" if on_gpu else f"  ({NOT_PERF})"))
@@ -96,6 +100,13 @@ def main(argv=None) -> int:
                   f"{cp_bench.COMPUTED}; per-rank compute timed on CUDA only")
             for c in cp_cfgs:
                 print(f"  {c.id}")
+        if run_layer:
+            print("end-to-end layer (transformers decoder layer, forward + backward; timed on CUDA only):")
+            for impl in layer_bench.IMPLS:
+                reason = layer_bench.unavailable(impl, device, getattr(torch, configs.DTYPES[args.dtype[0]]))
+                print(f"  attn_implementation {impl:17s} {'unavailable: ' + reason if reason else 'ok'}")
+            for c in layer_cfgs:
+                print(f"  {c.id}")
         return 0
 
     out = args.out or _default_out(device)
@@ -103,7 +114,8 @@ def main(argv=None) -> int:
     meta = run_metadata(device)
     total = (len(attn_cfgs) * len(modes) * len(args.providers) * len(args.dtype) if run_attn else 0) + \
             (len(mask_cfgs) * len(masks.OPS) * len(args.mask_providers) if run_masks else 0) + \
-            (len(cp_cfgs) * len(cp_bench.CP_SIZES) * len(args.dtype) if run_cp else 0)
+            (len(cp_cfgs) * len(cp_bench.CP_SIZES) * len(args.dtype) if run_cp else 0) + \
+            (len(layer_cfgs) * len(layer_bench.IMPLS) * len(args.dtype) if run_layer else 0)
     rows: list[dict] = []
     with _progress(total) as bar:
         for dtype_name in args.dtype:
@@ -112,6 +124,8 @@ def main(argv=None) -> int:
                 rows += attention.run_attention(attn_cfgs, modes, args.providers, dtype, device, args.quick, bar)
             if run_cp:
                 rows += cp_bench.run_cp(cp_cfgs, dtype, device, args.quick, bar)
+            if run_layer:
+                rows += layer_bench.run_layer(layer_cfgs, dtype, device, args.quick, bar)
         if run_masks:
             dtype = getattr(torch, configs.DTYPES[args.dtype[0]])
             rows += masks.run_masks(mask_cfgs, args.mask_providers, dtype, device, args.quick, bar)

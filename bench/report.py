@@ -66,6 +66,18 @@ def format_table(rows: list[dict], meta: dict, primary: str = "coreattn") -> str
                      "sends what it receives):\n" +
                      _table(["config", "cp", "comm", "dtype", "fwd sent MiB", "bwd sent MiB", "K/V saved MiB",
                              "K/V peak MiB", "own K/V MiB", "rank fwd+bwd ms", "TFLOP/s", "note"], cp))
+    layer = [r for r in rows if r["kind"] == "layer" and r["status"] != "skipped"]
+    if layer:
+        lines = []
+        for r in layer:
+            note = r.get("timing", "") if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
+            info = r.get("info", {})
+            lines.append([r["config"], r["dtype"], r["provider"], _fmt(r.get("ms"), ".3f"),
+                          _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(r.get(f"speedup_of_{primary}"), ".2f"),
+                          str(info.get("mask", "-")), note])
+        parts.append("end-to-end layer (one transformers decoder layer, forward + backward, packed batch):\n" +
+                     _table(["config", "dtype", "attn_implementation", "ms", "tokens/s", f"{primary} x",
+                             "mask", "note"], lines))
     skipped = Counter((r["kind"], r["provider"], r["reason"]) for r in rows if r["status"] == "skipped")
     if skipped:
         parts.append("skipped:\n" + "\n".join(f"  {kind} {provider}: {reason} ({n} case{'s' if n > 1 else ''})"

@@ -225,3 +225,19 @@ def test_cp_rank_compute_other_exchanges_run(comm):
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
     pairs, flops = cp_bench.rank_flops(cfg, 2, comm)
     assert flops == attention_flops(visible_pairs(32, 32, True), 4, 16, 8, "fwdbwd") // 2
+
+
+def test_layer_section_runs_on_cpu(tmp_path, capsys):
+    """End-to-end layer: a tiny transformers decoder layer runs forward + backward with coreattn (its
+    position-ids packing, no mask) and SDPA (a dense packed mask); nothing is timed on CPU."""
+    pytest.importorskip("transformers")
+    argv = ["--quick", "--device", "cpu", "--what", "layer", "--configs", "llama", "--no-plots", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    rows = {r["provider"]: r for r in json.loads((tmp_path / "results.json").read_text())["results"]}
+    assert set(rows) == {"coreattn", "sdpa", "flash_attention_2"}
+    assert rows["coreattn"]["status"] == rows["sdpa"]["status"] == "ok"
+    assert rows["coreattn"]["info"]["mask"] == "none" and rows["coreattn"]["info"]["num_seqs"] > 1
+    assert rows["sdpa"]["info"]["mask"] == "[1, 1, 96, 96] bool"
+    assert "ms" not in rows["coreattn"] and "not timed on CPU" in rows["coreattn"]["timing"]
+    assert rows["flash_attention_2"]["status"] == "skipped" and "CUDA" in rows["flash_attention_2"]["reason"]
+    assert "end-to-end layer" in capsys.readouterr().out

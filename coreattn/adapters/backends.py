@@ -135,7 +135,9 @@ def select_backend(device: torch.device, override: str | Backend | None = None) 
     else:
         backend = _default_for(device)
     key = (device.type, backend)
-    if key not in _logged:
+    # not while torch.compile traces: a logging call would break the graph, and a guard on _logged
+    # would recompile once the op has logged (it selects again, and logs, when it runs)
+    if not torch.compiler.is_compiling() and key not in _logged:
         _logged.add(key)
         logger.info("coreattn: %s tensors use the %s backend (%s)", device.type, backend.value,
                     is_available(backend, device).reason)

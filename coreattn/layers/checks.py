@@ -40,12 +40,15 @@ def _check_tensor(name: str, t, ndim: int) -> None:
 
 
 def check_max_seqlen(name: str, value) -> int:
+    """An int >= 0. Plain and symbolic ints are taken as they are: under torch.compile an
+    ``operator.index`` would specialize the graph on the value (a recompile per new length)."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got bool")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if not isinstance(value, (int, torch.SymInt)):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     return value
@@ -168,10 +171,10 @@ def check_flag(name: str, value) -> bool:
 
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                        softmax_scale, causal, window_size, causal_alignment,
-                        seqused: bool = False) -> tuple[VarlenParams, int, int]:
-    """Validate the packed (thd) attention arguments; returns the params and max_seqlen_q/k.
-    With ``seqused`` max_seqlen bounds the used counts (check_seqused), not the cu_seqlens slots."""
+                        softmax_scale, causal, window_size, causal_alignment) -> tuple[VarlenParams, int, int]:
+    """Validate the packed (thd) attention arguments without reading tensor values; returns the
+    params and max_seqlen_q/k. The checks that read cu_seqlens run inside the attention op
+    (``check_layout_values``)."""
     check_qkv(q, k, v, "thd")
     params = check_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, causal_alignment)
     check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
@@ -181,15 +184,13 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                          f"{cu_seqlens_k.numel()}: q and k batch sizes must match")
     max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
-    if cu_seqlens_q.device.type == "cpu" or validation_enabled():
-        check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", None if seqused else max_seqlen_q)
-        check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", None if seqused else max_seqlen_k)
     return params, max_seqlen_q, max_seqlen_k
 
 
 def check_spans(start_name: str, start, len_name: str, length, batch: int, seqlen: int,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample spans of a padded batch: int32 [B] start and length, None = the whole row."""
+    """Per-sample spans of a padded batch: int32 [B] start and length, None = the whole row. Reads
+    no values: whether each span fits is checked in the op (``check_span_values``)."""
     for name, t in ((start_name, start), (len_name, length)):
         if t is None:
             continue
@@ -205,17 +206,21 @@ def check_spans(start_name: str, start, len_name: str, length, batch: int, seqle
         start = torch.zeros(batch, dtype=torch.int32, device=device)
     if length is None:
         length = (seqlen - start).to(torch.int32)
-    if device.type == "cpu" or validation_enabled():
-        bad = (start < 0) | (length < 0) | (start + length > seqlen)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            raise ValueError(f"span {i} ({start_name}={int(start[i])}, {len_name}={int(length[i])}) "
-                             f"does not fit in the padded length {seqlen}")
     return start, length
 
 
-def check_seqused(name: str, used, cu: torch.Tensor, max_name: str, max_seqlen: int) -> torch.Tensor:
-    """Per-sequence used-token counts inside cu_seqlens slots (None: the whole slot)."""
+def check_span_values(start_name: str, start: torch.Tensor, len_name: str, length: torch.Tensor,
+                      seqlen: int) -> None:
+    bad = (start < 0) | (length < 0) | (start + length > seqlen)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"span {i} ({start_name}={int(start[i])}, {len_name}={int(length[i])}) "
+                         f"does not fit in the padded length {seqlen}")
+
+
+def check_seqused(name: str, used, cu: torch.Tensor) -> torch.Tensor:
+    """Per-sequence used-token counts inside cu_seqlens slots (None: the whole slot). Reads no
+    values: ``check_seqused_values`` runs in the op."""
     if used is None:
         used = (cu[1:] - cu[:-1]).to(torch.int32)
     _check_tensor(name, used, 1)
@@ -226,15 +231,17 @@ def check_seqused(name: str, used, cu: torch.Tensor, max_name: str, max_seqlen: 
     _check_unit_stride(name, used)
     if used.device != cu.device:
         raise ValueError(f"{name} is on {used.device} but cu_seqlens is on {cu.device}")
-    if cu.device.type == "cpu" or validation_enabled():
-        if used.numel() and int(used.max()) > max_seqlen:
-            raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest used sequence ({int(used.max())})")
-        bad = (used < 0) | (used > cu[1:] - cu[:-1])
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            raise ValueError(f"{name}[{i}] = {int(used[i])} does not fit in sequence {i}'s slot of "
-                             f"{int(cu[i + 1] - cu[i])} tokens")
     return used
+
+
+def check_seqused_values(name: str, used: torch.Tensor, cu: torch.Tensor, max_name: str, max_seqlen: int) -> None:
+    if used.numel() and int(used.max()) > max_seqlen:
+        raise ValueError(f"{max_name} = {max_seqlen} is smaller than the longest used sequence ({int(used.max())})")
+    bad = (used < 0) | (used > cu[1:] - cu[:-1])
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"{name}[{i}] = {int(used[i])} does not fit in sequence {i}'s slot of "
+                         f"{int(cu[i + 1] - cu[i])} tokens")
 
 
 def check_binary_values(name: str, mask: torch.Tensor) -> None:
@@ -246,8 +253,8 @@ def check_binary_values(name: str, mask: torch.Tensor) -> None:
 
 
 def check_keep_mask(name: str, mask, batch: int, seqlen: int, device: torch.device) -> torch.Tensor | None:
-    """A [B, S] keep mask (bool, or integer 0/1 with 1 = keep) as the uint8 tensor the kernels read.
-    Integer values other than 0/1 raise on the CPU (or with COREATTN_VALIDATE=1)."""
+    """A [B, S] keep mask (bool, or integer 0/1 with 1 = keep), returned as given: the op checks
+    integer values (on the CPU or with COREATTN_VALIDATE=1) and converts it with ``keep_as_uint8``."""
     if mask is None:
         return None
     _check_tensor(name, mask, 2)
@@ -257,8 +264,43 @@ def check_keep_mask(name: str, mask, batch: int, seqlen: int, device: torch.devi
         raise ValueError(f"{name} has shape {tuple(mask.shape)}, expected [B, S] = [{batch}, {seqlen}]")
     if mask.device != device:
         raise ValueError(f"{name} is on {mask.device} but q is on {device}")
-    if mask.dtype != torch.bool and (device.type == "cpu" or validation_enabled()):
-        check_binary_values(name, mask)
+    return mask
+
+
+def keep_as_uint8(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The uint8 keep mask the kernels read (1 = keep): a view of a bool mask, else ``mask != 0``."""
+    if mask is None:
+        return None
     if mask.dtype == torch.bool:
         return mask.view(torch.uint8)
     return (mask != 0).view(torch.uint8)
+
+
+def _reads_values(device: torch.device) -> bool:
+    """Value checks run on CPU tensors (free) and, with COREATTN_VALIDATE=1, on device tensors (a host sync)."""
+    return device.type == "cpu" or validation_enabled()
+
+
+def check_layout_values(fmt: str, q_seq, q_lens, q_keep, k_seq, k_lens, k_keep, tokens_q: int, tokens_k: int,
+                        max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """The checks of the public functions that read tensor values, run inside the attention op
+    (so that traced code never reads them), with the public argument names. The layout is the op's
+    (coreattn/layers/function.py): thd ``seq`` cu_seqlens ``[B+1]``, with ``lens`` the seqused
+    counts; bshd/sbhd ``seq``/``lens`` the spans and ``keep`` the keep masks as given.
+    ``tokens_*``: T (thd) or the padded length S."""
+    if not _reads_values(q_seq.device):
+        return
+    if fmt == "thd":
+        seqused = q_lens is not None or k_lens is not None
+        check_cu_seqlens_values("cu_seqlens_q", q_seq, tokens_q, "max_seqlen_q", None if seqused else max_seqlen_q)
+        check_cu_seqlens_values("cu_seqlens_k", k_seq, tokens_k, "max_seqlen_k", None if seqused else max_seqlen_k)
+        for name, used, cu, max_name, max_seqlen in (("seqused_q", q_lens, q_seq, "max_seqlen_q", max_seqlen_q),
+                                                     ("seqused_k", k_lens, k_seq, "max_seqlen_k", max_seqlen_k)):
+            if used is not None:
+                check_seqused_values(name, used, cu, max_name, max_seqlen)
+        return
+    check_span_values("q_start", q_seq, "q_len", q_lens, tokens_q)
+    check_span_values("k_start", k_seq, "k_len", k_lens, tokens_k)
+    for name, mask in (("q_keep_mask", q_keep), ("k_keep_mask", k_keep)):
+        if mask is not None and mask.dtype != torch.bool:
+            check_binary_values(name, mask)

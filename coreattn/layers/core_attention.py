@@ -224,14 +224,14 @@ class CoreAttention(MegatronModule):
         if getattr(packed_seq_params, "local_cp_size", None) is not None:
             raise NotImplementedError("hybrid context parallelism (packed_seq_params.local_cp_size) is not "
                                       "supported by CoreAttention")
-        backend = self._backend_for(query.device)
+        self._backend_for(query.device)  # an override that cannot run raises here
         causal = mask_type in _CAUSAL_ALIGNMENT
         alignment = _CAUSAL_ALIGNMENT.get(mask_type, "bottom_right")
         fmt = getattr(packed_seq_params, "qkv_format", None) or "sbhd"
         dropout_p = self.attention_dropout if self.training else 0.0
         opts = dict(softmax_scale=self.softmax_scale, causal=causal, window_size=self.window_size,
-                    causal_alignment=alignment, backend=backend, dropout_p=dropout_p,
-                    softmax_offset=self.softmax_offset, return_max_logit=self.track_max_logit)
+                    causal_alignment=alignment, backend=self.backend,  # resolved when the attention op runs
+                    dropout_p=dropout_p, softmax_offset=self.softmax_offset, return_max_logit=self.track_max_logit)
         cp_group = getattr(packed_seq_params, "cp_group", None) or self.cp_group
         if fmt not in ("sbhd", "bshd", "thd"):
             raise ValueError(f"packed_seq_params.qkv_format={fmt!r} is not supported (use 'sbhd', 'bshd' or 'thd')")
@@ -289,7 +289,7 @@ class CoreAttention(MegatronModule):
             masked = masked | (j < i + shift - left)
         if right >= 0:
             masked = masked | (j > i + shift + right)
-        if opts["backend"] is Backend.NPU_FUSED:
+        if self._backend_for(q.device) is Backend.NPU_FUSED:
             from coreattn.layers.npu_backend import attn_npu_dense_mask
 
             if opts["softmax_offset"] is not None or opts["return_max_logit"]:
@@ -311,8 +311,8 @@ class CoreAttention(MegatronModule):
             used_q, used_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
             cu_q = cu_q if cu_q_pad is None else cu_q_pad
             cu_k = cu_k if cu_k_pad is None else cu_k_pad
-        max_q = _max_seqlen(getattr(params, "max_seqlen_q", None), cu_q)
-        max_k = _max_seqlen(getattr(params, "max_seqlen_kv", None), cu_k)
+        max_q = _max_seqlen(getattr(params, "max_seqlen_q", None), q.shape[0])
+        max_k = _max_seqlen(getattr(params, "max_seqlen_kv", None), k.shape[0])
         return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q=used_q, seqused_k=used_k, **opts)
 
     def _forward_cp(self, q, k, v, attention_mask, mask_type, fmt, params, cp_group, opts) -> torch.Tensor:
@@ -366,13 +366,15 @@ def _max_or_none(value):
     return None if value is None else int(value)
 
 
-def _max_seqlen(value, cu: torch.Tensor) -> int:
-    """PackedSeqParams.max_seqlen_* as an int (a tensor in megatron-core < 0.14; None: computed
-    from cu_seqlens, a host sync). It only sizes the kernel grid."""
+def _max_seqlen(value, tokens: int) -> int:
+    """PackedSeqParams.max_seqlen_* as an int (a tensor in megatron-core < 0.14, read on the host).
+    None: the token count, an upper bound that reads no tensor (so torch.compile traces it): the
+    kernels size their grids by the token count and never read max_seqlen, which only bounds the
+    argument checks."""
     if value is None:
-        return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-    if isinstance(value, torch.Tensor):
-        return int(value)
+        return tokens
+    if isinstance(value, (int, torch.SymInt)):
+        return value  # int() would specialize a compiled graph on a symbolic value
     return int(value)
 
 

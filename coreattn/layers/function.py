@@ -1,4 +1,4 @@
-"""AttnFunction: autograd over one backend's forward and backward.
+"""The attention custom operators: forward and backward over one backend's pair, with autograd.
 
 Every backend that coreattn differentiates itself implements the same pair (an ``AttnImpl``):
 
@@ -12,20 +12,62 @@ Every backend that coreattn differentiates itself implements the same pair (an `
 Backends: Triton (the kernels' launchers) and torch (coreattn/layers/torch_backend.py). The
 softmax offset's gradient is the same torch reduction for both (``softmax_offset_grad``) over
 per-row sums of P * dP that each backend accumulates in fp32 (float64 for float64 inputs).
+
+The pair is exposed as PyTorch custom operators, so ``torch.compile`` traces a call as one opaque
+node (no graph break) and eager runs the very same code:
+
+- ``coreattn::attn_fwd(q, k, v, fmt, <q layout>, <k layout>, max_seqlen_q, max_seqlen_k,
+  softmax_scale, window_left, window_right, bottom_right, dropout_p, rng_state?, softmax_offset?,
+  return_max_logit, backend, validate) -> (out, lse, max_logit)``;
+- ``coreattn::attn_bwd(dout, q, k, v, out, lse, fmt, <q layout>, <k layout>, ...) -> (dq, dk, dv,
+  d_offset)``, d_offset an empty ``[0]`` placeholder without a softmax offset;
+- ``coreattn::rng_state(q) -> int64 [3]``: the dropout RNG state, drawn from the generator of
+  q's device when the op runs, so a compiled graph draws exactly what eager draws (Inductor would
+  otherwise replace a traced ``randint`` with its own RNG).
+
+A side's layout is four tensors ``seq, lens?, keep?, gid?`` (``coreattn.kernels.packing.Packing``
+without its format), read according to ``fmt``:
+
+- ``"thd"``: ``seq`` cu_seqlens int32 ``[B+1]``; with ``lens``, either span starts ``[B]`` or the
+  cu_seqlens ``[B+1]`` whose slots hold ``lens[b]`` used tokens (flash-attn 3's seqused): span
+  starts are ``seq[:B]``;
+- ``"bshd"`` / ``"sbhd"``: ``seq``/``lens`` the int32 ``[B]`` spans; ``keep`` a ``[B, S]`` bool or
+  0/1 integer keep mask as the caller gave it (converted to the kernels' uint8 in the op);
+- ``"thd_position_ids"``: packed thd tokens ``[T, H, D]`` whose sequences are given by ``seq``,
+  position ids ``[rows, S]`` or ``[S]`` (any integer dtype; T = rows * S, or one row standing for
+  every row of a batch of T / S rows): a sequence starts at
+  each row's first token and wherever the position id does not go up by one (transformers'
+  packed-sequence rule: ``DataCollatorWithFlattening``'s restarting ids, or plain per-row
+  positions). The op derives cu_seqlens from them when it runs (``cu_seqlens_from_position_ids``,
+  one host sync on a device), so traced code never needs the number of sequences.
+
+Everything that reads tensor values runs inside the ops: the public functions' value checks
+(``validate=True``, coreattn.layers.checks.check_layout_values), the backend choice (``backend``:
+an override name or "" for the per-device default, resolved with
+coreattn.adapters.backends.select_backend when the op runs, so ``COREATTN_BACKEND`` keeps working
+under compile) and the torch backend's length reads. The fake (meta) implementations give the
+exact shapes, dtypes and strides from the input shapes alone: out ``q.shape[:-1] + (Dv,)``
+contiguous in q's dtype, lse ``[Hq, T]`` (thd) or ``[B, Hq, S]`` float32 (float64 for float64
+inputs), max_logit ``[Hq]`` of the same dtype when asked for, else an empty ``[0]`` placeholder.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import inspect
+import weakref
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from coreattn.adapters.backends import Backend, select_backend
 from coreattn.kernels import varlen_attn_bwd, varlen_attn_fwd
 from coreattn.kernels.packing import Packing, new_rowstat
 from coreattn.layers import dropout
-from coreattn.layers.checks import VarlenParams
+from coreattn.layers.checks import KERNEL_DTYPES, VarlenParams, check_layout_values, keep_as_uint8
 from coreattn.layers.softmax_offset import softmax_offset_grad
 from coreattn.layers.torch_backend import attn_torch_bwd, attn_torch_fwd
+
+POSITION_IDS = "thd_position_ids"
 
 
 class AttnImpl(NamedTuple):
@@ -56,33 +98,222 @@ TRITON = AttnImpl("triton", _triton_fwd, _triton_bwd)
 TORCH = AttnImpl("torch", attn_torch_fwd, attn_torch_bwd)
 
 
-class AttnFunction(torch.autograd.Function):
-    """Saves only what flash attention saves: q, k, v, out, lse (O(T*H*D)), plus the dropout RNG
-    state and the softmax offset when given."""
+def _stat_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
-    @staticmethod
-    def forward(ctx, q, k, v, softmax_offset, impl: AttnImpl, q_pack: Packing, k_pack: Packing, max_seqlen_q: int,
-                max_seqlen_k: int, params: VarlenParams, rng_state, return_max_logit: bool):
-        out, lse, max_logit = impl.fwd(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params, rng_state,
-                                       softmax_offset, return_max_logit)
-        ctx.save_for_backward(q, k, v, out, lse, softmax_offset, rng_state)
-        ctx.impl, ctx.q_pack, ctx.k_pack = impl, q_pack, k_pack  # small int32 descriptors
-        ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.params = max_seqlen_q, max_seqlen_k, params
-        ctx.mark_non_differentiable(*(t for t in (lse, max_logit) if t is not None))
-        return out, lse, max_logit
 
-    @staticmethod
-    def backward(ctx, dout, dlse, dmax_logit):
-        # lse and max_logit are non-differentiable: their incoming gradients are ignored
-        q, k, v, out, lse, softmax_offset, rng_state = ctx.saved_tensors
-        dq, dk, dv, d_offset = ctx.impl.bwd(dout, q, k, v, out, lse, ctx.q_pack, ctx.k_pack, ctx.max_seqlen_q,
-                                            ctx.max_seqlen_k, ctx.params, rng_state, softmax_offset)
-        return dq, dk, dv, d_offset, None, None, None, None, None, None, None, None
+def _impl(q: torch.Tensor, backend: str) -> AttnImpl:
+    """The backend for q's device (``backend``: an override name, "" for the default), chosen when
+    the op runs."""
+    chosen = select_backend(q.device, backend or None)
+    if chosen is Backend.TORCH:
+        return TORCH
+    if chosen is not Backend.TRITON:
+        raise RuntimeError(f"the {chosen.value} backend does not run through the coreattn attention op "
+                           "(coreattn.layers.dispatch.run_attention calls it directly)")
+    if q.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; the Triton backend supports float16, bfloat16, float32")
+    return TRITON
+
+
+_position_cache: list = [None]  # (weakref to position ids, their version, cu_seqlens)
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor, tokens: int) -> torch.Tensor:
+    """int32 cu_seqlens [B+1] of ``tokens`` packed tokens given as rows of ``position_ids``
+    (``[rows, S]`` or ``[S]``; one row stands for every row when tokens > rows * S): a sequence
+    starts at each row's first token and wherever the position id does not go up by one
+    (transformers' packed-sequence rule). Reads the number of sequences (a host sync on a device);
+    the result is kept for the last position_ids tensor seen, unmodified, so the layers of a model
+    (and their backward) share one read."""
+    hit = _position_cache[0]
+    cacheable = not position_ids.is_inference()
+    if cacheable and hit is not None and hit[0]() is position_ids and hit[1:3] == (position_ids._version, tokens):
+        return hit[3]
+    rows = position_ids.reshape(-1, position_ids.shape[-1]) if position_ids.dim() else position_ids.reshape(1, 1)
+    if rows.numel() != tokens:
+        if rows.shape[0] != 1 or tokens % rows.shape[1]:
+            raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} do not cover the {tokens} tokens")
+        rows = rows.expand(tokens // rows.shape[1], -1)
+    starts = torch.ones_like(rows, dtype=torch.bool)
+    starts[:, 1:] = rows[:, 1:] - rows[:, :-1] != 1
+    begin = starts.reshape(-1).nonzero().view(-1).to(torch.int32)
+    end = torch.tensor([tokens], dtype=torch.int32, device=position_ids.device)
+    cu = torch.cat([begin, end])
+    if cacheable:
+        _position_cache[0] = (weakref.ref(position_ids), position_ids._version, tokens, cu)
+    return cu
+
+
+def _packings(fmt, q_seq, q_lens, q_keep, q_gid, k_seq, k_lens, k_keep, k_gid, tokens_q: int,
+              tokens_k: int) -> tuple[Packing, Packing]:
+    """The kernels' Packings from the op's layout arguments (see the module docstring)."""
+    if fmt == POSITION_IDS:
+        cu_q = cu_seqlens_from_position_ids(q_seq, tokens_q)
+        cu_k = cu_seqlens_from_position_ids(k_seq, tokens_k)
+        return Packing("thd", cu_q, gid=q_gid), Packing("thd", cu_k, gid=k_gid)
+
+    def one(seq, lens, keep, gid):
+        if lens is not None and seq.numel() != lens.numel():
+            seq = seq[:lens.numel()]  # cu_seqlens slots with seqused counts: starts are cu[:-1]
+        return Packing(fmt, seq, lens, keep_as_uint8(keep), gid)
+
+    return one(q_seq, q_lens, q_keep, q_gid), one(k_seq, k_lens, k_keep, k_gid)
+
+
+def _tokens(x: torch.Tensor, fmt: str) -> int:
+    return x.shape[1] if fmt == "bshd" else x.shape[0]
+
+
+@torch.library.custom_op("coreattn::attn_fwd", mutates_args=())
+def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str,
+             q_seq: torch.Tensor, q_lens: Optional[torch.Tensor], q_keep: Optional[torch.Tensor],
+             q_gid: Optional[torch.Tensor], k_seq: torch.Tensor, k_lens: Optional[torch.Tensor],
+             k_keep: Optional[torch.Tensor], k_gid: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+             softmax_scale: float, window_left: int, window_right: int, bottom_right: bool, dropout_p: float,
+             rng_state: Optional[torch.Tensor], softmax_offset: Optional[torch.Tensor], return_max_logit: bool,
+             backend: str, validate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, max_logit); max_logit is an empty [0] tensor unless ``return_max_logit``."""
+    if validate and fmt != POSITION_IDS:
+        check_layout_values(fmt, q_seq, q_lens, q_keep, k_seq, k_lens, k_keep, _tokens(q, fmt), _tokens(k, fmt),
+                            max_seqlen_q, max_seqlen_k)
+    impl = _impl(q, backend)
+    q_pack, k_pack = _packings(fmt, q_seq, q_lens, q_keep, q_gid, k_seq, k_lens, k_keep, k_gid, q.shape[0],
+                               k.shape[0])
+    params = VarlenParams(softmax_scale, window_left, window_right, bottom_right, dropout_p)
+    out, lse, max_logit = impl.fwd(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params, rng_state,
+                                   softmax_offset, return_max_logit)
+    if max_logit is None:
+        max_logit = torch.empty(0, dtype=_stat_dtype(q), device=q.device)
+    return out, lse, max_logit
+
+
+def _lse_shape(q: torch.Tensor, fmt: str) -> tuple:
+    heads = q.shape[-2]
+    if fmt in ("thd", POSITION_IDS):
+        return (heads, q.shape[0])
+    batch, seqlen = (q.shape[0], q.shape[1]) if fmt == "bshd" else (q.shape[1], q.shape[0])
+    return (batch, heads, seqlen)
+
+
+@attn_fwd.register_fake
+def _attn_fwd_fake(q, k, v, fmt, q_seq, q_lens, q_keep, q_gid, k_seq, k_lens, k_keep, k_gid, max_seqlen_q,
+                   max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, dropout_p, rng_state,
+                   softmax_offset, return_max_logit, backend, validate):
+    stat = _stat_dtype(q)
+    out = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
+    lse = q.new_empty(_lse_shape(q, fmt), dtype=stat)
+    max_logit = q.new_empty((q.shape[-2],) if return_max_logit else (0,), dtype=stat)
+    return out, lse, max_logit
+
+
+@torch.library.custom_op("coreattn::attn_bwd", mutates_args=())
+def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, fmt: str, q_seq: torch.Tensor, q_lens: Optional[torch.Tensor],
+             q_keep: Optional[torch.Tensor], q_gid: Optional[torch.Tensor], k_seq: torch.Tensor,
+             k_lens: Optional[torch.Tensor], k_keep: Optional[torch.Tensor], k_gid: Optional[torch.Tensor],
+             max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
+             bottom_right: bool, dropout_p: float, rng_state: Optional[torch.Tensor],
+             softmax_offset: Optional[torch.Tensor],
+             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, d_offset) from the forward's out and lse, in q, k, v's (and the offset's) shapes and
+    dtypes (contiguous); d_offset is an empty [0] tensor without a softmax offset. ``backend`` is
+    resolved again: the forward's choice unless COREATTN_BACKEND changed in between."""
+    impl = _impl(q, backend)
+    q_pack, k_pack = _packings(fmt, q_seq, q_lens, q_keep, q_gid, k_seq, k_lens, k_keep, k_gid, q.shape[0],
+                               k.shape[0])
+    params = VarlenParams(softmax_scale, window_left, window_right, bottom_right, dropout_p)
+    dq, dk, dv, d_offset = impl.bwd(dout, q, k, v, out, lse, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params,
+                                    rng_state, softmax_offset)
+    if d_offset is None:
+        d_offset = torch.empty(0, dtype=_stat_dtype(q), device=q.device)
+    # a custom op's outputs are fresh tensors in the fake's (contiguous) layout
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), d_offset.contiguous()
+
+
+@attn_bwd.register_fake
+def _attn_bwd_fake(dout, q, k, v, out, lse, fmt, q_seq, q_lens, q_keep, q_gid, k_seq, k_lens, k_keep, k_gid,
+                   max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, dropout_p,
+                   rng_state, softmax_offset, backend):
+    d_offset = (softmax_offset.new_empty(softmax_offset.shape) if softmax_offset is not None
+                else q.new_empty((0,), dtype=_stat_dtype(q)))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_offset
+
+
+_LAYOUT_ARGS = ("fmt", "q_seq", "q_lens", "q_keep", "q_gid", "k_seq", "k_lens", "k_keep", "k_gid",
+                "max_seqlen_q", "max_seqlen_k", "softmax_scale", "window_left", "window_right", "bottom_right",
+                "dropout_p")
+_FWD_ARGS = ("q", "k", "v") + _LAYOUT_ARGS + ("rng_state", "softmax_offset", "return_max_logit", "backend", "validate")
+_SAVED = ("q", "k", "v", "q_seq", "q_lens", "q_keep", "q_gid", "k_seq", "k_lens", "k_keep", "k_gid", "rng_state",
+          "softmax_offset")
+
+
+def _setup_context(ctx, inputs, output):
+    """Saves only what flash attention saves: q, k, v, out, lse (O(T*H*D)), the small layout
+    tensors, and the dropout RNG state and softmax offset when given."""
+    args = dict(zip(_FWD_ARGS, inputs))
+    out, lse, max_logit = output
+    ctx.save_for_backward(out, lse, *(args[name] for name in _SAVED))
+    ctx.options = {name: args[name] for name in _LAYOUT_ARGS if not name.startswith(("q_", "k_"))}
+    ctx.backend = args["backend"]
+    ctx.mark_non_differentiable(lse, max_logit)
+
+
+def _backward(ctx, dout, dlse, dmax_logit):
+    # lse and max_logit are non-differentiable: their incoming gradients are ignored
+    out, lse, *saved = ctx.saved_tensors
+    t = dict(zip(_SAVED, saved))
+    opts = ctx.options
+    dq = dk = dv = d_offset = None
+    wants_offset = ctx.needs_input_grad[_FWD_ARGS.index("softmax_offset")]
+    if any(ctx.needs_input_grad[:3]) or wants_offset:
+        dq, dk, dv, d_offset = attn_bwd(dout, t["q"], t["k"], t["v"], out, lse, opts["fmt"],
+                                        *(t[name] for name in _SAVED[3:11]), opts["max_seqlen_q"],
+                                        opts["max_seqlen_k"], opts["softmax_scale"], opts["window_left"],
+                                        opts["window_right"], opts["bottom_right"], opts["dropout_p"], t["rng_state"],
+                                        t["softmax_offset"], ctx.backend)
+    grads = dict(q=dq, k=dk, v=dv, softmax_offset=d_offset if wants_offset else None)
+    return tuple(grads.get(name) for name in _FWD_ARGS)
+
+
+attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# tagged as a random op, as torch's own are, for the compiler passes that look for them (custom_op
+# takes ``tags`` from torch 2.5 on)
+_RANDOM = ({"tags": (torch.Tag.nondeterministic_seeded,)}
+           if "tags" in inspect.signature(torch.library.custom_op).parameters else {})
+
+
+@torch.library.custom_op("coreattn::rng_state", mutates_args=(), **_RANDOM)
+def rng_state(q: torch.Tensor) -> torch.Tensor:
+    """A fresh dropout RNG state (int64 [3]: seed, offset, head offset 0) from the default generator of
+    q's device."""
+    return dropout.rng_state(q.device)
+
+
+@rng_state.register_fake
+def _rng_state_fake(q):
+    return torch.empty(3, dtype=torch.int64, device=q.device)
+
+
+def attention(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int, params: VarlenParams,
+              backend: str = "", *, rng_state: torch.Tensor | None = None,
+              softmax_offset: torch.Tensor | None = None, return_max_logit: bool = False, validate: bool = False):
+    """(out, lse, max_logit or None) through ``coreattn::attn_fwd`` (differentiable in q, k, v and
+    softmax_offset). The packings carry the op's layout (``q_pack.fmt`` is the op's ``fmt``)."""
+    if q_pack.fmt != k_pack.fmt:
+        raise ValueError(f"q and k layouts differ: {q_pack.fmt!r} and {k_pack.fmt!r}")
+    out, lse, max_logit = attn_fwd(q, k, v, q_pack.fmt, q_pack.seq, q_pack.lens, q_pack.keep, q_pack.gid, k_pack.seq,
+                                   k_pack.lens, k_pack.keep, k_pack.gid, max_seqlen_q, max_seqlen_k,
+                                   params.softmax_scale, params.window_left, params.window_right, params.bottom_right,
+                                   params.dropout_p, rng_state, softmax_offset, return_max_logit, backend, validate)
+    return out, lse, (max_logit if return_max_logit else None)
 
 
 def attn_torch(q, k, v, q_pack: Packing, k_pack: Packing, params: VarlenParams) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch backend as a differentiable function of q, k, v: (out, lse); dropout draws its RNG
     state from the device's generator."""
-    state = dropout.rng_state(q.device) if params.dropout_p > 0 else None
-    out, lse, _ = AttnFunction.apply(q, k, v, None, TORCH, q_pack, k_pack, 0, 0, params, state, False)
+    state = rng_state(q) if params.dropout_p > 0 else None
+    out, lse, _ = attention(q, k, v, q_pack, k_pack, 0, 0, params, Backend.TORCH.value, rng_state=state)
     return out, lse

@@ -82,16 +82,16 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     params, max_seqlen_q, max_seqlen_k = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-        causal, window_size, causal_alignment, seqused=seqused_q is not None or seqused_k is not None)
+        causal, window_size, causal_alignment)
     q_pack, k_pack = packed(cu_seqlens_q), packed(cu_seqlens_k)
     if seqused_q is not None or seqused_k is not None:
-        q_pack = Packing("thd", cu_seqlens_q[:-1], check_seqused("seqused_q", seqused_q, cu_seqlens_q,
-                                                                     "max_seqlen_q", max_seqlen_q))
-        k_pack = Packing("thd", cu_seqlens_k[:-1], check_seqused("seqused_k", seqused_k, cu_seqlens_k,
-                                                                     "max_seqlen_k", max_seqlen_k))
+        # the op reads these as cu_seqlens slots holding the used counts (coreattn/layers/function.py)
+        q_pack = Packing("thd", cu_seqlens_q, check_seqused("seqused_q", seqused_q, cu_seqlens_q))
+        k_pack = Packing("thd", cu_seqlens_k, check_seqused("seqused_k", seqused_k, cu_seqlens_k))
     out, lse, max_logit = run_attention(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params, deterministic,
                                         backend, softmax_offset=check_softmax_offset(softmax_offset, q),
-                                        return_max_logit=check_flag("return_max_logit", return_max_logit))
+                                        return_max_logit=check_flag("return_max_logit", return_max_logit),
+                                        validate=True)
     return public_result(out, lse, max_logit, return_lse, return_max_logit)
 
 
