@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from coreattn.kernels.packing import Packing, seq_len_dim
+from coreattn.kernels.packing import Packing
 from coreattn.layers import torch_fused
 from coreattn.layers.checks import VarlenParams
 from coreattn.layers.torch_blocked import blocked_bwd, blocked_fwd
@@ -61,13 +61,6 @@ def _fused_calls(q, k, spans: Spans, params: VarlenParams, return_max_logit: boo
     return torch_fused.plan(spans, params)
 
 
-def _lse_like(q: torch.Tensor, pack: Packing) -> torch.Tensor:
-    """lse filled with -inf: [Hq, T] (thd) or [B, Hq, S] (padded); float64 for float64 inputs."""
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    shape = (q.shape[-2], q.shape[0]) if pack.fmt == "thd" else (pack.batch, q.shape[-2], seq_len_dim(q, pack.fmt))
-    return torch.full(shape, float("-inf"), dtype=dtype, device=q.device)
-
-
 def attn_torch_fwd(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int,
                    params: VarlenParams, rng_state: torch.Tensor | None = None,
                    softmax_offset: torch.Tensor | None = None, return_max_logit: bool = False):
@@ -78,9 +71,7 @@ def attn_torch_fwd(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int,
     calls = _fused_calls(q, k, spans, params, return_max_logit)
     if calls is None:
         return blocked_fwd(q, k, v, q_pack, k_pack, spans, params, rng_state, softmax_offset, return_max_logit)
-    out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
-    lse = _lse_like(q, q_pack)
-    torch_fused.fused_fwd(q, k, v, q_pack.fmt, calls, params, out, lse)
+    out, lse = torch_fused.fused_fwd(q, k, v, q_pack, calls, params)
     if softmax_offset is not None:
         torch_fused.fold_sink(out, lse, q_pack.fmt, spans, softmax_offset)
     return out, lse, None
@@ -95,6 +86,4 @@ def attn_torch_bwd(dout, q, k, v, out, lse, q_pack: Packing, k_pack: Packing, ma
     calls = _fused_calls(q, k, spans, params, False)
     if calls is None:
         return blocked_bwd(dout, q, k, v, out, lse, q_pack, k_pack, spans, params, rng_state)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    torch_fused.fused_bwd(dout, q, k, v, out, lse, q_pack.fmt, calls, params, dq, dk, dv)
-    return dq, dk, dv
+    return torch_fused.fused_bwd(dout, q, k, v, out, lse, q_pack.fmt, calls, params)

@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from coreattn.kernels.packing import Packing, seq_len_dim
 from coreattn.layers.checks import VarlenParams
 from coreattn.layers.torch_spans import Spans
 
@@ -144,13 +145,38 @@ def _merge(o1, l1, o2, l2):
     return o1.to(lse.dtype) * torch.exp(l1 - lse)[..., None] + o2.to(lse.dtype) * torch.exp(l2 - lse)[..., None], lse
 
 
-def fused_fwd(q, k, v, fmt: str, calls: list[SeqCall], params: VarlenParams, out, lse) -> None:
-    """Fills ``out`` (zeros in q's layout, last dim Dv) and ``lse`` (-inf, lse layout) sequence by
-    sequence; a softmax offset is folded in afterwards by the caller (``fold_sink``)."""
+def _whole(q: torch.Tensor, k: torch.Tensor, fmt: str, calls: list[SeqCall]) -> bool:
+    """One kernel call over every row of a packed q and k: its outputs are the results, no copy."""
+    if fmt != "thd" or len(calls) != 1 or len(calls[0].parts) != 1:
+        return False
+    c = calls[0]
+    return c.q_start == 0 and c.q_len == q.shape[0] and c.k_start == 0 and c.parts[0].k_len == k.shape[0]
+
+
+def _as_rows(x: torch.Tensor, dim: int, like: torch.Tensor) -> torch.Tensor:
+    """The kernel's [1, H, n, D] -> [n, H, dim] in like's dtype, contiguous (a view when it already is)."""
+    return x[0, :, :, :dim].transpose(0, 1).to(like.dtype).contiguous()
+
+
+def _new_lse(q: torch.Tensor, pack: Packing) -> torch.Tensor:
+    """lse filled with -inf: [Hq, T] (thd) or [B, Hq, S] (padded); float64 for float64 inputs."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    shape = (q.shape[-2], q.shape[0]) if pack.fmt == "thd" else (pack.batch, q.shape[-2], seq_len_dim(q, pack.fmt))
+    return torch.full(shape, float("-inf"), dtype=dtype, device=q.device)
+
+
+def fused_fwd(q, k, v, q_pack: Packing, calls: list[SeqCall], params: VarlenParams):
+    """(out, lse) sequence by sequence: out in q's layout and dtype with last dim Dv (zeros where no
+    key is seen), lse in its layout (-inf there); a softmax offset is folded in by ``fold_sink``."""
     op = _fwd_op()
+    fmt = q_pack.fmt
     dim = max(q.shape[-1], v.shape[-1])
     dim_v = v.shape[-1]
     scale = params.softmax_scale
+    whole = _whole(q, k, fmt, calls)
+    if not whole:
+        out = q.new_zeros(q.shape[:-1] + (dim_v,))
+        lse = _new_lse(q, q_pack)
     for c in calls:
         qb = _bhsd(_rows(q, fmt, c.batch, c.q_start, c.q_len), dim)
         res = []
@@ -160,17 +186,23 @@ def fused_fwd(q, k, v, fmt: str, calls: list[SeqCall], params: VarlenParams, out
             vb = _bhsd(_rows(v, fmt, c.batch, start, part.k_len), dim)
             res.append(op(qb, kb, vb, 0.0, part.causal, scale=scale))
         o, l = res[0] if len(res) == 1 else _merge(*res[0], *res[1])
+        if whole:
+            return _as_rows(o, dim_v, q), l[0].contiguous()
         _rows(out, fmt, c.batch, c.q_start, c.q_len).copy_(o[0, :, :, :dim_v].transpose(0, 1))
         _stat_rows(lse, fmt, c.batch, c.q_start, c.q_len).copy_(l[0])
+    return out, lse
 
 
-def fused_bwd(dout, q, k, v, out, lse, fmt: str, calls: list[SeqCall], params: VarlenParams, dq, dk, dv) -> None:
-    """Adds each sequence's gradients into ``dq``, ``dk``, ``dv`` (zeros in the layouts of q, k, v;
-    key spans that overlap add up), from the saved out and lse."""
+def fused_bwd(dout, q, k, v, out, lse, fmt: str, calls: list[SeqCall], params: VarlenParams):
+    """(dq, dk, dv) in the layouts of q, k, v, from the saved out and lse; key spans that overlap
+    add up their sequences' gradients."""
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     dim = max(q.shape[-1], v.shape[-1])
     dim_qk, dim_v = q.shape[-1], v.shape[-1]
     scale = params.softmax_scale
+    whole = _whole(q, k, fmt, calls)
+    if not whole:
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for c in calls:
         qb = _bhsd(_rows(q, fmt, c.batch, c.q_start, c.q_len), dim)
         dob = _bhsd(_rows(dout, fmt, c.batch, c.q_start, c.q_len), dim)
@@ -178,15 +210,17 @@ def fused_bwd(dout, q, k, v, out, lse, fmt: str, calls: list[SeqCall], params: V
         lb = _stat_rows(lse, fmt, c.batch, c.q_start, c.q_len)
         # rows the caller's lse marks as seeing nothing (-inf) get P = exp(S - inf) = 0
         lb = torch.where(torch.isneginf(lb), torch.full_like(lb, float("inf")), lb)[None].contiguous()
-        dq_rows = _rows(dq, fmt, c.batch, c.q_start, c.q_len)
         for part in c.parts:
             start = c.k_start + part.k_offset
             kb = _bhsd(_rows(k, fmt, c.batch, start, part.k_len), dim)
             vb = _bhsd(_rows(v, fmt, c.batch, start, part.k_len), dim)
             gq, gk, gv = op(dob, qb, kb, vb, ob, lb, 0.0, part.causal, scale=scale)
-            dq_rows.add_(gq[0, :, :, :dim_qk].transpose(0, 1))
+            if whole:
+                return _as_rows(gq, dim_qk, q), _as_rows(gk, dim_qk, k), _as_rows(gv, dim_v, v)
+            _rows(dq, fmt, c.batch, c.q_start, c.q_len).add_(gq[0, :, :, :dim_qk].transpose(0, 1))
             _rows(dk, fmt, c.batch, start, part.k_len).add_(gk[0, :, :, :dim_qk].transpose(0, 1))
             _rows(dv, fmt, c.batch, start, part.k_len).add_(gv[0, :, :, :dim_v].transpose(0, 1))
+    return dq, dk, dv
 
 
 def _inside(spans: Spans, fmt: str, n_rows: int) -> torch.Tensor:
