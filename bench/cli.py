@@ -1,4 +1,7 @@
-"""Command line: ``python -m bench [--quick] [--out DIR] [--dtype bf16] [--what attention masks] ...``."""
+"""Command line: ``python -m bench [--quick] [--out DIR] [--dtype bf16] [--what attention masks] ...``.
+
+``python -m bench --what cpu`` runs the CPU attention section alone (bench/cpu_attention.py):
+performance data for the torch backend, written to bench/results/<cpu>_<date>/ by default."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from bench import attention, configs, masks
+from bench import attention, configs, cpu_attention, masks
 from bench import layer as layer_bench
 from bench import context_parallel as cp_bench
 from bench.env import REPO_ROOT, device_slug, run_metadata
@@ -18,23 +21,29 @@ from bench.flops import MODES
 from bench.providers import PRIMARY, PROVIDERS
 from bench.report import NOT_PERF, add_speedups, format_table, write_json
 
-WHAT = ("attention", "masks", "cp", "layer")
+WHAT = ("attention", "masks", "cp", "layer", "cpu")
+DEFAULT_WHAT = ("attention", "masks", "cp", "layer")  # cpu (minutes of CPU time) runs when asked for
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description="coreattn benchmarks: attention against the kernels users would use instead, "
                                 "mask builders against per-sample loops, context-parallel communication "
                                 "volumes (computed) and per-rank compute, and one transformers decoder layer "
-                                "with coreattn, SDPA and flash attention.",
+                                "with coreattn, SDPA and flash attention; with --what cpu, the CPU backend "
+                                "against PyTorch's CPU attention (time and peak memory).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a minimal set that runs in seconds")
-    p.add_argument("--out", type=Path, help="output directory (default: bench/results/<device>_<date> on GPU, "
-                                           "bench/local/<device>_<date> on CPU)")
+    p.add_argument("--out", type=Path, help="output directory (default: bench/results/<device>_<date> on GPU and "
+                                           "for --what cpu alone, bench/local/<device>_<date> otherwise)")
     p.add_argument("--dtype", nargs="+", choices=list(configs.DTYPES), default=["bf16"])
-    p.add_argument("--what", nargs="+", choices=WHAT, default=list(WHAT))
+    p.add_argument("--what", nargs="+", choices=WHAT, default=list(DEFAULT_WHAT))
     p.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(PROVIDERS),
                    help="attention providers")
     p.add_argument("--mask-providers", nargs="+", choices=list(masks.PROVIDERS), default=list(masks.PROVIDERS))
+    p.add_argument("--cpu-providers", nargs="+", choices=list(cpu_attention.PROVIDERS),
+                   default=list(cpu_attention.PROVIDERS), help="providers of the CPU attention section")
+    p.add_argument("--cpu-threads", type=int, help="torch threads in the CPU section's workers (default: torch's "
+                   "choice, one per core); 1 gives steadier ratios on a loaded machine")
     p.add_argument("--configs", nargs="+", metavar="SUBSTR",
                    help="keep configs whose id contains every SUBSTR (e.g. hdim192x128 causal 16k; b64)")
     p.add_argument("--modes", nargs="+", choices=MODES, help="attention modes (default: all; fwd fwdbwd with --quick)")
@@ -52,8 +61,8 @@ def _device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def _default_out(device: torch.device) -> Path:
-    parent = REPO_ROOT / "bench" / ("results" if device.type == "cuda" else "local")
+def _default_out(device: torch.device, performance_data: bool) -> Path:
+    parent = REPO_ROOT / "bench" / ("results" if performance_data else "local")
     base = parent / f"{device_slug(device)}_{datetime.date.today().isoformat()}"
     out, n = base, 2
     while out.exists():
@@ -77,12 +86,16 @@ def main(argv=None) -> int:
     mask_cfgs = [c for c in configs.mask_configs(on_gpu, args.quick) if configs.matches(c.id, args.configs)]
     cp_cfgs = [c for c in cp_bench.cp_configs() if configs.matches(c.id, args.configs)]
     layer_cfgs = [c for c in layer_bench.layer_configs(on_gpu, args.quick) if configs.matches(c.id, args.configs)]
+    cpu_cases = [c for c in cpu_attention.cpu_cases(args.quick) if configs.matches(c.id, args.configs)]
     modes = tuple(args.modes or configs.attention_modes(args.quick))
     run_attn, run_masks, run_cp = "attention" in args.what, "masks" in args.what, "cp" in args.what
-    run_layer = "layer" in args.what
+    run_layer, run_cpu = "layer" in args.what, "cpu" in args.what
+    cpu_modes = tuple(m for m in (args.modes or cpu_attention.MODES) if m in cpu_attention.MODES)
+    if set(args.what) == {"cpu"}:
+        device = torch.device("cpu")  # the section measures the CPU whatever else is there
 
     if args.list:
-        print(f"device: {device}" + ("" if on_gpu else f"  ({NOT_PERF})"))
+        print(f"device: {device}" + ("" if on_gpu or set(args.what) == {"cpu"} else f"  ({NOT_PERF})"))
         if run_attn:
             print(f"attention modes: {' '.join(modes)}; dtypes: {' '.join(args.dtype)}")
             for name in args.providers:
@@ -107,15 +120,22 @@ def main(argv=None) -> int:
                 print(f"  attn_implementation {impl:17s} {'unavailable: ' + reason if reason else 'ok'}")
             for c in layer_cfgs:
                 print(f"  {c.id}")
+        if run_cpu:
+            print(f"CPU attention (performance data): modes {' '.join(cpu_modes)}; "
+                  f"providers {' '.join(args.cpu_providers)}")
+            for c in cpu_cases:
+                print(f"  {c.id} ({len(c.seqlens)} sequences, {sum(c.seqlens)} tokens)")
         return 0
 
-    out = args.out or _default_out(device)
-    out.mkdir(parents=True, exist_ok=True)
     meta = run_metadata(device)
+    meta["performance_data"] = meta["performance_data"] or set(args.what) == {"cpu"}
+    out = args.out or _default_out(device, meta["performance_data"])
+    out.mkdir(parents=True, exist_ok=True)
     total = (len(attn_cfgs) * len(modes) * len(args.providers) * len(args.dtype) if run_attn else 0) + \
             (len(mask_cfgs) * len(masks.OPS) * len(args.mask_providers) if run_masks else 0) + \
             (len(cp_cfgs) * len(cp_bench.CP_SIZES) * len(args.dtype) if run_cp else 0) + \
-            (len(layer_cfgs) * len(layer_bench.IMPLS) * len(args.dtype) if run_layer else 0)
+            (len(layer_cfgs) * len(layer_bench.IMPLS) * len(args.dtype) if run_layer else 0) + \
+            (cpu_attention.count(cpu_cases, args.cpu_providers, cpu_modes) if run_cpu else 0)
     rows: list[dict] = []
     with _progress(total) as bar:
         for dtype_name in args.dtype:
@@ -129,6 +149,8 @@ def main(argv=None) -> int:
         if run_masks:
             dtype = getattr(torch, configs.DTYPES[args.dtype[0]])
             rows += masks.run_masks(mask_cfgs, args.mask_providers, dtype, device, args.quick, bar)
+        if run_cpu:
+            rows += cpu_attention.run_cpu(cpu_cases, args.cpu_providers, args.quick, bar, cpu_modes, args.cpu_threads)
     add_speedups(rows, PRIMARY)
     print(format_table(rows, meta, PRIMARY))
     args_record = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

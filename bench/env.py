@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import os
 import platform
 import re
 import subprocess
@@ -39,10 +40,22 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else the platform's processor or machine."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()})"
+    return f"CPU ({cpu_model()}, {os.cpu_count()} CPUs)"
 
 
 def device_slug(device: torch.device) -> str:
@@ -67,6 +80,8 @@ def run_metadata(device: torch.device) -> dict:
         "megatron_core": _version("megatron-core"),
         "cuda": torch.version.cuda,
         "driver": _driver_version() if device.type == "cuda" else None,
+        "cpu": f"{cpu_model()}, {os.cpu_count()} CPUs",
+        "torch_threads": torch.get_num_threads(),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

@@ -7,6 +7,8 @@ from collections import Counter
 from pathlib import Path
 
 NOT_PERF = "NOT PERFORMANCE DATA (CPU run: it checks the suite, not the kernels)"
+CPU_PERF = "the CPU attention section is performance data for the torch backend (python -m bench --what cpu)"
+MEMORY_LIMIT_GIB = 8  # the CPU section's 32k-token memory check
 
 
 def add_speedups(rows: list[dict], primary: str = "coreattn") -> None:
@@ -40,7 +42,7 @@ def _table(header: list[str], lines: list[list[str]]) -> str:
 def format_table(rows: list[dict], meta: dict, primary: str = "coreattn") -> str:
     parts = [f"device: {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | commit {meta['git_commit']}"]
     if not meta["performance_data"]:
-        parts.append(NOT_PERF)
+        parts.append(not_perf_note(rows))
     attn = [r for r in rows if r["kind"] == "attention" and r["status"] != "skipped"]
     if attn:
         lines = []
@@ -78,13 +80,41 @@ def format_table(rows: list[dict], meta: dict, primary: str = "coreattn") -> str
         parts.append("end-to-end layer (one transformers decoder layer, forward + backward, packed batch):\n" +
                      _table(["config", "dtype", "attn_implementation", "ms", "tokens/s", f"{primary} x",
                              "mask", "note"], lines))
+    cpu = _cpu_lines(rows)
+    if cpu:
+        threads = sorted({r["threads"] for r in rows if r["kind"] == "cpu" and r.get("threads")})
+        parts.append("CPU attention, performance data for the torch backend (fp32, causal; one subprocess per row, "
+                     f"{'/'.join(map(str, threads)) or '?'} torch threads; peak RSS = the process's peak over the "
+                     "timed calls, extra = peak minus RSS before them; x = coreattn / the fastest PyTorch path):\n" +
+                     _table(["config", "mode", "provider", "ms", "peak RSS MiB", "extra MiB", "note"], cpu))
     skipped = Counter((r["kind"], r["provider"], r["reason"]) for r in rows if r["status"] == "skipped")
     if skipped:
         parts.append("skipped:\n" + "\n".join(f"  {kind} {provider}: {reason} ({n} case{'s' if n > 1 else ''})"
                                                 for (kind, provider, reason), n in skipped.items()))
     if not meta["performance_data"]:
-        parts.append(NOT_PERF)
+        parts.append(not_perf_note(rows))
     return "\n\n".join(parts)
+
+
+def not_perf_note(rows: list[dict]) -> str:
+    """The label of a CPU run's figures: none are performance data but the CPU attention section."""
+    return NOT_PERF + ("; " + CPU_PERF if any(r["kind"] == "cpu" for r in rows) else "")
+
+
+def _cpu_lines(rows: list[dict]) -> list[list[str]]:
+    lines = []
+    for r in rows:
+        if r["kind"] != "cpu" or r["status"] == "skipped":
+            continue
+        note = "" if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
+        if "time_ratio" in r:
+            note = f"vs {r['best_pytorch']}: time x{r['time_ratio']:.2f}, peak x{_fmt(r.get('mem_ratio'), '.2f')}"
+        if r.get("memory_check") and r["status"] == "ok" and r["provider"] == "coreattn":
+            under = r["peak_rss_mib"] < MEMORY_LIMIT_GIB * 1024
+            note = (note + "; " if note else "") + f"{'under' if under else 'OVER'} {MEMORY_LIMIT_GIB} GiB"
+        lines.append([r["config"], r["mode"], r["provider"], _fmt(r.get("ms"), ".1f"), _fmt(r.get("peak_rss_mib"), ".0f"),
+                      _fmt(r.get("extra_mib"), ".0f"), note])
+    return lines
 
 
 def _mib(value) -> str:
@@ -118,7 +148,7 @@ def _cp_lines(rows: list[dict]) -> list[list[str]]:
 def write_json(path: Path, meta: dict, args: dict, rows: list[dict]) -> None:
     doc = {
         "meta": meta,
-        "note": None if meta["performance_data"] else NOT_PERF,
+        "note": None if meta["performance_data"] else not_perf_note(rows),
         "flop_model": ("visible (q, k) pairs counted exactly per sequence; per query head forward "
                        "2*pairs*(Dqk+Dv), backward 2*pairs*(3*Dqk+2*Dv); the same useful FLOPs for every "
                        "provider (padding and zero-padded V count as overhead, not work)"),

@@ -241,3 +241,38 @@ def test_layer_section_runs_on_cpu(tmp_path, capsys):
     assert "ms" not in rows["coreattn"] and "not timed on CPU" in rows["coreattn"]["timing"]
     assert rows["flash_attention_2"]["status"] == "skipped" and "CUDA" in rows["flash_attention_2"]["reason"]
     assert "end-to-end layer" in capsys.readouterr().out
+
+
+def test_cpu_section_smoke(tmp_path, capsys):
+    """``--what cpu`` alone: performance data (no NOT PERFORMANCE DATA label), one subprocess per row
+    with time and peak RSS, coreattn's ratios to the fastest PyTorch path."""
+    argv = ["--what", "cpu", "--quick", "--configs", "hdim64x64-1x256", "--cpu-providers", "coreattn", "sdpa-loop",
+            "--modes", "fwdbwd", "--out", str(tmp_path), "--no-plots"]
+    assert cli.main(argv) == 0
+    doc, out = json.loads((tmp_path / "results.json").read_text()), capsys.readouterr().out
+    assert doc["meta"]["performance_data"] is True and doc["note"] is None and "NOT PERFORMANCE DATA" not in out
+    assert doc["meta"]["cpu"] and doc["meta"]["torch_threads"] >= 1
+    rows = {r["provider"]: r for r in doc["results"] if r["kind"] == "cpu"}
+    assert set(rows) == {"coreattn", "sdpa-loop"} and all(r["status"] == "ok" for r in rows.values())
+    for r in rows.values():
+        assert r["ms"] > 0 and r["peak_rss_mib"] > 0 and r["mode"] == "fwdbwd" and r["threads"] >= 1
+    core = rows["coreattn"]
+    assert core["best_pytorch"] == "sdpa-loop" and core["time_ratio"] > 0 and core["mem_ratio"] > 0
+    assert "CPU attention, performance data for the torch backend" in out and "vs sdpa-loop: time x" in out
+
+
+def test_cpu_section_matrix_and_skips():
+    from bench import cpu_attention as cpu
+
+    cases = {c.id: c for c in cpu.cpu_cases(quick=False)}
+    for dims in ("hdim64x64", "hdim192x128"):
+        for name in ("1x4k", "1x16k", "uniform-16k", "short-16k"):
+            case = cases[f"{dims}-{name}"]
+            assert sum(case.seqlens) in (4096, 16384) and case.heads == 8 and case.causal
+    assert cases["hdim64x64-1x32k"].memory_check and cases["hdim64x64-1x32k"].seqlens == (32768,)
+    big = cases["hdim192x128-1x16k"]
+    assert "math path" in cpu.skip_reason(big, "sdpa-loop", "fwdbwd")  # [H, L, L] buffers too big here
+    assert cpu.skip_reason(big, "sdpa-loop-padv", "fwdbwd") is None
+    assert "no backward on CPU" in cpu.skip_reason(big, "flex", "fwdbwd")
+    assert "one sequence" in cpu.skip_reason(big, "sdpa-padded", "fwd")
+    assert cpu.skip_reason(cases["hdim64x64-1x32k"], "flex", "fwdbwd").startswith("memory check")
