@@ -1,0 +1,5 @@
+import sys
+
+from coreattn.selfcheck import main
+
+sys.exit(main())

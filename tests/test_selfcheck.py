@@ -1,0 +1,58 @@
+"""The user-facing self-check (`python -m coreattn.selfcheck`): it runs, reports and fails when it should."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from coreattn.selfcheck import CPU_MESSAGE, band_mask, compare, naive_attention, zero_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_selfcheck_passes_on_this_machine(tmp_path):
+    """The module as a user runs it, in a fresh process (on CPU it re-runs itself under the interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the module must set it itself
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    report = tmp_path / "selfcheck.json"
+    proc = subprocess.run([sys.executable, "-m", "coreattn.selfcheck", "--quick", "--json", str(report)],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    for column in ("case", "dtype", "out", "dq", "dk", "dv", "result"):
+        assert column in out
+    assert "hdim192x128-causal-gqa4" in out and "PASSED" in out and "FAIL" not in out
+    results = json.loads(report.read_text())
+    assert results["passed"] and all(row["passed"] for row in results["rows"])
+    if not torch.cuda.is_available():
+        assert CPU_MESSAGE in out and "bf16 skipped on CPU" in out
+        assert {row["dtype"] for row in results["rows"]} == {"float16", "float32"}
+
+
+def test_wrong_output_is_reported():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(9, 2, 16, generator=gen).half() for _ in range(3))
+    mask = band_mask(9, 9, causal=True, window=(-1, -1))
+    ref = naive_attention(q, k, v, mask)
+    naive = naive_attention(q, k, v, mask, exact=False)
+    assert compare("out", ref.half(), naive, ref).passed
+    wrong = ref.half().clone()
+    wrong[4, 1, 3] += 0.05
+    check = compare("out", wrong, naive, ref)
+    assert not check.passed and "error" in check.note
+    nan = ref.half().clone()
+    nan[0, 0, 0] = float("nan")
+    assert not compare("out", nan, naive, ref).passed
+
+
+def test_nonzero_row_without_keys_is_reported():
+    mask = band_mask(3, 2, causal=True, window=(-1, -1))  # bottom-right: query 0 sees no key
+    blind = ~mask.any(-1)
+    assert blind.tolist() == [True, False, False]
+    out = torch.ones(3, 2, 4)
+    assert not zero_rows("zero rows (out)", out, blind).passed
+    out[0] = 0
+    assert zero_rows("zero rows (out)", out, blind).passed
