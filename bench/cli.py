@@ -1,7 +1,9 @@
 """Command line: ``python -m bench [--quick] [--out DIR] [--dtype bf16] [--what attention masks] ...``.
 
 ``python -m bench --what cpu`` runs the CPU attention section alone (bench/cpu_attention.py):
-performance data for the torch backend, written to bench/results/<cpu>_<date>/ by default."""
+performance data for the torch backend, written to bench/results/<cpu>_<date>/ by default.
+``python -m bench --what kernels [--arch sm90 ...]`` is the compile report (bench/kernels.py): static
+compiler output per CUDA architecture, no GPU needed, written to bench/results/compile-report_<date>/."""
 
 from __future__ import annotations
 
@@ -14,15 +16,18 @@ from pathlib import Path
 import torch
 
 from bench import attention, configs, cpu_attention, masks
+from bench import kernels as kernels_report
 from bench import layer as layer_bench
 from bench import context_parallel as cp_bench
+from bench.compiler import ARCHS
 from bench.env import REPO_ROOT, device_slug, run_metadata
 from bench.flops import MODES
 from bench.providers import PRIMARY, PROVIDERS
 from bench.report import NOT_PERF, add_speedups, format_table, write_json
 
-WHAT = ("attention", "masks", "cp", "layer", "cpu")
-DEFAULT_WHAT = ("attention", "masks", "cp", "layer")  # cpu (minutes of CPU time) runs when asked for
+WHAT = ("attention", "masks", "cp", "layer", "cpu", "kernels")
+# cpu (minutes of CPU time) and kernels (the compile report, minutes of compiling) run when asked for
+DEFAULT_WHAT = ("attention", "masks", "cp", "layer")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=list(cpu_attention.PROVIDERS), help="providers of the CPU attention section")
     p.add_argument("--cpu-threads", type=int, help="torch threads in the CPU section's workers (default: torch's "
                    "choice, one per core); 1 gives steadier ratios on a loaded machine")
+    p.add_argument("--arch", nargs="+", choices=list(ARCHS), default=list(ARCHS),
+                   help="CUDA architectures of the compile report (--what kernels)")
     p.add_argument("--configs", nargs="+", metavar="SUBSTR",
                    help="keep configs whose id contains every SUBSTR (e.g. hdim192x128 causal 16k; b64)")
     p.add_argument("--modes", nargs="+", choices=MODES, help="attention modes (default: all; fwd fwdbwd with --quick)")
@@ -61,9 +68,9 @@ def _device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def _default_out(device: torch.device, performance_data: bool) -> Path:
-    parent = REPO_ROOT / "bench" / ("results" if performance_data else "local")
-    base = parent / f"{device_slug(device)}_{datetime.date.today().isoformat()}"
+def _default_out(device: torch.device, performance_data: bool, name: str | None = None) -> Path:
+    parent = REPO_ROOT / "bench" / ("results" if performance_data or name else "local")
+    base = parent / f"{name or device_slug(device)}_{datetime.date.today().isoformat()}"
     out, n = base, 2
     while out.exists():
         out, n = base.with_name(f"{base.name}_{n}"), n + 1
@@ -89,7 +96,7 @@ def main(argv=None) -> int:
     cpu_cases = [c for c in cpu_attention.cpu_cases(args.quick) if configs.matches(c.id, args.configs)]
     modes = tuple(args.modes or configs.attention_modes(args.quick))
     run_attn, run_masks, run_cp = "attention" in args.what, "masks" in args.what, "cp" in args.what
-    run_layer, run_cpu = "layer" in args.what, "cpu" in args.what
+    run_layer, run_cpu, run_kernels = "layer" in args.what, "cpu" in args.what, "kernels" in args.what
     cpu_modes = tuple(m for m in (args.modes or cpu_attention.MODES) if m in cpu_attention.MODES)
     if set(args.what) == {"cpu"}:
         device = torch.device("cpu")  # the section measures the CPU whatever else is there
@@ -125,17 +132,24 @@ def main(argv=None) -> int:
                   f"providers {' '.join(args.cpu_providers)}")
             for c in cpu_cases:
                 print(f"  {c.id} ({len(c.seqlens)} sequences, {sum(c.seqlens)} tokens)")
+        if run_kernels:
+            print(f"compile report (static compiler output, no GPU): archs {' '.join(args.arch)}")
+            for problem in kernels_report.problems(args.quick):
+                print(f"  {problem.id}")
         return 0
 
     meta = run_metadata(device)
     meta["performance_data"] = meta["performance_data"] or set(args.what) == {"cpu"}
-    out = args.out or _default_out(device, meta["performance_data"])
+    # the compile report alone is static compiler output for named archs, kept with the results
+    report_name = "compile-report" if set(args.what) == {"kernels"} else None
+    out = args.out or _default_out(device, meta["performance_data"], report_name)
     out.mkdir(parents=True, exist_ok=True)
     total = (len(attn_cfgs) * len(modes) * len(args.providers) * len(args.dtype) if run_attn else 0) + \
             (len(mask_cfgs) * len(masks.OPS) * len(args.mask_providers) if run_masks else 0) + \
             (len(cp_cfgs) * len(cp_bench.CP_SIZES) * len(args.dtype) if run_cp else 0) + \
             (len(layer_cfgs) * len(layer_bench.IMPLS) * len(args.dtype) if run_layer else 0) + \
-            (cpu_attention.count(cpu_cases, args.cpu_providers, cpu_modes) if run_cpu else 0)
+            (cpu_attention.count(cpu_cases, args.cpu_providers, cpu_modes) if run_cpu else 0) + \
+            (len(kernels_report.problems(args.quick)) * len(args.arch) if run_kernels else 0)
     rows: list[dict] = []
     with _progress(total) as bar:
         for dtype_name in args.dtype:
@@ -151,6 +165,8 @@ def main(argv=None) -> int:
             rows += masks.run_masks(mask_cfgs, args.mask_providers, dtype, device, args.quick, bar)
         if run_cpu:
             rows += cpu_attention.run_cpu(cpu_cases, args.cpu_providers, args.quick, bar, cpu_modes, args.cpu_threads)
+        if run_kernels:
+            rows += kernels_report.run_kernels(args.arch, args.quick, bar)
     add_speedups(rows, PRIMARY)
     print(format_table(rows, meta, PRIMARY))
     args_record = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

@@ -8,6 +8,7 @@ from pathlib import Path
 
 NOT_PERF = "NOT PERFORMANCE DATA (CPU run: it checks the suite, not the kernels)"
 CPU_PERF = "the CPU attention section is performance data for the torch backend (python -m bench --what cpu)"
+KERNELS_NOTE = "the compile report is static compiler output for emulated CUDA targets (python -m bench --what kernels)"
 MEMORY_LIMIT_GIB = 8  # the CPU section's 32k-token memory check
 
 
@@ -87,6 +88,10 @@ def format_table(rows: list[dict], meta: dict, primary: str = "coreattn") -> str
                      f"{'/'.join(map(str, threads)) or '?'} torch threads; peak RSS = the process's peak over the "
                      "timed calls, extra = peak minus RSS before them; x = coreattn / the fastest PyTorch path):\n" +
                      _table(["config", "mode", "provider", "ms", "peak RSS MiB", "extra MiB", "note"], cpu))
+    if any(r["kind"] == "kernels" for r in rows):
+        from bench.kernels import format_tables
+
+        parts.append("compile report, per CUDA architecture:\n" + format_tables([r for r in rows if r["kind"] == "kernels"]))
     skipped = Counter((r["kind"], r["provider"], r["reason"]) for r in rows if r["status"] == "skipped")
     if skipped:
         parts.append("skipped:\n" + "\n".join(f"  {kind} {provider}: {reason} ({n} case{'s' if n > 1 else ''})"
@@ -98,7 +103,10 @@ def format_table(rows: list[dict], meta: dict, primary: str = "coreattn") -> str
 
 def not_perf_note(rows: list[dict]) -> str:
     """The label of a CPU run's figures: none are performance data but the CPU attention section."""
-    return NOT_PERF + ("; " + CPU_PERF if any(r["kind"] == "cpu" for r in rows) else "")
+    if rows and all(r["kind"] == "kernels" for r in rows):
+        return KERNELS_NOTE
+    return NOT_PERF + ("; " + CPU_PERF if any(r["kind"] == "cpu" for r in rows) else "") + \
+        ("; " + KERNELS_NOTE if any(r["kind"] == "kernels" for r in rows) else "")
 
 
 def _cpu_lines(rows: list[dict]) -> list[list[str]]:

@@ -504,6 +504,7 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
             out, dout, delta, seqlen_q_total, grid_m, pre_batch, heads_q, *seq_strides(out, q_pack.fmt),
             *seq_strides(dout, q_pack.fmt), *rowstat_strides(delta, q_pack),
             HEAD_DIM_V=dim_v, BLOCK_DV=block_dv, BLOCK_M=cfg_dq.block_m, PERSISTENT=persistent,
+            num_warps=cfg_dq.num_warps,  # the dQ tile's warps: 4 warps on 128 x 256 rows of out and dO would spill
         )
     common = dict(batch=batch, seqlen_q_total=seqlen_q_total, seqlen_k_total=seqlen_k_total,
                   group=heads_q // heads_kv, sm_scale=softmax_scale, sm_scale_log2=softmax_scale * LOG2E,

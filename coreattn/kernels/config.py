@@ -8,6 +8,32 @@ head dims, dtype and the target do. The forward, the dK/dV kernel and the dQ ker
 their own tile: dK/dV holds many keys and steps over few queries, dQ the reverse, so each dot's
 rows are the tile's long side and no warp computes another warp's rows.
 
+CUDA tables, as the compile report shows them (``python -m bench --what kernels``: static
+compiler output for each arch, bf16, causal; tests/test_kernel_structure.py keeps it so):
+
+- sm90: at 64, 128 and 192/128 every forward, dK/dV and dQ kernel, the feature variants (dropout,
+  softmax offset with the SINK_GRAD dQ, max logit) included, has 0 spill bytes, every tl.dot is a
+  wgmma, no MMA layout is wider than its tile and num_stages >= 2. 8 warps (two warpgroups) per
+  tile; registers (220-255 per thread) bound occupancy to one block per SM, shared memory does not.
+  At 256 the forward's key step shrinks to 16 (128 x 16, 221 registers) and dK and dV take two
+  passes (split_dkdv): also 0 spills, at the cost of narrow key steps and Q K^T recomputed once.
+- sm100 reuses sm90's tables: same 227 KB per block, tcgen05 MMAs keep the accumulators in tensor
+  memory, so registers are lower (128-245) and no kernel spills, 256 included (dQ 208 KB of
+  shared memory, the largest).
+- sm80 (163 KB) and the 99 KB parts (sm86, sm89, sm120: the "sm86" table) use mma.sync, whose
+  accumulators stay in registers: 128-row tiles take 8 warps (64), wider heads 4 warps and
+  32-64-row tiles. All kernels at 64, 128, 192/128 and 256 are spill-free, largest shared memory
+  64 KB (dK at 256), registers up to 255 (sm80's 192/128 forward at 64 x 32 has no headroom: a
+  feature variant there may spill a few bytes). What is left at 256 on these archs is tile size,
+  not correctness: 32 x 32 tiles and single-stage backward loops, about half the MMA work per
+  loaded byte of a 64-row tile, because 64 rows x 256 fp32 columns of accumulator are 128
+  registers per thread on top of the operands.
+
+TMA tensor descriptors (issue 14, item 1) are not used. The pointer kernels above are already
+spill-free with wgmma on sm90; descriptors built per sequence on the device need a
+``triton.set_allocator`` scratch buffer, and whether they help cannot be verified without
+hardware, which this team does not have. Left as future work, to be measured on a GPU.
+
 Ascend runs a persistent grid: as many programs as the device has AI cores (``num_aicore`` for
 kernels with ``tl.dot``, ``num_vectorcore`` for element-wise ones), each looping over
 (block, sequence, head) tasks inside the kernel (``PERSISTENT``). ``COREATTN_TRITON_TARGET=ascend``
@@ -158,28 +184,34 @@ _INTERPRETER = AttnConfig(block_m=16, block_n=32, num_warps=1, num_stages=1)
 # CUDA tiles per target, by the widest padded head dim (q/k blocks summed when split, e.g. 192):
 # (max width, AttnConfig(block_m, block_n, num_warps, num_stages)), first match wins. The forward
 # and dQ tiles are block_m queries per program stepping over block_n keys; the dK/dV tile is
-# block_n keys per program stepping over block_m queries. Checked by compiling for each
-# architecture (python -m bench --what kernels; tests/test_kernel_structure.py).
+# block_n keys per program stepping over block_m queries. Each table is checked by compiling for
+# its architecture (python -m bench --what kernels; tests/test_kernel_structure.py): shared memory
+# within the arch's per-block limit, 0 spill bytes (see the module docstring for what is left).
+# "sm86" is the table of the 99 KB mma.sync parts: sm86, sm89 and sm120.
 _C = AttnConfig
 _FWD = {
     "sm90": ((64, _C(128, 64, 8, 3)), (128, _C(128, 64, 8, 3)), (192, _C(128, 64, 8, 2)), (256, _C(128, 16, 8, 2))),
-    "sm80": ((64, _C(128, 64, 4, 3)), (128, _C(128, 32, 4, 2)), (256, _C(64, 32, 4, 2))),
+    "sm80": ((64, _C(128, 64, 8, 3)), (128, _C(64, 32, 4, 3)), (192, _C(64, 32, 4, 2)), (256, _C(32, 32, 4, 2))),
+    "sm86": ((64, _C(128, 64, 8, 2)), (128, _C(64, 32, 4, 2)), (256, _C(32, 32, 4, 2))),
 }
 _DKDV = {
     "sm90": ((64, _C(32, 128, 8, 3)), (128, _C(16, 128, 8, 2)), (192, _C(16, 128, 8, 3)), (256, _C(16, 128, 8, 2))),
-    "sm80": ((64, _C(64, 64, 4, 2)), (128, _C(32, 64, 4, 2)), (256, _C(32, 32, 4, 1))),
+    "sm80": ((64, _C(32, 64, 4, 2)), (128, _C(32, 32, 4, 2)), (256, _C(32, 32, 4, 1))),
+    "sm86": ((64, _C(32, 64, 4, 2)), (128, _C(32, 32, 4, 2)), (256, _C(32, 32, 4, 1))),
 }
 _DQ = {
     "sm90": ((64, _C(128, 64, 8, 2)), (128, _C(128, 64, 8, 2)), (192, _C(128, 32, 8, 2)), (256, _C(128, 32, 8, 2))),
-    "sm80": ((64, _C(64, 64, 4, 2)), (128, _C(64, 32, 4, 2)), (256, _C(32, 32, 4, 1))),
+    "sm80": ((64, _C(64, 32, 4, 2)), (128, _C(64, 32, 4, 2)), (256, _C(32, 32, 4, 1))),
+    "sm86": ((64, _C(32, 64, 4, 2)), (128, _C(64, 32, 4, 2)), (192, _C(16, 32, 4, 1)), (256, _C(32, 32, 4, 1))),
 }
 # Dropout adds Philox's state to the live registers: where the plain tile runs out of them, the
 # dropout kernels take this one instead (and the dK/dV kernel splits, see split_dkdv).
-_FWD_DROPOUT = {"sm90": ((192, _C(128, 32, 8, 2)),), "sm80": ()}
-for _table in (_FWD, _DKDV, _DQ, _FWD_DROPOUT):  # until tuned separately, the other families take the nearest one
-    _table.setdefault("sm100", _table["sm90"])
-    for _target in ("sm86", "sm89", "sm120"):
-        _table.setdefault(_target, _table["sm80"])
+_FWD_DROPOUT = {"sm90": ((192, _C(128, 32, 8, 2)),), "sm80": (), "sm86": ()}
+for _table in (_FWD, _DKDV, _DQ, _FWD_DROPOUT):
+    # explicit reuse, checked by the compile report: sm100 fits sm90's tiles (same 227 KB per block,
+    # tcgen05 keeps the accumulators out of the registers); sm89 and sm120 are sm86's 99 KB parts
+    _table["sm100"] = _table["sm90"]
+    _table["sm89"] = _table["sm120"] = _table["sm86"]
 
 
 def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, override: dict | None = None) -> AttnConfig:

@@ -1,0 +1,294 @@
+"""What the compiler makes of the kernels for a CUDA architecture, without a GPU.
+
+``emulate(arch)`` makes Triton compile for that architecture (its active driver is replaced by
+one that reports the arch's GPUTarget) and answers the project's own launch-target lookup as a
+device of that compute capability would, so ``coreattn.kernels.config`` picks the arch's tiles.
+Every kernel launch inside becomes a compile-only warmup. ``compile_problem`` then calls the real
+launchers (``varlen_attn_fwd``/``varlen_attn_bwd``) on CPU tensors laid out as a packed thd batch,
+so each kernel is compiled with the constexprs, warps, stages and argument specialization a GPU
+launch would use, and ``describe`` reads each compiled kernel: registers and spill bytes (ptxas
+-v), shared memory (Triton's metadata), MMA kind and count (PTX), duplicated MMA work (TTGIR) and
+an occupancy estimate from the arch's limits (``ARCHS``). Static compiler output, not speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import math
+import pkgutil
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+
+class ArchLimits(NamedTuple):
+    """Per-SM limits of a compute capability (NVIDIA's CUDA programming guide, compute capability
+    table; the same figures as CCCL's cuda/__device/arch_traits.h). Shared memory in bytes; every
+    block also takes 1 KB of the SM's shared memory for the driver (RESERVED_SMEM)."""
+
+    capability: int
+    smem_per_sm: int
+    smem_per_block: int  # the opt-in maximum a kernel may use
+    max_warps_per_sm: int
+    max_ctas_per_sm: int
+
+
+KB = 1024
+ARCHS = {
+    "sm80": ArchLimits(80, 164 * KB, 163 * KB, 64, 32),  # A100, and 8.7 (Orin)
+    "sm86": ArchLimits(86, 100 * KB, 99 * KB, 48, 16),  # RTX 30, A10, A40
+    "sm89": ArchLimits(89, 100 * KB, 99 * KB, 48, 24),  # RTX 40, L4, L40S
+    "sm90": ArchLimits(90, 228 * KB, 227 * KB, 64, 32),  # H100, H200
+    "sm100": ArchLimits(100, 228 * KB, 227 * KB, 64, 32),  # B200, GB200
+    "sm120": ArchLimits(120, 100 * KB, 99 * KB, 48, 24),  # RTX 50, RTX PRO Blackwell
+}
+REGS_PER_SM = 64 * 1024
+MAX_REGS_PER_THREAD = 255
+REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
+RESERVED_SMEM = 1 * KB
+
+KERNEL_NAMES = {"_varlen_attn_fwd_kernel": "fwd", "_attn_bwd_preprocess_kernel": "bwd_pre",
+                "_attn_bwd_dkdv_kernel": "dkdv", "_attn_bwd_dq_kernel": "dq"}
+FEATURES = ("", "dropout", "sink", "max_logit")  # sink: softmax_offset, with the dQ kernel's SINK_GRAD
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class Problem(NamedTuple):
+    dim_qk: int
+    dim_v: int
+    dtype: str = "bf16"
+    causal: bool = False
+    group: int = 1  # q heads per kv head
+    feature: str = ""  # one of FEATURES
+
+    @property
+    def id(self) -> str:
+        parts = [f"hdim{self.dim_qk}x{self.dim_v}", self.dtype, "causal" if self.causal else "full"]
+        parts += [f"gqa{self.group}"] if self.group > 1 else []
+        return "-".join(parts + ([self.feature] if self.feature else []))
+
+
+HEADS_Q = 16  # keeps every token stride a multiple of 16 elements, as real models have
+SEQLENS = (1000, 3096)  # only the grid size follows the lengths; the kernels do not
+
+
+# ---------------------------------------------------------------------------------------------
+# Emulating a target
+
+
+class _EmulatedDriver:
+    """The part of Triton's CUDA driver that a compile-only warmup uses. The "device" is the
+    capability itself, so each arch gets its own per-device kernel cache in every JITFunction."""
+
+    def __init__(self, capability: int):
+        from triton.backends.compiler import GPUTarget
+
+        self.capability = capability
+        self.target = GPUTarget("cuda", capability, 32)
+
+    def is_active(self):
+        return True
+
+    def get_current_device(self):
+        return self.capability
+
+    def set_current_device(self, device):
+        pass
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_device_capability(self, device=None):
+        return divmod(self.capability, 10)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def map_python_to_cpp_type(self, ty: str) -> str:
+        from triton.backends.nvidia.driver import ty_to_cpp
+
+        return ty_to_cpp(ty)
+
+
+@contextlib.contextmanager
+def emulate(arch: str):
+    """Inside: Triton compiles for ``arch``, the project's launchers choose its configs, and every
+    kernel launch is compiled only; yields the list that each launch's record is appended to
+    (dict: fn, kernel, ptxas_log, constants)."""
+    import triton.runtime.jit as jit
+    from triton import knobs
+    from triton.runtime import driver
+
+    import coreattn.kernels as kernels
+    from coreattn.kernels import config
+
+    major, minor = divmod(ARCHS[arch].capability, 10)
+    target = config.cuda_target(major, minor)
+    real_target_of = config.target_of
+    patched = [importlib.import_module(f"coreattn.kernels.{m.name}") for m in pkgutil.iter_modules(kernels.__path__)]
+    patched = [m for m in patched if getattr(m, "target_of", None) is real_target_of]
+    launches: list[dict] = []
+    real_run = jit.JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):  # Triton prints ptxas -v output when it runs ptxas
+            kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
+        constants = {k: v for k, v in kwargs.items() if k.isupper()}  # the launchers pass constexprs by name
+        launches.append(dict(fn=self.__name__, kernel=kernel, ptxas_log=log.getvalue(), constants=constants))
+        return kernel
+
+    saved_driver, saved_dump = driver._active, knobs.nvidia.dump_ptxas_log  # None without a GPU: no active driver
+    driver.set_active(_EmulatedDriver(ARCHS[arch].capability))
+    knobs.nvidia.dump_ptxas_log = True
+    jit.JITFunction.run = compile_only
+    for module in patched:
+        module.target_of = lambda device, _t=target: _t
+    try:
+        yield launches
+    finally:
+        for module in patched:
+            module.target_of = real_target_of
+        jit.JITFunction.run = real_run
+        knobs.nvidia.dump_ptxas_log = saved_dump
+        driver._active = saved_driver
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a compiled kernel
+
+
+def ptxas_stats(log: str, kernel, capability: int) -> dict:
+    """Registers and spill bytes from ptxas -v. A kernel that came from Triton's disk cache ran
+    no ptxas here: its PTX goes through the same ptxas, for the same target, once more."""
+    if "Used" not in log:
+        from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp, "k.ptx")
+            src.write_text(kernel.asm["ptx"])
+            fmad = [] if kernel.metadata.enable_fp_fusion else ["--fmad=false"]
+            log = subprocess.run([get_ptxas(capability).path, "-v", *fmad, "--regAllocOptLevel=2",
+                                  f"--gpu-name={sm_arch_from_capability(capability)}", str(src), "-o",
+                                  str(Path(tmp, "k.o"))], capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return dict(regs=int(regs.group(1)) if regs else None,
+                spill_stores=int(spills.group(1)) if spills else None,
+                spill_loads=int(spills.group(2)) if spills else None)
+
+
+MMA_PTX = {"wgmma": r"\bwgmma\.mma_async\.", "mma.sync": r"\bmma\.sync\.aligned\.", "tcgen05": r"\btcgen05\.mma\."}
+
+
+def mma_counts(ptx: str) -> dict:
+    """MMA instructions in the PTX, by kind (wgmma: sm90; tcgen05: sm100; mma.sync: the rest)."""
+    return {kind: n for kind, pattern in MMA_PTX.items() if (n := len(re.findall(pattern, ptx)))}
+
+
+def dot_ops(ttgir: str) -> dict:
+    """The dots of the TTGIR by op: ttng.warp_group_dot (wgmma), ttng.tc_gen5_mma (tcgen05) or
+    tt.dot (mma.sync, or FMA when no MMA layout fits)."""
+    ops = {op: len(re.findall(rf"\b{re.escape(op)}\b", ttgir)) for op in ("tt.dot", "ttng.warp_group_dot",
+                                                                        "ttng.tc_gen5_mma")}
+    return {op: n for op, n in ops.items() if n}
+
+
+def mma_duplication(ttgir: str) -> int:
+    """The largest factor by which a dot's MMA layout covers more rows or columns than the dot's
+    result has (1: none). Such a dot repeats the same MMA in several warps: e.g. 8 warps in a
+    [8, 1] wgmma layout span 128 rows, twice a 64-row tile. Hopper (v3) and Ampere (v2) layouts;
+    tcgen05 (v5) accumulates in tensor memory and is not checked."""
+    layouts = {}
+    for name, body in re.findall(r"^#(mma\d*) = #ttg\.nvidia_mma<\{([^}]*)\}>", ttgir, re.M):
+        warps = [int(w) for w in re.search(r"warpsPerCTA = \[([^\]]*)\]", body).group(1).split(",")]
+        instr = [int(w) for w in re.search(r"instrShape = \[([^\]]*)\]", body).group(1).split(",")]
+        layouts[name] = (warps, instr)
+    worst = 1
+    dots = r"(?:\btt\.dot|\bttng\.warp_group_dot)\b[^\n]*-> tensor<(\d+)x(\d+)xf32, #(mma\d*)>"
+    for rows, cols, name in re.findall(dots, ttgir):
+        if name not in layouts:
+            continue
+        warps, instr = layouts[name]
+        span_rows, span_cols = instr[0] * warps[0], instr[1] * warps[1]
+        worst = max(worst, span_rows // int(rows), span_cols // int(cols))
+    return worst
+
+
+def occupancy(regs: int, num_warps: int, smem: int, limits: ArchLimits) -> dict:
+    """Blocks per SM by registers, shared memory (plus the driver's 1 KB per block), warps and the
+    block cap; ``limit`` names the binding one. 0 blocks: the kernel cannot launch."""
+    regs_per_warp = math.ceil(regs * 32 / REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    by = dict(regs=(REGS_PER_SM // regs_per_warp) // num_warps,
+              smem=limits.smem_per_sm // (smem + RESERVED_SMEM) if smem <= limits.smem_per_block else 0,
+              warps=limits.max_warps_per_sm // num_warps, cap=limits.max_ctas_per_sm)
+    limit = min(by, key=by.get)
+    return dict(ctas_per_sm=by[limit], warps_per_sm=by[limit] * num_warps, occupancy_limit=limit)
+
+
+def describe(launch: dict, arch: str) -> dict:
+    kernel, limits = launch["kernel"], ARCHS[arch]
+    md = kernel.metadata
+    ttgir = kernel.asm["ttgir"]
+    constants = launch["constants"]
+    row = dict(arch=arch, kernel=KERNEL_NAMES.get(launch["fn"], launch["fn"]),
+               block_m=constants.get("BLOCK_M"), block_n=constants.get("BLOCK_N"),
+               dk=constants.get("DK", True), dv=constants.get("DV", True),
+               num_warps=md.num_warps, num_stages=md.num_stages, smem=md.shared,
+               **ptxas_stats(launch["ptxas_log"], kernel, limits.capability),
+               mma=mma_counts(kernel.asm["ptx"]), mma_dup=mma_duplication(ttgir),
+               dots=dot_ops(ttgir),
+               smem_fits=md.shared <= limits.smem_per_block, hash=kernel.hash)
+    if row["regs"] is not None:
+        row.update(occupancy(row["regs"], md.num_warps, md.shared, limits))
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Driving the launchers
+
+
+def compile_problem(problem: Problem, launches: list[dict], arch: str) -> list[dict]:
+    """Forward and backward of ``problem`` through the real launchers (inside ``emulate``); one
+    row per kernel launch, the preprocess kernel included."""
+    from coreattn.kernels import varlen_attn_bwd, varlen_attn_fwd
+    from coreattn.kernels.packing import packed
+    from coreattn.layers.dropout import rng_state
+
+    dtype = DTYPES[problem.dtype]
+    heads_kv = HEADS_Q // problem.group
+    total = sum(SEQLENS)
+    cu = torch.tensor([0, *torch.tensor(SEQLENS).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.empty(total, HEADS_Q, problem.dim_qk, dtype=dtype)  # [T, Hq, Dqk]
+    k = torch.empty(total, heads_kv, problem.dim_qk, dtype=dtype)  # [T, Hkv, Dqk]
+    v = torch.empty(total, heads_kv, problem.dim_v, dtype=dtype)  # [T, Hkv, Dv]
+    pack, scale, longest = packed(cu), problem.dim_qk ** -0.5, max(SEQLENS)
+    window_right = 0 if problem.causal else -1  # what layers/checks.py passes for causal=True
+    dropout = dict(dropout_p=0.1, rng_state=rng_state(torch.device("cpu"))) if problem.feature == "dropout" else {}
+    offset = torch.zeros(HEADS_Q, dtype=torch.float32) if problem.feature == "sink" else None
+    start = len(launches)
+    out, lse, *_ = varlen_attn_fwd(q, k, v, pack, pack, longest, scale, -1, window_right, True, **dropout,
+                                   softmax_offset=offset, return_max_logit=problem.feature == "max_logit")
+    sink_rowsum = torch.zeros_like(lse) if offset is not None else None
+    varlen_attn_bwd(torch.empty_like(out), q, k, v, out, lse, pack, pack, longest, longest, scale, -1, window_right,
+                    True, **dropout, sink_rowsum=sink_rowsum)
+    return [dict(describe(launch, arch), problem=problem.id, **problem._asdict()) for launch in launches[start:]]
+
+
+def compile_report(archs, problems) -> list[dict]:
+    """Every kernel of every problem on every arch, one row each."""
+    rows = []
+    for arch in archs:
+        with emulate(arch) as launches:
+            for problem in problems:
+                rows += compile_problem(problem, launches, arch)
+    return rows

@@ -1,0 +1,32 @@
+"""Compile the kernels of the given problems for CUDA architectures, without a device, and print
+bench.compiler's rows as JSON (run as a script; TRITON_INTERPRET must be unset).
+
+``python tests/kernel_structure.py sm90:64,128,192/128 sm80:256``: arch, then head dims (q/k[/v]),
+each compiled causal in bf16 (the causal kernels hold both the masked and unmasked key loops).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+from bench.compiler import Problem, compile_report  # noqa: E402
+
+
+def main(specs: list[str]) -> None:
+    rows = []
+    for spec in specs:
+        arch, _, dims = spec.partition(":")
+        problems = []
+        for dim in dims.split(","):
+            qk, _, v = dim.partition("/")
+            problems.append(Problem(int(qk), int(v or qk), "bf16", True))
+        rows += compile_report([arch], problems)
+    json.dump(rows, sys.stdout, default=str)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,82 @@
+"""What the compiler makes of the kernels per CUDA architecture, without a device (bench/compiler.py):
+every kernel's shared memory fits its arch's per-block limit; on sm90 at head dims 64, 128 and
+192/128 no kernel spills, every dot is a wgmma, no MMA is duplicated across warps and the loops
+are pipelined (num_stages >= 2); elsewhere no spills where config.py's tables achieve that.
+
+One subprocess (TRITON_INTERPRET unset) compiles everything once, bf16 causal; the tests read its
+rows. sm90 is compiled at the dims it guarantees, the other archs at 256 and (see DIMS) 128.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.compiler import ARCHS
+
+SCRIPT = Path(__file__).with_name("kernel_structure.py")
+SM90_DIMS = ("64/64", "128/128", "192/128")
+# 256: the largest tiles in shared memory; 128 too where an arch has a table of its own (sm89 shares
+# sm86's and its limits, sm100 sm90's), which keeps the module near 3 minutes of compiling on one core
+DIMS = {arch: ("128/128", "256/256") for arch in ARCHS}
+DIMS.update(sm90=SM90_DIMS, sm89=("256/256",), sm100=("256/256",))
+# (arch, dims) whose kernels config.py's tables keep spill-free (see its docstring for the rest)
+SPILL_FREE = {(arch, dims) for arch in ARCHS for dims in DIMS[arch]}
+
+
+def _has_nvidia_backend() -> bool:
+    from triton.backends import backends
+
+    return "nvidia" in backends
+
+
+pytestmark = pytest.mark.skipif(not _has_nvidia_backend(), reason="upstream Triton's nvidia backend is not installed")
+
+
+@pytest.fixture(scope="module")
+def rows():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCRIPT.parent.parent), env.get("PYTHONPATH")]))
+    specs = [f"{arch}:{','.join(dims)}" for arch, dims in DIMS.items()]
+    proc = subprocess.run([sys.executable, str(SCRIPT), *specs], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout)
+    for r in out:
+        r["dims"] = f"{r['dim_qk']}/{r['dim_v']}"
+    return out
+
+
+def _label(r: dict) -> str:
+    return f"{r['arch']} {r['problem']} {r['kernel']} {r['block_m']}x{r['block_n']} w{r['num_warps']}"
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_every_kernel_compiled_and_fits_shared_memory(rows, arch):
+    mine = [r for r in rows if r["arch"] == arch]
+    kernels = {r["kernel"] for r in mine}
+    assert {"fwd", "bwd_pre", "dkdv", "dq"} <= kernels
+    limit = ARCHS[arch].smem_per_block
+    assert not [(_label(r), r["smem"]) for r in mine if r["smem"] > limit], f"over {limit} bytes of shared memory"
+    assert all(r["ctas_per_sm"] >= 1 for r in mine)
+
+
+@pytest.mark.parametrize("dims", SM90_DIMS)
+def test_sm90_spill_free_wgmma_unduplicated_pipelined(rows, dims):
+    mine = [r for r in rows if r["arch"] == "sm90" and r["dims"] == dims]
+    assert mine
+    assert not [_label(r) for r in mine if r["spill_stores"] or r["spill_loads"]], "spills"
+    mma = [r for r in mine if r["kernel"] != "bwd_pre"]
+    assert not [(_label(r), r["dots"]) for r in mma if set(r["dots"]) != {"ttng.warp_group_dot"}], "dots not wgmma"
+    assert not [(_label(r), r["mma"]) for r in mma if set(r["mma"]) != {"wgmma"}], "MMA other than wgmma in the PTX"
+    assert not [(_label(r), r["mma_dup"]) for r in mma if r["mma_dup"] != 1], "MMA duplicated across warps"
+    assert not [(_label(r), r["num_stages"]) for r in mma if r["num_stages"] < 2], "not pipelined"
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_no_spills_where_the_tables_achieve_it(rows, arch):
+    mine = [r for r in rows if r["arch"] == arch and (arch, r["dims"]) in SPILL_FREE]
+    assert not [(_label(r), r["spill_stores"], r["spill_loads"]) for r in mine if r["spill_stores"] or r["spill_loads"]]
+    assert not [(_label(r), r["mma_dup"]) for r in mine if r["mma_dup"] != 1], "MMA duplicated across warps"
