@@ -1,7 +1,8 @@
 """Test set-up: without CUDA, the Triton kernels run under Triton's CPU interpreter.
 
 TRITON_INTERPRET must be set before coreattn (and its @triton.jit kernels) is imported.
-torch.cuda.is_available() does not create a CUDA context.
+torch.cuda.is_available() does not create a CUDA context. Under the interpreter,
+interpreter_bf16 corrects its bf16 tl.dot and casts so the bf16 kernel paths run on CPU.
 """
 
 import os
@@ -12,6 +13,11 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRETED:
+    import interpreter_bf16
+
+    interpreter_bf16.install()
 
 
 def pytest_collection_modifyitems(config, items):

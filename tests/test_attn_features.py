@@ -12,7 +12,7 @@ import torch
 
 import coreattn
 from attn_cases import (KERNEL_DEVICE, KERNEL_DTYPES, LENS_K, Case, assert_flash_criterion, assert_lse_criterion,
-                        cu_from_lens, make_inputs, max_err)
+                        cu_from_lens, dtype_id, make_inputs, max_err)
 from coreattn.kernels import config
 from coreattn.layers import dropout
 from oracle import attention_ref, max_logit_ref, padded_attention_ref
@@ -74,8 +74,20 @@ def _backend_dtypes():
     return [("triton", d) for d in KERNEL_DTYPES] + [("torch", torch.float32), ("torch", torch.float16)]
 
 
-@pytest.mark.parametrize("backend, dtype", _backend_dtypes(), ids=lambda x: str(x).split(".")[-1])
-@pytest.mark.parametrize("case, feats", CASES, ids=[f"{c.id}-{f.id}" for c, f in CASES])
+# without CUDA (KERNEL_DTYPES lacks bf16), bf16 on the Triton kernels runs on one case with every
+# feature (192/128, GQA, causal, dropout, sinks, max logits) and on spans: each costs 4-12 s on the
+# interpreter, see attn_cases.BF16_CPU_CASES
+CPU_BF16 = torch.bfloat16 not in KERNEL_DTYPES
+
+
+def _feature_params():
+    combos = [(c, f, b, d) for c, f in CASES for b, d in _backend_dtypes()]
+    if CPU_BF16:
+        combos.append((*CASES[3], "triton", torch.bfloat16))
+    return [pytest.param(c, f, b, d, id=f"{c.id}-{f.id}-{b}-{dtype_id(d)}") for c, f, b, d in combos]
+
+
+@pytest.mark.parametrize("case, feats, backend, dtype", _feature_params())
 def test_features_forward_backward_match_oracle(case, feats, backend, dtype):
     q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(case, dtype, KERNEL_DEVICE, requires_grad=True)
     offset = _offset(case.hq, q.device) if feats.sink else None
@@ -237,8 +249,14 @@ def test_max_logit_ignores_masked_pairs_and_dropout(backend):
     assert torch.isneginf(none).all()
 
 
-@pytest.mark.parametrize("padding", ["keep-masks", "spans"])
-@pytest.mark.parametrize("backend, dtype", _backend_dtypes(), ids=lambda x: str(x).split(".")[-1])
+def _padded_params():
+    combos = [(b, d, p) for p in ("keep-masks", "spans") for b, d in _backend_dtypes()]
+    if CPU_BF16:
+        combos.append(("triton", torch.bfloat16, "spans"))
+    return [pytest.param(b, d, p, id=f"{b}-{dtype_id(d)}-{p}") for b, d, p in combos]
+
+
+@pytest.mark.parametrize("backend, dtype, padding", _padded_params())
 def test_padded_batches_with_every_feature(backend, dtype, padding):
     """padded_attn with [B, S] keep masks (holes, left and right padding, an empty row) or spans (left and
     right padding, an empty span), dropout on b * S + position ids, sinks, max logits, GQA and 192/128,

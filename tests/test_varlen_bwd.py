@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import coreattn
-from attn_cases import CASES, KERNEL_DEVICE, KERNEL_DTYPES, LENS_K, Case, assert_flash_criterion, make_inputs
+from attn_cases import (BF16_CPU_CASES, CASES, KERNEL_DEVICE, LENS_K, Case, assert_flash_criterion, case_dtype_params,
+                        make_inputs)
 from coreattn.kernels import varlen_attn_bwd, varlen_attn_fwd
 from coreattn.kernels.packing import packed
 from oracle import attention_ref
@@ -27,8 +28,7 @@ def _reference_grads(case, q, k, v, cu_q, cu_k, g, upcast):
     return torch.autograd.grad(out, leaves, g.cpu().to(out.dtype))
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case, dtype", case_dtype_params(CASES, BF16_CPU_CASES))
 def test_backward_matches_oracle(case, dtype):
     q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(case, dtype, KERNEL_DEVICE, requires_grad=True)
     out = coreattn.varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal=case.causal, window_size=case.window,

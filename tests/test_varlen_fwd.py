@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import coreattn
-from attn_cases import (CASES, KERNEL_DEVICE, KERNEL_DTYPES, LENS_K, Case, assert_flash_criterion, assert_lse_criterion,
-                        make_inputs)
+from attn_cases import (BF16_CPU_CASES, CASES, KERNEL_DEVICE, LENS_K, Case, assert_flash_criterion, assert_lse_criterion,
+                        case_dtype_params, make_inputs)
 from coreattn.kernels import varlen_attn_fwd
 from coreattn.kernels.packing import packed
 from oracle import attention_ref
@@ -19,8 +19,7 @@ def _check_forward(case, dtype, out, lse, q, k, v, cu_q, cu_k):
     assert_lse_criterion(lse, naive_lse, ref_lse)
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case, dtype", case_dtype_params(CASES, BF16_CPU_CASES))
 def test_forward_matches_oracle(case, dtype):
     q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(case, dtype, KERNEL_DEVICE)
     out, lse = coreattn.varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal=case.causal,
