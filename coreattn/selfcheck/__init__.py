@@ -64,7 +64,8 @@ FP32_CASE = CASES[0]  # fp32 (IEEE) runs once, on this case
 def case_dtypes(device: torch.device) -> tuple[list[torch.dtype], str | None]:
     """The dtypes every case runs in on ``device``, and why one is left out (None if none is)."""
     if device.type == "cpu":
-        return [torch.float16], "bf16 skipped on CPU: the Triton interpreter's bf16 tl.dot is wrong"
+        return [torch.float16], ("bf16 skipped on CPU: the Triton interpreter's bf16 tl.dot and casts are wrong "
+                                 "(pytest corrects them with tests/interpreter_bf16.py and runs bf16 that way)")
     return [torch.bfloat16, torch.float16], None
 
 
