@@ -78,24 +78,36 @@ def test_model_on_the_triton_kernels(name, layout):
     _assert_criterion(hm.run(model, _batch(layout), hm.weights(hm.sequences())), name)
 
 
-# DeepSeek-V3 computes its router in float32 by design: its gate's gradient moves with the batch
-# layout at float32 rounding.
-FLOAT32_PARAMS = ("mlp.gate.weight",)
+class _Float32AsFloat64:
+    """A stand-in for a model module's ``torch`` whose ``float32`` is float64."""
+
+    float32 = torch.float64
+
+    def __getattr__(self, attr):
+        return getattr(torch, attr)
 
 
 @pytest.mark.parametrize("name", hm.MODELS)
-def test_packed_equals_one_by_one_float64(name):
+def test_packed_equals_one_by_one_float64(name, monkeypatch):
+    if name == "deepseek_v3":
+        # DeepSeek-V3 runs its router in float32 by design (F.linear of float32 casts): a matmul
+        # whose rounding follows the number of rows, so packed and one-by-one differ at float32
+        # rounding there, and through the router's input gradient in every parameter upstream of
+        # it (seen: 3.5e-10 relative in the embedding's gradient). Its float32 casts run in float64
+        # here, so everything must agree to float64 rounding.
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3
+
+        monkeypatch.setattr(modeling_deepseek_v3, "torch", _Float32AsFloat64())
     seqs = hm.sequences()
     w = hm.weights(seqs)
-    alone = _one_by_one(name, torch.float64, TORCH_IMPL)
+    alone = hm.run_one_by_one(hm.build(name, torch.float64, TORCH_IMPL), seqs, w)
     model = hm.build(name, torch.float64, TORCH_IMPL)
     for flash_kwargs in (False, True):  # restarting position_ids; cu_seq_lens_q/k + max_length_q/k
         logits, grads = hm.run(model, hm.packed(seqs, flash_kwargs=flash_kwargs), w)
         for got, want in zip(logits, alone[0]):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
         for param, g in grads.items():
-            rtol = 1e-6 if param.endswith(FLOAT32_PARAMS) else 1e-12
-            torch.testing.assert_close(g, alone[1][param], rtol=rtol, atol=rtol * alone[1][param].abs().max())
+            torch.testing.assert_close(g, alone[1][param], rtol=1e-12, atol=1e-12 * alone[1][param].abs().max())
 
 
 def test_dropout_runs_and_follows_the_seed():
