@@ -3,8 +3,9 @@ every kernel's shared memory fits its arch's per-block limit; on sm90 at head di
 192/128 no kernel spills, every dot is a wgmma, no MMA is duplicated across warps and the loops
 are pipelined (num_stages >= 2); elsewhere no spills where config.py's tables achieve that.
 
-One subprocess (TRITON_INTERPRET unset) compiles everything once, bf16 causal; the tests read its
-rows. sm90 is compiled at the dims it guarantees, the other archs at 256 and (see DIMS) 128.
+One subprocess (TRITON_INTERPRET unset) compiles everything once, bf16 causal (and fp32, whose one
+small tile serves every arch, on sm90 and the 99 KB sm86); the tests read its rows. sm90 is compiled
+at the dims it guarantees, the other archs at 256 and (see DIMS) 128.
 """
 
 import json
@@ -23,6 +24,8 @@ SM90_DIMS = ("64/64", "128/128", "192/128")
 # sm86's and its limits, sm100 sm90's), which keeps the module near 3 minutes of compiling on one core
 DIMS = {arch: ("128/128", "256/256") for arch in ARCHS}
 DIMS.update(sm90=SM90_DIMS, sm89=("256/256",), sm100=("256/256",))
+DIMS["sm90"] += ("128/128@fp32",)
+DIMS["sm86"] += ("128/128@fp32",)
 # (arch, dims) whose kernels config.py's tables keep spill-free (see its docstring for the rest)
 SPILL_FREE = {(arch, dims) for arch in ARCHS for dims in DIMS[arch]}
 
@@ -45,7 +48,7 @@ def rows():
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout)
     for r in out:
-        r["dims"] = f"{r['dim_qk']}/{r['dim_v']}"
+        r["dims"] = f"{r['dim_qk']}/{r['dim_v']}" + ("@fp32" if r["dtype"] == "fp32" else "")
     return out
 
 

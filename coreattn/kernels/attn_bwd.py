@@ -493,7 +493,8 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     window_left, window_right = kernel_window(window_left, limit), kernel_window(window_right, limit)
     target = target_of(q.device)
     block_dqk, block_dqk2, block_dv = head_blocks(dim_qk, dim_v)
-    cfg_dkdv, cfg_dq = bwd_configs(q.device, block_dqk + block_dqk2, block_dv, q.element_size())
+    cfg_dkdv, cfg_dq = bwd_configs(q.device, block_dqk + block_dqk2, block_dv, q.element_size(),
+                                   dropout=dropout_p > 0)
 
     delta = new_rowstat(q, q_pack, fill=0.0)  # [H, T] or [B, H, S]
     if q.numel() > 0:
@@ -535,8 +536,7 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                         **dict(zip(("stride_dvb", "stride_dvt", "stride_dvh"),
                                                    seq_strides(dv, k_pack.fmt))),
                                         BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, DK=do_dk, DV=do_dv,
-                                        PERSISTENT=persistent, num_warps=cfg_dkdv.num_warps,
-                                        num_stages=cfg_dkdv.num_stages, **common)
+                                        PERSISTENT=persistent, **cfg_dkdv.launch(), **common)
     n_tiles = tile_bound(batch, seqlen_q_total, cfg_dq.block_m, q_pack.fmt == "thd")
     if q.numel() > 0 and n_tiles > 0:
         grid, persistent = launch_grid(q.device, target, n_tiles, heads_q)
@@ -544,5 +544,5 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                   heads=heads_q, n_tiles=n_tiles, SINK_GRAD=sink_rowsum is not None,
                                   **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, q_pack.fmt))),
                                   BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, PERSISTENT=persistent,
-                                  num_warps=cfg_dq.num_warps, num_stages=cfg_dq.num_stages, **common)
+                                  **cfg_dq.launch(), **common)
     return dq, dk, dv

@@ -348,7 +348,7 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
             HAS_SINK=softmax_offset is not None, RETURN_MAX=return_max_logit, PERSISTENT=persistent,
             **dropout_args(dropout_p, rng_state, q_pack, k_pack),
             **mask_flags(window_left, window_right, bottom_right, q_pack, k_pack),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **cfg.launch(),
         )
     if not return_max_logit:
         return out, lse

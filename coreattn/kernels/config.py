@@ -9,25 +9,26 @@ their own tile: dK/dV holds many keys and steps over few queries, dQ the reverse
 rows are the tile's long side and no warp computes another warp's rows.
 
 CUDA tables, as the compile report shows them (``python -m bench --what kernels``: static
-compiler output for each arch, bf16, causal; tests/test_kernel_structure.py keeps it so):
+compiler output for each arch; bf16 and fp16, causal and not, MHA and GQA 4, fp32, and dropout,
+softmax offset and max logit at every head dim; tests/test_kernel_structure.py keeps the main ones):
 
+- Every CUDA launch sets ptxas's register ceiling to the register file (``maxnreg`` 255): left to
+  itself ptxas often stopped at 48-168 registers and spilled.
 - sm90: at 64, 128 and 192/128 every forward, dK/dV and dQ kernel, the feature variants (dropout,
   softmax offset with the SINK_GRAD dQ, max logit) included, has 0 spill bytes, every tl.dot is a
   wgmma, no MMA layout is wider than its tile and num_stages >= 2. 8 warps (two warpgroups) per
-  tile; registers (220-255 per thread) bound occupancy to one block per SM, shared memory does not.
-  At 256 the forward's key step shrinks to 16 (128 x 16, 221 registers) and dK and dV take two
-  passes (split_dkdv): also 0 spills, at the cost of narrow key steps and Q K^T recomputed once.
-- sm100 reuses sm90's tables: same 227 KB per block, tcgen05 MMAs keep the accumulators in tensor
-  memory, so registers are lower (128-245) and no kernel spills, 256 included (dQ 208 KB of
-  shared memory, the largest).
-- sm80 (163 KB) and the 99 KB parts (sm86, sm89, sm120: the "sm86" table) use mma.sync, whose
-  accumulators stay in registers: 128-row tiles take 8 warps (64), wider heads 4 warps and
-  32-64-row tiles. All kernels at 64, 128, 192/128 and 256 are spill-free, largest shared memory
-  64 KB (dK at 256), registers up to 255 (sm80's 192/128 forward at 64 x 32 has no headroom: a
-  feature variant there may spill a few bytes). What is left at 256 on these archs is tile size,
-  not correctness: 32 x 32 tiles and single-stage backward loops, about half the MMA work per
-  loaded byte of a 64-row tile, because 64 rows x 256 fp32 columns of accumulator are 128
-  registers per thread on top of the operands.
+  tile; registers bound occupancy to one block per SM, shared memory does not. At 256 the
+  forward's key step shrinks to 16 (128 x 16) and dK and dV take two passes (split_dkdv): also 0
+  spills, at the cost of narrow key steps and Q K^T recomputed once.
+- sm100: sm90's backward tiles (same 227 KB per block; tcgen05 MMAs); the forward steps over 32
+  keys at 128 and 192 (64 spilled there), and at 64 with dropout. No kernel spills, 256 included.
+- sm80 (163 KB) and the 99 KB parts (sm86, sm89, sm120: the "sm86" table; sm120 takes smaller
+  dropout tiles at 64 and 256) use mma.sync, whose accumulators stay in registers: 128-row tiles
+  take 8 warps (64), wider heads 4 warps and 16-64-row tiles. No kernel spills at any head dim.
+  What is left at 256 on these archs is tile size, not correctness: 32 x 32 tiles and
+  single-stage backward loops, about half the MMA work per loaded byte of a 64-row tile, because
+  64 rows x 256 fp32 columns of accumulator are 128 registers per thread on top of the operands.
+- fp32 (IEEE, no tensor cores) takes one small tile on every arch (``_FP32``): 0 spills.
 
 TMA tensor descriptors (issue 14, item 1) are not used. The pointer kernels above are already
 spill-free with wgmma on sm90; descriptors built per sequence on the device need a
@@ -79,6 +80,14 @@ class AttnConfig(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None  # CUDA: ptxas's register ceiling per thread (.maxnreg); None: ptxas's choice
+
+    def launch(self) -> dict:
+        """The kernel launch options of this config."""
+        opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.maxnreg is not None:
+            opts["maxnreg"] = self.maxnreg
+        return opts
 
 
 def head_block(dim: int) -> int:
@@ -205,37 +214,54 @@ _DQ = {
     "sm86": ((64, _C(32, 64, 4, 2)), (128, _C(64, 32, 4, 2)), (192, _C(16, 32, 4, 1)), (256, _C(32, 32, 4, 1))),
 }
 # Dropout adds Philox's state to the live registers: where the plain tile runs out of them, the
-# dropout kernels take this one instead (and the dK/dV kernel splits, see split_dkdv).
+# dropout kernels take these instead (and the dK/dV kernel splits, see split_dkdv).
 _FWD_DROPOUT = {"sm90": ((192, _C(128, 32, 8, 2)),), "sm80": (), "sm86": ()}
-for _table in (_FWD, _DKDV, _DQ, _FWD_DROPOUT):
-    # explicit reuse, checked by the compile report: sm100 fits sm90's tiles (same 227 KB per block,
-    # tcgen05 keeps the accumulators out of the registers); sm89 and sm120 are sm86's 99 KB parts
+_DQ_DROPOUT = {"sm90": (), "sm80": (), "sm86": ()}
+# sm100: sm90's tiles (same 227 KB per block) but for the forward, whose 64-key step at 128 and
+# 192 ran out of registers there (255, 24-84 B spilled; with dropout at 64 too): 32-key steps.
+_FWD["sm100"] = ((64, _C(128, 64, 8, 3)), (128, _C(128, 32, 8, 3)), (192, _C(128, 32, 8, 2)), (256, _C(128, 16, 8, 2)))
+_FWD_DROPOUT["sm100"] = ((64, _C(128, 32, 8, 3)),)
+_DQ_DROPOUT["sm100"] = ((64, _C(128, 32, 8, 2)),)
+for _table in (_DKDV, _DQ):
     _table["sm100"] = _table["sm90"]
-    _table["sm89"] = _table["sm120"] = _table["sm86"]
+for _table in (_FWD, _DKDV, _DQ, _FWD_DROPOUT, _DQ_DROPOUT):
+    _table["sm89"] = _table["sm120"] = _table["sm86"]  # the 99 KB mma.sync parts share one table
+# sm120's ptxas needs more registers than sm86's for the same dropout kernels at 64 and 256
+_FWD_DROPOUT["sm120"] = ((64, _C(128, 32, 8, 2)),)
+_DQ_DROPOUT["sm120"] = ((256, _C(16, 32, 4, 1)),)
+# fp32 runs at IEEE precision, which no tensor core computes: tl.dot becomes FMA loops whose
+# operands are spread over the threads, so the 16-bit tiles spilled kilobytes (sm90's forward at
+# 128: 46 KB) and dQ overflowed the 99 KB parts' shared memory. One small tile for every arch.
+_FP32 = ((128, _C(16, 32, 8, 1)), (256, _C(16, 16, 8, 1)))
+# Left to itself, ptxas often capped registers well below the register file and spilled (sm120's dQ
+# at 64: 128 registers and 4 B spilled, 184 and none with the ceiling at 255; sm80's fp32 forward
+# at 64: 48 registers and a spill): every CUDA launch sets the ceiling to the file's 255.
+MAXNREG = 255
 
 
-def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, override: dict | None = None) -> AttnConfig:
+def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, elem: int,
+                 override: dict | None = None) -> AttnConfig:
     """The entry of the first width class that holds the widest block (``override``'s entry for
-    that class if it has one)."""
+    that class if it has one); the fp32 tile for 4-byte inputs."""
     widest = max(block_dqk, block_dv)
-    for width, cfg in table[target]:
+    for width, cfg in (_FP32 if elem == 4 else table[target]):
         if widest <= width:
-            return dict((override or {}).get(target, ())).get(width, cfg)
+            if elem != 4:
+                cfg = dict((override or {}).get(target, ())).get(width, cfg)
+            return cfg._replace(maxnreg=MAXNREG)
     raise ValueError(f"head dims up to 256 are supported, got blocks {block_dqk}/{block_dv}")
 
 
 def fwd_config(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2,
                dropout: bool = False) -> AttnConfig:
     """``block_dqk``: the q/k blocks' total width (192 for 128 + 64); ``elem``: bytes per input
-    element (2 for fp16/bf16, 4 for fp32), which only Ascend uses; ``dropout``: the dropout kernel."""
+    element (2 for fp16/bf16, 4 for fp32); ``dropout``: the dropout kernel."""
     target = target_of(device)
     if target == "ascend":
         return _ascend_blocks(fwd_step_bytes, block_dqk, block_dv, elem)
     if target == "interpreter":
         return _INTERPRETER
-    if dropout:
-        return _cuda_config(_FWD, target, block_dqk, block_dv, _FWD_DROPOUT)
-    return _cuda_config(_FWD, target, block_dqk, block_dv)
+    return _cuda_config(_FWD, target, block_dqk, block_dv, elem, _FWD_DROPOUT if dropout else None)
 
 
 def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False) -> bool:
@@ -247,7 +273,8 @@ def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False
     return target not in ("interpreter", "ascend") and block_dqk + block_dv > (256 if dropout else 320)
 
 
-def bwd_configs(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2) -> tuple[AttnConfig, AttnConfig]:
+def bwd_configs(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2,
+                dropout: bool = False) -> tuple[AttnConfig, AttnConfig]:
     """(dK/dV config, dQ config); arguments as for fwd_config."""
     target = target_of(device)
     if target == "ascend":
@@ -255,4 +282,5 @@ def bwd_configs(device: torch.device, block_dqk: int, block_dv: int, elem: int =
         return cfg, cfg
     if target == "interpreter":
         return _INTERPRETER, _INTERPRETER
-    return _cuda_config(_DKDV, target, block_dqk, block_dv), _cuda_config(_DQ, target, block_dqk, block_dv)
+    return (_cuda_config(_DKDV, target, block_dqk, block_dv, elem),
+            _cuda_config(_DQ, target, block_dqk, block_dv, elem, _DQ_DROPOUT if dropout else None))
