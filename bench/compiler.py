@@ -263,11 +263,12 @@ def compile_problem(problem: Problem, launches: list[dict], arch: str) -> list[d
     from coreattn.kernels import varlen_attn_bwd, varlen_attn_fwd
     from coreattn.kernels.packing import packed
     from coreattn.layers.dropout import rng_state
+    from coreattn.masks import cu_seqlens_from_seqlens
 
     dtype = DTYPES[problem.dtype]
     heads_kv = HEADS_Q // problem.group
     total = sum(SEQLENS)
-    cu = torch.tensor([0, *torch.tensor(SEQLENS).cumsum(0).tolist()], dtype=torch.int32)
+    cu = cu_seqlens_from_seqlens(torch.tensor(SEQLENS, dtype=torch.int32))
     q = torch.empty(total, HEADS_Q, problem.dim_qk, dtype=dtype)  # [T, Hq, Dqk]
     k = torch.empty(total, heads_kv, problem.dim_qk, dtype=dtype)  # [T, Hkv, Dqk]
     v = torch.empty(total, heads_kv, problem.dim_v, dtype=dtype)  # [T, Hkv, Dv]
