@@ -262,7 +262,7 @@ def compile_problem(problem: Problem, launches: list[dict], arch: str) -> list[d
     row per kernel launch, the preprocess kernel included."""
     from coreattn.kernels import varlen_attn_bwd, varlen_attn_fwd
     from coreattn.kernels.packing import packed
-    from coreattn.layers.dropout import rng_state
+    from coreattn.kernels.dropout import rng_state
     from coreattn.masks import cu_seqlens_from_seqlens
 
     dtype = DTYPES[problem.dtype]

@@ -1,7 +1,7 @@
 """coreattn: Triton varlen flash attention for LLM training (Dv may differ from Dqk)."""
 
 from coreattn import masks
-from coreattn.adapters.backends import Backend
+from coreattn.layers.backends import Backend
 from coreattn.layers.context_parallel import cp_attn
 from coreattn.layers.padded_attn import padded_attn
 from coreattn.layers.varlen_attn import flash_attn_varlen_func, varlen_attn

@@ -24,7 +24,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from attn_cases import assert_flash_criterion
-from coreattn.layers import dropout
+from coreattn.kernels import dropout
 from oracle import attention_ref, max_logit_ref
 
 VOCAB = 96

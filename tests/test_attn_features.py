@@ -1,6 +1,6 @@
 """Dropout, softmax offsets (sinks) and max logits through the public functions, on the Triton
 kernels (the interpreter without a GPU) and the torch backend, against the float64 oracle that
-applies the same keep mask (coreattn.layers.dropout.keep_mask, itself checked against Philox's
+applies the same keep mask (coreattn.kernels.dropout.keep_mask, itself checked against Philox's
 known answers and tl.philox in test_dropout_rng.py)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import coreattn
 from attn_cases import (KERNEL_DEVICE, KERNEL_DTYPES, LENS_K, Case, assert_flash_criterion, assert_lse_criterion,
                         cu_from_lens, dtype_id, make_inputs, max_err)
 from coreattn.kernels import config
-from coreattn.layers import dropout
+from coreattn.kernels import dropout
 from oracle import attention_ref, max_logit_ref, padded_attention_ref
 
 BACKENDS = ["triton", "torch"]

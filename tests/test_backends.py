@@ -5,8 +5,8 @@ import logging
 import pytest
 import torch
 
-from coreattn.adapters import backends
-from coreattn.adapters.backends import Backend, is_available, select_backend
+from coreattn.layers import backends
+from coreattn.layers.backends import Backend, is_available, select_backend
 from coreattn.kernels import runs_in_interpreter
 from conftest import HAS_CUDA
 

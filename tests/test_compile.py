@@ -153,7 +153,7 @@ def test_new_packed_lengths_recompile_at_most_once(dynamic, graphs, monkeypatch)
     """20 packed batches of new lengths (and numbers of sequences): one graph with dynamic=True; with
     the default automatic dynamic shapes, the second batch recompiles once and nothing after. The
     backend choice is not logged yet, as in a fresh process (its logging must not add a guard)."""
-    from coreattn.adapters import backends
+    from coreattn.layers import backends
 
     monkeypatch.setattr(backends, "_logged", set())
     torch._dynamo.reset()

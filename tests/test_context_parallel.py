@@ -26,7 +26,8 @@ import torch.multiprocessing as mp
 import coreattn
 from attn_cases import assert_flash_criterion
 from coreattn import masks
-from coreattn.layers import context_parallel, dropout
+from coreattn.layers import context_parallel
+from coreattn.kernels import dropout
 from coreattn.layers.context_parallel import COMMS, cp_attn
 from oracle import _mask, attention_ref
 

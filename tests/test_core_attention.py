@@ -295,7 +295,7 @@ def test_backend_override_precedence(monkeypatch):
 
 
 def test_unusable_override_raises(monkeypatch):
-    from coreattn.adapters import backends
+    from coreattn.layers import backends
 
     monkeypatch.setitem(backends._REGISTRY, backends.Backend.TRITON,
                         lambda device: backends.Availability(False, "test: pretend Triton is missing"))

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.layers.dropout import check_dropout_p, keep_mask, keep_threshold, philox, rng_state, with_head_offset
+from coreattn.kernels.dropout import check_dropout_p, keep_mask, keep_threshold, philox, rng_state, with_head_offset
 
 # Random123's known-answer vectors for philox4x32-10: counter, key (k0, k1), output
 KAT = [

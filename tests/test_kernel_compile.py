@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coreattn.adapters import npu
+from coreattn.kernels import npu
 
 SCRIPT = Path(__file__).with_name("kernel_compile.py")
 

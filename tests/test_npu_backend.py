@@ -16,8 +16,9 @@ import torch
 
 import coreattn
 from attn_cases import CASES, LENS_K, Case, assert_flash_criterion, assert_grad_criterion, make_inputs
-from coreattn.adapters import backends, npu
-from coreattn.adapters.backends import Backend, is_available, select_backend
+from coreattn.layers import backends
+from coreattn.kernels import npu
+from coreattn.layers.backends import Backend, is_available, select_backend
 from coreattn.kernels.config import ENV_TRITON_TARGET, target_of
 from coreattn.kernels.packing import Packing, packed
 from coreattn.layers import dispatch

@@ -17,7 +17,8 @@ import coreattn
 from attn_cases import (Case, assert_flash_criterion, assert_grad_criterion, assert_lse_criterion, cu_from_lens,
                         make_inputs)
 from coreattn.kernels.packing import Packing, packed
-from coreattn.layers import dropout, torch_backend, torch_blocked, torch_fused
+from coreattn.layers import torch_backend, torch_blocked, torch_fused
+from coreattn.kernels import dropout
 from coreattn.layers.checks import VarlenParams, check_options
 from coreattn.layers.dispatch import run_attention
 from oracle import _mask, attention_ref, padded_attention_ref

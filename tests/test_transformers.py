@@ -152,8 +152,8 @@ def test_npu_fused_backend_reads_position_ids(monkeypatch):
     ops: the same result as the torch backend."""
     import sys
 
-    from coreattn.adapters import npu
-    from coreattn.adapters.backends import Backend
+    from coreattn.kernels import npu
+    from coreattn.layers.backends import Backend
     from coreattn.layers import dispatch
     from fake_torch_npu import FakeTorchNpu
 

@@ -1,5 +1,5 @@
 """Device and framework glue: backend selection, Ascend NPU detection (npu.py) and Megatron integration."""
 
-from coreattn.adapters.backends import Backend, select_backend
+from coreattn.layers.backends import Backend, select_backend
 
 __all__ = ["Backend", "select_backend"]

@@ -13,7 +13,7 @@ import logging
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from coreattn.adapters.backends import Backend, parse_backend
+from coreattn.layers.backends import Backend, parse_backend
 from coreattn.layers.core_attention import CoreAttention
 
 logger = logging.getLogger("coreattn")
@@ -88,7 +88,7 @@ def use_coreattn(spec, backend: str | Backend | None = None):
     ``TEDotProductAttention``, as a class, ModuleSpec or partial) gets CoreAttention. Other core
     attentions (e.g. DSA's sparse attention, which has parameters of its own) are kept, with a
     warning. The input spec is not modified. ``backend`` pins the backend for these layers (else
-    per device, see ``coreattn.adapters.backends``).
+    per device, see ``coreattn.layers.backends``).
     """
     entry = _core_attention_entry(None if backend is None else parse_backend(backend))
     kept = []

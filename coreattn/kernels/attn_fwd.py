@@ -279,10 +279,10 @@ def mask_flags(window_left: int, window_right: int, bottom_right: bool, q_pack: 
 def dropout_args(dropout_p: float, rng_state: torch.Tensor | None, q_pack: Packing, k_pack: Packing) -> dict:
     """Kernel arguments for dropout (coreattn/layers/dropout.py): the RNG state tensor, the keep
     threshold and 1 / (1 - p); given token ids (``Packing.gid``) when the packings carry them."""
-    from coreattn.layers.dropout import keep_threshold
+    from coreattn.kernels.dropout import keep_threshold
 
     if dropout_p > 0 and rng_state is None:
-        raise ValueError("dropout_p > 0 needs rng_state (coreattn.layers.dropout.rng_state)")
+        raise ValueError("dropout_p > 0 needs rng_state (coreattn.kernels.dropout.rng_state)")
     has_gid = q_pack.gid is not None or k_pack.gid is not None
     if has_gid and (q_pack.gid is None or k_pack.gid is None):
         raise ValueError("give dropout token ids (Packing.gid) for both q and k, or for neither")

@@ -154,7 +154,7 @@ def persistent_grid(device: torch.device, tasks: int, vector_only: bool = False)
     if runs_in_interpreter():
         aicore, vectorcore = INTERPRETER_ASCEND_CORES
     else:
-        from coreattn.adapters.npu import ascend_core_counts
+        from coreattn.kernels.npu import ascend_core_counts
 
         aicore, vectorcore = ascend_core_counts(device.index or 0)
     cores = vectorcore if vector_only else aicore

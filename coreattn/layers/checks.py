@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from coreattn.layers.dropout import check_dropout_p
+from coreattn.kernels.dropout import check_dropout_p
 
 ENV_VALIDATE = "COREATTN_VALIDATE"
 MAX_HEAD_DIM = 256

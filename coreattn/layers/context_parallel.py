@@ -23,9 +23,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from coreattn.adapters.backends import Backend, select_backend
+from coreattn.layers.backends import Backend, select_backend
 from coreattn.kernels.packing import Packing
-from coreattn.layers import dropout
+from coreattn.kernels import dropout
 from coreattn.layers.checks import (VarlenParams, check_cu_seqlens, check_flag, check_max_seqlen, check_options,
                                     check_qkv, check_softmax_offset, validation_enabled)
 from coreattn.layers.cp_a2a import a2a_attn

@@ -32,7 +32,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from coreattn.adapters.backends import ENV_BACKEND, Backend, parse_backend, select_backend
+from coreattn.layers.backends import ENV_BACKEND, Backend, parse_backend, select_backend
 from coreattn.layers.context_parallel import check_comm, cp_attn
 from coreattn.layers.dense_mask_attn import dense_mask_attn
 from coreattn.layers.padded_attn import padded_attn

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from coreattn.kernels.packing import Packing
-from coreattn.layers import dropout
+from coreattn.kernels import dropout
 from coreattn.layers.checks import VarlenParams
 from coreattn.layers.cp_layout import CPLayout, global_orders
 from coreattn.layers.dispatch import run_attention

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from coreattn.adapters.backends import Backend, select_backend
+from coreattn.layers.backends import Backend, select_backend
 from coreattn.kernels.packing import Packing
 from coreattn.layers.checks import KERNEL_DTYPES, VarlenParams
 from coreattn.layers.cp_layout import CPLayout

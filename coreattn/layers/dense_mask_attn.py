@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from coreattn.layers import dropout
+from coreattn.kernels import dropout
 
 
 def dense_mask_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor, layout: str,
@@ -23,7 +23,7 @@ def dense_mask_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: t
     every key masked gets zeros (not NaN, and no NaN gradient). Scores and softmax run in fp32
     (float64 for float64 inputs); P is cast to the input dtype before P @ V as the kernels do.
 
-    ``dropout_p``: dropout on the probabilities (``rng_state`` as coreattn.layers.dropout draws
+    ``dropout_p``: dropout on the probabilities (``rng_state`` as coreattn.kernels.dropout draws
     it; drawn from the device's generator when None). ``softmax_offset``: float ``[Hq]`` sink
     logits. ``return_max_logit``: the result is ``(out, max_logit)``, max_logit float32 ``[Hq]``."""
     if layout == "sbhd":

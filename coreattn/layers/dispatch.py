@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from coreattn.adapters.backends import Backend, parse_backend, select_backend
+from coreattn.layers.backends import Backend, parse_backend, select_backend
 from coreattn.kernels.packing import Packing
-from coreattn.layers import dropout
+from coreattn.kernels import dropout
 from coreattn.layers.checks import VarlenParams, check_layout_values, keep_as_uint8
 from coreattn.layers.function import (POSITION_IDS, TORCH, TRITON, attention, attn_torch,  # noqa: F401
                                       cu_seqlens_from_position_ids, rng_state as draw_rng_state)

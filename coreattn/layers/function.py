@@ -44,7 +44,7 @@ without its format), read according to ``fmt``:
 Everything that reads tensor values runs inside the ops: the public functions' value checks
 (``validate=True``, coreattn.layers.checks.check_layout_values), the backend choice (``backend``:
 an override name or "" for the per-device default, resolved with
-coreattn.adapters.backends.select_backend when the op runs, so ``COREATTN_BACKEND`` keeps working
+coreattn.layers.backends.select_backend when the op runs, so ``COREATTN_BACKEND`` keeps working
 under compile) and the torch backend's length reads. The fake (meta) implementations give the
 exact shapes, dtypes and strides from the input shapes alone: out ``q.shape[:-1] + (Dv,)``
 contiguous in q's dtype, lse ``[Hq, T]`` (thd) or ``[B, Hq, S]`` float32 (float64 for float64
@@ -59,12 +59,12 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from coreattn.adapters.backends import Backend, select_backend
+from coreattn.layers.backends import Backend, select_backend
 from coreattn.kernels import varlen_attn_bwd, varlen_attn_fwd
 from coreattn.kernels.packing import Packing, new_rowstat
-from coreattn.layers import dropout
+from coreattn.kernels import dropout
 from coreattn.layers.checks import KERNEL_DTYPES, VarlenParams, check_layout_values, keep_as_uint8
-from coreattn.layers.softmax_offset import softmax_offset_grad
+from coreattn.kernels.softmax_offset import softmax_offset_grad
 from coreattn.layers.torch_backend import attn_torch_bwd, attn_torch_fwd
 
 POSITION_IDS = "thd_position_ids"

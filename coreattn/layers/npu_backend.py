@@ -50,7 +50,7 @@ from itertools import accumulate
 
 import torch
 
-from coreattn.adapters import npu
+from coreattn.kernels import npu
 from coreattn.kernels.packing import Packing, packed, seq_len_dim
 from coreattn.layers.checks import VarlenParams, check_cu_seqlens_values
 from coreattn.layers.dense_mask_attn import dense_mask_attn

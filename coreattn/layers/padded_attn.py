@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from coreattn.adapters.backends import Backend
+from coreattn.layers.backends import Backend
 from coreattn.kernels.packing import FORMATS, Packing, seq_len_dim
 from coreattn.layers.checks import (check_flag, check_keep_mask, check_options, check_qkv, check_softmax_offset,
                                     check_spans)

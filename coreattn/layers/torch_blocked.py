@@ -26,9 +26,9 @@ from typing import Iterator, NamedTuple
 import torch
 
 from coreattn.kernels.packing import Packing, default_gid, seq_len_dim
-from coreattn.layers import dropout
+from coreattn.kernels import dropout
 from coreattn.layers.checks import VarlenParams
-from coreattn.layers.softmax_offset import softmax_offset_grad
+from coreattn.kernels.softmax_offset import softmax_offset_grad
 from coreattn.layers.torch_spans import Spans
 
 BLOCK_Q = 128  # query rows per block (fewer when every sequence is shorter)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from coreattn.adapters.backends import Backend
+from coreattn.layers.backends import Backend
 from coreattn.kernels.packing import Packing, packed
 from coreattn.layers.checks import check_flag, check_seqused, check_softmax_offset, check_varlen_inputs
 from coreattn.layers.dispatch import public_result, run_attention
@@ -65,7 +65,7 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             not change it, sinks are not logits of a key; -inf for a head without a visible pair.
             Not differentiable; no host sync.
         backend: ``"triton"``, ``"torch"`` or ``"npu_fused"`` (Ascend's fused op, the default on
-            npu tensors) to override the per-device choice (see ``coreattn.adapters.backends``);
+            npu tensors) to override the per-device choice (see ``coreattn.layers.backends``);
             raises if it cannot run. ``npu_fused`` returns lse None.
 
     Returns:

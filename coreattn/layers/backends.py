@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from coreattn.adapters import npu
+from coreattn.kernels import npu
 
 logger = logging.getLogger("coreattn")
 
