@@ -124,9 +124,9 @@ def rank_compute(cfg: CPConfig, cp: int, dtype: torch.dtype, device: torch.devic
     a2a: whole sequences of Hq/cp heads (and the K/V heads they read)."""
     from coreattn.kernels.packing import Packing
     from coreattn.layers.checks import VarlenParams
-    from coreattn.layers.context_parallel import attend_local, build_cp_plan
-    from coreattn.layers.cp_layout import make_layout
-    from coreattn.layers.cp_ring import LocalRing, RingAttnFunction, ring_impl
+    from coreattn.layers.context_parallel.attention import attend_local, build_cp_plan
+    from coreattn.layers.context_parallel.layout import make_layout
+    from coreattn.layers.context_parallel.ring import LocalRing, RingAttnFunction, ring_impl
     from coreattn.layers.dispatch import run_attention
 
     total = cfg.total_tokens

@@ -140,7 +140,8 @@ def dense_budget(device: torch.device) -> int:
 @contextlib.contextmanager
 def torch_path():
     """coreattn's mask builders with their Triton kernels switched off, whatever the device."""
-    from coreattn.layers import masks as layer_masks, padding_function
+    from coreattn.layers.masks import utils as layer_masks
+    from coreattn.layers.masks import padding as padding_function
 
     def never(device):
         return False
@@ -157,7 +158,7 @@ def _callable_for(provider: str, op: MaskOp, masks, inp: MaskInputs, device: tor
     if provider == "torch-dense":
         return (functools.partial(dense_causal, inp), None) if op.dense else (None, "dense reference only")
     if provider == "triton":
-        from coreattn.layers.padding_function import use_triton
+        from coreattn.layers.masks.padding import use_triton
 
         if not op.triton:
             return None, "no Triton kernel (coreattn runs the vectorized builder)"

@@ -146,7 +146,8 @@ def test_list_and_filters(capsys):
 
 
 def test_vectorized_mask_provider_switches_triton_off():
-    from coreattn.layers import masks as layer_masks, padding_function
+    from coreattn.layers.masks import utils as layer_masks
+    from coreattn.layers.masks import padding as padding_function
 
     cuda = torch.device("cuda")  # only asked, never used
     assert padding_function.use_triton(cuda) and layer_masks.use_triton(cuda)

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 import coreattn
 from attn_cases import assert_flash_criterion
 from coreattn import masks
-from coreattn.layers import context_parallel
+from coreattn.layers.context_parallel import attention as context_parallel
 from coreattn.kernels import dropout
 from coreattn.layers.context_parallel import COMMS, cp_attn
 from oracle import _mask, attention_ref
@@ -338,7 +338,7 @@ def _sequences(case: CPCase, inp: dict):
 
 def _feature_oracle(case: CPCase, inp: dict, state: torch.Tensor | None) -> dict:
     """Float64 attention with the sink as an extra logit column and dropout through the shared keep
-    mask (coreattn/layers/dropout.py) on global padded token ids; gradients by autograd, and the
+    mask (coreattn/kernels/dropout.py) on global padded token ids; gradients by autograd, and the
     max visible logit per head (and per token, for each rank's share)."""
     q, k, v = (inp[n].double().requires_grad_() for n in ("q", "k", "v"))
     offset = sink_logits(case).double().requires_grad_() if case.sink else None

@@ -1,4 +1,4 @@
-"""The dropout keep-mask function (coreattn/layers/dropout.py): Philox-4x32-10 in torch integer ops,
+"""The dropout keep-mask function (coreattn/kernels/dropout.py): Philox-4x32-10 in torch integer ops,
 checked against the published known-answer vectors and against Triton's own tl.philox."""
 
 import math

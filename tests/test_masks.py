@@ -7,8 +7,8 @@ and through the autograd Functions; the public functions use the torch path on t
 import pytest
 import torch
 
-import coreattn.layers.masks as masks_layer
-import coreattn.layers.padding_function as padding_function
+import coreattn.layers.masks.utils as masks_layer
+import coreattn.layers.masks.padding as padding_function
 import mask_naive as naive
 from coreattn import masks
 from coreattn.kernels.masks import gather_rows, scatter_rows, token_ids
@@ -496,7 +496,7 @@ def test_builders_do_not_sync_on_cuda(monkeypatch):
 
 def act_like_a_device(monkeypatch):
     """Value checks behave as for a device tensor: only with COREATTN_VALIDATE=1 or check=True."""
-    from coreattn.layers import mask_checks
+    from coreattn.layers.masks import checks as mask_checks
     from coreattn.layers.checks import validation_enabled
 
     monkeypatch.setattr(mask_checks, "reads_values", lambda t: validation_enabled())

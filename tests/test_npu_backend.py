@@ -23,8 +23,8 @@ from coreattn.kernels.config import ENV_TRITON_TARGET, target_of
 from coreattn.kernels.packing import Packing, packed
 from coreattn.layers import dispatch
 from coreattn.layers.checks import VarlenParams
-from coreattn.layers.dense_mask_attn import dense_mask_attn
-from coreattn.layers.npu_backend import INT_MAX, MAX_VARLEN_SEQUENCES, attn_npu_dense_mask, attn_npu_fused
+from coreattn.layers.torch_backend.dense_mask import dense_mask_attn
+from coreattn.layers.npu_fused.attention import INT_MAX, MAX_VARLEN_SEQUENCES, attn_npu_dense_mask, attn_npu_fused
 from fake_torch_npu import FakeTorchNpu
 from oracle import attention_ref, padded_attention_ref
 

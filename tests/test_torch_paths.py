@@ -1,6 +1,6 @@
 """The torch backend's two paths against float64 references: PyTorch's fused CPU kernel per
-sequence (coreattn/layers/torch_fused.py) and the blocked online softmax in torch ops
-(coreattn/layers/torch_blocked.py, run here with 16-row blocks and a few tiles per step so that
+sequence (coreattn/layers/torch_backend/fused.py) and the blocked online softmax in torch ops
+(coreattn/layers/torch_backend/blocked.py, run here with 16-row blocks and a few tiles per step so that
 block and chunk boundaries are crossed). Also: softmax offsets, max logits, dropout, keep masks,
 seqused, determinism, and memory that does not grow with the square of the sequence length."""
 
@@ -17,7 +17,9 @@ import coreattn
 from attn_cases import (Case, assert_flash_criterion, assert_grad_criterion, assert_lse_criterion, cu_from_lens,
                         make_inputs)
 from coreattn.kernels.packing import Packing, packed
-from coreattn.layers import torch_backend, torch_blocked, torch_fused
+from coreattn.layers.torch_backend import attention as torch_backend
+from coreattn.layers.torch_backend import blocked as torch_blocked
+from coreattn.layers.torch_backend import fused as torch_fused
 from coreattn.kernels import dropout
 from coreattn.layers.checks import VarlenParams, check_options
 from coreattn.layers.dispatch import run_attention
@@ -273,7 +275,7 @@ def test_max_logit_runs_blocked_and_matches(path):
 
 
 def test_dropout_is_the_shared_keep_mask(path):
-    """The blocked path drops exactly what coreattn/layers/dropout.py's keep mask says on packed
+    """The blocked path drops exactly what coreattn/kernels/dropout.py's keep mask says on packed
     token ids, in the forward and the backward (tiles cross 16-row blocks)."""
     q, k, v, cu, _, _, _ = make_inputs(SINK_CASE, torch.float64, "cpu", requires_grad=True)
     params = VarlenParams(16 ** -0.5, -1, 0, True, 0.3)
@@ -313,7 +315,8 @@ def test_malformed_spans_raise(path):
 MEMORY_SCRIPT = """
 import json, sys, torch
 import coreattn
-from coreattn.layers import torch_backend, torch_blocked
+from coreattn.layers.torch_backend import attention as torch_backend
+from coreattn.layers.torch_backend import blocked as torch_blocked
 
 torch.set_num_threads(1)
 torch_blocked.TILE_ELEMENTS = 1 << 20

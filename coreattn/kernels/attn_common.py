@@ -158,7 +158,7 @@ def _seq_span(seq_ptr, len_ptr, seq, SPANS: tl.constexpr):
 
 @triton.jit
 def _first_gid(gid_ptr, seq, start, seqlen_total, PACKED: tl.constexpr, HAS_GID: tl.constexpr):
-    """Dropout token id of a sequence's first token (coreattn/layers/dropout.py): given, or the
+    """Dropout token id of a sequence's first token (coreattn/kernels/dropout.py): given, or the
     token's row (packed) or ``b * S + position`` (padded)."""
     if HAS_GID:
         return tl.load(gid_ptr + seq)

@@ -277,7 +277,7 @@ def mask_flags(window_left: int, window_right: int, bottom_right: bool, q_pack: 
 
 
 def dropout_args(dropout_p: float, rng_state: torch.Tensor | None, q_pack: Packing, k_pack: Packing) -> dict:
-    """Kernel arguments for dropout (coreattn/layers/dropout.py): the RNG state tensor, the keep
+    """Kernel arguments for dropout (coreattn/kernels/dropout.py): the RNG state tensor, the keep
     threshold and 1 / (1 - p); given token ids (``Packing.gid``) when the packings carry them."""
     from coreattn.kernels.dropout import keep_threshold
 
@@ -306,7 +306,7 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
     the grid is sized by the token count. Last strides must be 1; inputs are assumed checked by
     the caller (coreattn.layers.checks). ``out``/``lse`` may be given as preallocated buffers.
 
-    ``dropout_p``/``rng_state``: dropout with the keep mask of coreattn/layers/dropout.py (rng_state
+    ``dropout_p``/``rng_state``: dropout with the keep mask of coreattn/kernels/dropout.py (rng_state
     the int64 [3] tensor it draws). ``softmax_offset``: float [Hq] sink logits (lse includes the
     sink). ``return_max_logit``: also return the max visible scaled logit per q head, float32 [Hq]
     (-inf for a head without a visible pair): the result is then (out, lse, max_logit).

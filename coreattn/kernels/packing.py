@@ -36,7 +36,7 @@ class Packing(NamedTuple):
 
 def default_gid(pack: Packing, seqlen_total: int) -> torch.Tensor:
     """Dropout token ids of each sequence's first token when ``pack.gid`` is None (see
-    coreattn/layers/dropout.py): packed thd, the token's row; padded, ``b * S + position``."""
+    coreattn/kernels/dropout.py): packed thd, the token's row; padded, ``b * S + position``."""
     start = pack.seq if pack.spans else pack.seq[:-1]
     if pack.fmt == "thd":
         return start

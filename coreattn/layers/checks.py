@@ -24,7 +24,7 @@ class VarlenParams(NamedTuple):
     window_left: int  # -1: unlimited
     window_right: int  # -1: unlimited; causal sets 0
     bottom_right: bool  # diagonal alignment of causal masks and windows when q and k lengths differ
-    dropout_p: float = 0.0  # attention dropout on the normalized probabilities (coreattn/layers/dropout.py)
+    dropout_p: float = 0.0  # attention dropout on the normalized probabilities (coreattn/kernels/dropout.py)
 
 
 def validation_enabled() -> bool:

@@ -34,7 +34,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from coreattn.layers.backends import ENV_BACKEND, Backend, parse_backend, select_backend
 from coreattn.layers.context_parallel import check_comm, cp_attn
-from coreattn.layers.dense_mask_attn import dense_mask_attn
+from coreattn.layers.torch_backend.dense_mask import dense_mask_attn
 from coreattn.layers.padded_attn import padded_attn
 from coreattn.layers.varlen_attn import varlen_attn
 
@@ -290,7 +290,7 @@ class CoreAttention(MegatronModule):
         if right >= 0:
             masked = masked | (j > i + shift + right)
         if self._backend_for(q.device) is Backend.NPU_FUSED:
-            from coreattn.layers.npu_backend import attn_npu_dense_mask
+            from coreattn.layers.npu_fused.attention import attn_npu_dense_mask
 
             if opts["softmax_offset"] is not None or opts["return_max_logit"]:
                 raise NotImplementedError("softmax_type other than 'vanilla' and qk_clip/log_max_attention_logit are "

@@ -16,7 +16,7 @@ def _npu_fused(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max
                params: VarlenParams, softmax_offset, return_max_logit: bool, validate: bool):
     """npu_fusion_attention has its own autograd and takes host lists: it runs outside the
     coreattn ops (eager only), with the same value checks first."""
-    from coreattn.layers.npu_backend import attn_npu_fused
+    from coreattn.layers.npu_fused.attention import attn_npu_fused
 
     if softmax_offset is not None or return_max_logit:
         raise NotImplementedError("softmax_offset and return_max_logit are not supported by the npu_fused "
@@ -53,7 +53,7 @@ def run_attention(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, 
     runs, so a compiled graph follows COREATTN_BACKEND as eager does. With dropout, the RNG state
     is drawn from the device's generator (or ``generator``, eager only) unless given. The npu_fused
     backend returns no lse (None) and draws its dropout mask with the op's own RNG; see
-    coreattn.layers.npu_backend."""
+    coreattn.layers.npu_fused.attention."""
     override = None if backend is None else parse_backend(backend)
     if select_backend(q.device, override) is Backend.NPU_FUSED:
         return _npu_fused(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params, softmax_offset,

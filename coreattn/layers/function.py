@@ -9,7 +9,7 @@ Every backend that coreattn differentiates itself implements the same pair (an `
   softmax_offset) -> (dq, dk, dv, d_offset)`` from the saved out and lse; d_offset is None without a
   softmax offset. Additive over key sets that share one lse (a context-parallel ring sums them).
 
-Backends: Triton (the kernels' launchers) and torch (coreattn/layers/torch_backend.py). The
+Backends: Triton (the kernels' launchers) and torch (coreattn/layers/torch_backend/). The
 softmax offset's gradient is the same torch reduction for both (``softmax_offset_grad``) over
 per-row sums of P * dP that each backend accumulates in fp32 (float64 for float64 inputs).
 

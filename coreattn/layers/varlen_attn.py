@@ -32,7 +32,7 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         dropout_p: attention dropout on the normalized probabilities, ``0 <= p < 1``, kept ones
             scaled by ``1 / (1 - p)`` (flash-attn 2's definition; lse is unaffected). The keep mask
             is a counter-based function of (seed, offset, q head, query token, key token)
-            (``coreattn/layers/dropout.py``): the forward and backward regenerate it, it does not
+            (``coreattn/kernels/dropout.py``): the forward and backward regenerate it, it does not
             depend on block sizes, grid or backend (Triton and torch give the same mask), and the
             seed and offset come from torch's generator for the tensors' device, advanced on each
             call (``torch.manual_seed`` / ``torch.cuda.manual_seed`` make runs reproducible). Token

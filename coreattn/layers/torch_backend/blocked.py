@@ -11,7 +11,7 @@ O(T * H * D + TILE_ELEMENTS), never a per-head S x S tensor. The Python work is 
 steps (the longest band in blocks), whatever the batch size.
 
 The forward keeps the running max, sum and output per row (online softmax), applies dropout to
-each tile with the keep mask of coreattn/layers/dropout.py on the tile's token ids, tracks max
+each tile with the keep mask of coreattn/kernels/dropout.py on the tile's token ids, tracks max
 logits, and folds in a softmax offset's sink at the end. The backward recomputes each tile from
 the saved lse: P = exp(S - lse), dS = P * (dP - delta) with delta = rowsum(dO * O); dQ adds up
 per query block, dK/dV per key block in step order (index_add_ on CPU, deterministic;
@@ -29,7 +29,7 @@ from coreattn.kernels.packing import Packing, default_gid, seq_len_dim
 from coreattn.kernels import dropout
 from coreattn.layers.checks import VarlenParams
 from coreattn.kernels.softmax_offset import softmax_offset_grad
-from coreattn.layers.torch_spans import Spans
+from coreattn.layers.torch_backend.spans import Spans
 
 BLOCK_Q = 128  # query rows per block (fewer when every sequence is shorter)
 BLOCK_K = 128  # key rows per block
@@ -215,7 +215,7 @@ def _visible(tl: Tiles, c0: int, c1: int, t: int, kid: torch.Tensor, params: Var
 
 
 def _token_ids(pack: Packing, x: torch.Tensor) -> torch.Tensor:
-    """Dropout token id of each sequence's first token, int64 [B] (coreattn/layers/dropout.py)."""
+    """Dropout token id of each sequence's first token, int64 [B] (coreattn/kernels/dropout.py)."""
     gid = pack.gid if pack.gid is not None else default_gid(pack, seq_len_dim(x, pack.fmt))
     return gid.long()
 

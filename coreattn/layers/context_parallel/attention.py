@@ -5,8 +5,8 @@ sequence, padded to L_b (a multiple of 2*cp), is cut into 2*cp chunks of c_b = L
 tokens; rank r holds chunks r and 2*cp-1-r. cu_seqlens stay global.
 
 Exchanges (``comm``, Megatron's ``cp_comm_type``): ``"p2p"``, a ring passing K/V chunks
-(coreattn/layers/cp_ring.py); ``"a2a"``, all-to-all from sequence shards to head shards
-(coreattn/layers/cp_a2a.py); ``"all_gather"``, here:
+(ring.py); ``"a2a"``, all-to-all from sequence shards to head shards
+(a2a.py); ``"all_gather"``, here:
 
 K and V are all-gathered once (one autograd Function; its backward reduce-scatters dK/dV) and
 reordered to global token order. Each local chunk j of sequence b then attends, in span mode, to
@@ -28,11 +28,11 @@ from coreattn.kernels.packing import Packing
 from coreattn.kernels import dropout
 from coreattn.layers.checks import (VarlenParams, check_cu_seqlens, check_flag, check_max_seqlen, check_options,
                                     check_qkv, check_softmax_offset, validation_enabled)
-from coreattn.layers.cp_a2a import a2a_attn
-from coreattn.layers.cp_layout import make_layout
-from coreattn.layers.cp_ring import Ring, RingAttnFunction, ring_impl
+from coreattn.layers.context_parallel.a2a import a2a_attn
+from coreattn.layers.context_parallel.layout import make_layout
+from coreattn.layers.context_parallel.ring import Ring, RingAttnFunction, ring_impl
 from coreattn.layers.dispatch import run_attention
-from coreattn.layers.masks import _zigzag_positions
+from coreattn.layers.masks.utils import _zigzag_positions
 
 LAYOUTS = ("thd", "sbhd")
 COMMS = ("p2p", "all_gather", "a2a")  # Megatron's cp_comm_type values that cp_attn runs
@@ -292,13 +292,13 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
             no context parallelism (one rank, no communication; ``comm`` is then only checked).
         comm: the exchange, Megatron's ``cp_comm_type`` (default ``"p2p"``, as Megatron runs
             ``cp_comm_type=None``):
-            ``"p2p"``: a ring passing K/V chunks (coreattn/layers/cp_ring.py); each rank holds two
+            ``"p2p"``: a ring passing K/V chunks (ring.py); each rank holds two
             local K/V buffers, sends and receives (cp-1) local K/V shares in the forward, and K/V
             plus dK/dV shares in the backward; sends overlap compute on GPUs. Needs a backend that
             returns the log-sum-exp (triton, torch; not npu_fused).
             ``"all_gather"``: K/V all-gathered (every rank holds the whole layer's K/V), dK/dV
             reduce-scattered; fewest messages, memory does not shrink with cp.
-            ``"a2a"``: all-to-all to whole sequences of Hq/cp heads and back (coreattn/layers/cp_a2a.py);
+            ``"a2a"``: all-to-all to whole sequences of Hq/cp heads and back (a2a.py);
             needs Hq divisible by cp and Hkv divisible by cp (or cp by Hkv: K/V heads replicated);
             supports any window; dropout draws each head's cp = 1 mask (the RNG state's head offset).
             ``"a2a+p2p"`` raises NotImplementedError; other values raise ValueError.

@@ -9,15 +9,15 @@ callers that merge partial results through lse (context parallelism).
 Memory is that of flash attention, O(T * H * D) plus a bounded tile buffer, on two paths:
 
 - fused (CPU): PyTorch's own fused flash-attention kernel, called once or twice per sequence on
-  views of q/k/v (coreattn/layers/torch_fused.py). It runs full and causal attention in either
+  views of q/k/v (coreattn/layers/torch_backend/fused.py). It runs full and causal attention in either
   alignment, right windows, spans, keep masks without holes, GQA, any head dims (zero-padding the
   smaller of Dqk and Dv), softmax offsets in the forward (fp32/fp64), float64 at float64 precision. The Python loop over
   sequences costs about two kernel calls and a dozen views per sequence, less than the blocked
   path's tile overheads even for thousands of 8-token sequences (measured on this project's
   2-core CPU machine).
 - blocked (everything else, and any device): flash attention's online softmax over key blocks in
-  torch ops, vectorized over the whole batch (coreattn/layers/torch_blocked.py): left windows,
-  keep masks with holes, dropout on the keep mask of coreattn/layers/dropout.py (the kernels'
+  torch ops, vectorized over the whole batch (coreattn/layers/torch_backend/blocked.py): left windows,
+  keep masks with holes, dropout on the keep mask of coreattn/kernels/dropout.py (the kernels'
   mask, on the same token ids), max logits, softmax offsets with 16-bit inputs, and the backward of
   any call with a softmax offset (its gradient needs rowsum(P * dP) over the call's own keys).
 
@@ -26,7 +26,7 @@ deterministic backward. float64 inputs are computed in float64, everything else 
 accumulation; lse and max logits are float32 (float64 for float64 inputs).
 
 The sequence lengths are read from cu_seqlens or the spans (free on the CPU, one host sync on a
-device; coreattn/layers/torch_spans.py), never taken from a caller's max_seqlen; malformed layouts
+device; coreattn/layers/torch_backend/spans.py), never taken from a caller's max_seqlen; malformed layouts
 raise ValueError here even where the public functions skip their value checks (device tensors,
 no COREATTN_VALIDATE).
 """
@@ -36,10 +36,10 @@ from __future__ import annotations
 import torch
 
 from coreattn.kernels.packing import Packing
-from coreattn.layers import torch_fused
+from coreattn.layers.torch_backend import fused as torch_fused
 from coreattn.layers.checks import VarlenParams
-from coreattn.layers.torch_blocked import blocked_bwd, blocked_fwd
-from coreattn.layers.torch_spans import Spans, read_spans
+from coreattn.layers.torch_backend.blocked import blocked_bwd, blocked_fwd
+from coreattn.layers.torch_backend.spans import Spans, read_spans
 
 def visible_mask(lens_q, lens_k, max_q: int, max_k: int, params: VarlenParams) -> torch.Tensor:
     """[B, Sq, Sk] bool: query i of sequence b may attend to key j (dense: a reference for tests

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from coreattn.layers.masks import _zigzag_positions
+from coreattn.layers.masks.utils import _zigzag_positions
 
 
 class CPLayout(NamedTuple):

@@ -38,7 +38,7 @@ bottom-right or when every sequence has Lq == Lk; a top-left window with lengths
 raises NotImplementedError. Head dims: Dqk >= Dv natively (V is never padded); Dv > Dqk raises.
 Dropout -> ``keep_prob = 1 - dropout_p``: the op draws its mask with its own RNG and regenerates
 it in its backward, so its masks differ from the other backends' (which share
-coreattn/layers/dropout.py's keep mask); softmax offsets and max logits have no counterpart in
+coreattn/kernels/dropout.py's keep mask); softmax offsets and max logits have no counterpart in
 the op and raise NotImplementedError (coreattn.layers.dispatch). GQA uses the op's own (Hq a multiple of Hkv). The scale is passed explicitly. Rows that see no
 key are zeroed here (the op's output there is not specified), and ``inner_precise=2`` (the op's
 invalid-row handling) is requested whenever such rows may exist.
@@ -53,7 +53,7 @@ import torch
 from coreattn.kernels import npu
 from coreattn.kernels.packing import Packing, packed, seq_len_dim
 from coreattn.layers.checks import VarlenParams, check_cu_seqlens_values
-from coreattn.layers.dense_mask_attn import dense_mask_attn
+from coreattn.layers.torch_backend.dense_mask import dense_mask_attn
 from coreattn.layers.masks import npu_compressed_causal_mask, spans_from_keep_mask
 from coreattn.layers.function import attn_torch
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from coreattn.kernels.packing import Packing
 from coreattn.kernels import dropout
 from coreattn.layers.checks import VarlenParams
-from coreattn.layers.cp_layout import CPLayout, global_orders
+from coreattn.layers.context_parallel.layout import CPLayout, global_orders
 from coreattn.layers.dispatch import run_attention
 
 

@@ -3,7 +3,7 @@
 This is the correct-but-slow path for masks that are not causal, windowed or padding: it
 materializes the ``[B, H, Sq, Sk]`` scores, so memory is O(B * H * Sq * Sk). Padding masks of
 shape ``[B, 1, 1, Sk]`` never come here: they run in the kernels as keep masks. Dropout, softmax
-offsets and max logits follow the kernels' definitions (dropout: coreattn/layers/dropout.py's keep
+offsets and max logits follow the kernels' definitions (dropout: coreattn/kernels/dropout.py's keep
 mask on padded-batch token ids ``b * S + position``, as ``padded_attn`` uses them).
 """
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from coreattn.layers.backends import Backend, select_backend
 from coreattn.kernels.packing import Packing
 from coreattn.layers.checks import KERNEL_DTYPES, VarlenParams
-from coreattn.layers.cp_layout import CPLayout
+from coreattn.layers.context_parallel.layout import CPLayout
 from coreattn.layers.dispatch import TORCH, TRITON
 from coreattn.layers.function import AttnImpl
 

@@ -20,10 +20,10 @@ from typing import NamedTuple
 import torch
 
 from coreattn.kernels.masks import token_ids
-from coreattn.layers.mask_checks import (
+from coreattn.layers.masks.checks import (
     check_cu_seqlens, check_int, check_keep_mask, check_mask_values, check_seqlens, check_tensor, reads_values,
 )
-from coreattn.layers.padding_function import PadFunction, UnpadFunction, use_triton
+from coreattn.layers.masks.padding import PadFunction, UnpadFunction, use_triton
 
 NPU_COMPRESSED_MASK_SIZE = 2048
 CONVENTIONS = ("megatron", "keep")

@@ -21,7 +21,7 @@ exactly. What it lacks is mapped here:
 - fp16/bf16 rows are passed in float32 (a per-sequence copy), as the rest of the backend computes.
 
 Keep masks without holes become sub-spans (their offsets shift c); left windows, keep masks with
-holes, dropout and max logits go to the blocked path (coreattn/layers/torch_blocked.py).
+holes, dropout and max logits go to the blocked path (coreattn/layers/torch_backend/blocked.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from coreattn.kernels.packing import Packing, seq_len_dim
 from coreattn.layers.checks import VarlenParams
-from coreattn.layers.torch_spans import Spans
+from coreattn.layers.torch_backend.spans import Spans
 
 
 class Part(NamedTuple):
