@@ -140,14 +140,13 @@ def dense_budget(device: torch.device) -> int:
 @contextlib.contextmanager
 def torch_path():
     """coreattn's mask builders with their Triton kernels switched off, whatever the device."""
-    from coreattn.layers.masks import utils as layer_masks
     from coreattn.layers.masks import padding as padding_function
 
     def never(device):
         return False
 
-    # both modules dispatch on use_triton (layers.masks imports it by name)
-    with mock.patch.object(padding_function, "use_triton", never), mock.patch.object(layer_masks, "use_triton", never):
+    # every mask utility dispatches through padding.use_triton
+    with mock.patch.object(padding_function, "use_triton", never):
         yield
 
 

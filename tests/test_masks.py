@@ -7,7 +7,6 @@ and through the autograd Functions; the public functions use the torch path on t
 import pytest
 import torch
 
-import coreattn.layers.masks.utils as masks_layer
 import coreattn.layers.masks.padding as padding_function
 import mask_naive as naive
 from coreattn import masks
@@ -43,7 +42,6 @@ def keep_masks(seed, batch, seqlen):
 def use_triton_everywhere(monkeypatch):
     """Route the public functions through the Triton launchers (the interpreter on the CPU)."""
     monkeypatch.setattr(padding_function, "use_triton", lambda device: True)
-    monkeypatch.setattr(masks_layer, "use_triton", lambda device: True)
 
 
 # ---- seqlens, padding masks, cu_seqlens
@@ -500,7 +498,6 @@ def act_like_a_device(monkeypatch):
     from coreattn.layers.checks import validation_enabled
 
     monkeypatch.setattr(mask_checks, "reads_values", lambda t: validation_enabled())
-    monkeypatch.setattr(masks_layer, "reads_values", lambda t: validation_enabled())
 
 
 def test_holes_on_a_device_are_reported_only_when_asked(monkeypatch):

@@ -32,7 +32,7 @@ from coreattn.layers.context_parallel.a2a import a2a_attn
 from coreattn.layers.context_parallel.layout import make_layout
 from coreattn.layers.context_parallel.ring import Ring, RingAttnFunction, ring_impl
 from coreattn.layers.dispatch import run_attention
-from coreattn.layers.masks.utils import _zigzag_positions
+from coreattn.layers.context_parallel.indices import zigzag_positions
 
 LAYOUTS = ("thd", "sbhd")
 COMMS = ("p2p", "all_gather", "a2a")  # Megatron's cp_comm_type values that cp_attn runs
@@ -187,7 +187,7 @@ def build_cp_plan(layout: str, cp_size: int, cp_rank: int, n_local: int, causal:
     if cp_size == 1:
         return CPPlan(1, 0, tuple(calls), None, None)
     ranks = torch.arange(cp_size, device=positions.device)
-    scatter_order = _zigzag_positions(positions, cp_size, ranks, n_local).reshape(-1)  # buffer row -> global
+    scatter_order = zigzag_positions(positions, cp_size, ranks, n_local).reshape(-1)  # buffer row -> global
     gather_order = torch.empty_like(scatter_order).scatter_(
         0, scatter_order, torch.arange(scatter_order.numel(), device=scatter_order.device))
     return CPPlan(cp_size, cp_rank, tuple(calls), gather_order, scatter_order)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from coreattn.layers.masks.utils import _zigzag_positions
+from coreattn.layers.context_parallel.indices import zigzag_positions
 
 
 class CPLayout(NamedTuple):
@@ -69,7 +69,7 @@ def global_orders(layout: CPLayout) -> tuple[torch.Tensor, torch.Tensor]:
     rows, rank after rank) read at ``gather_order`` is in global order; global rows read at
     ``scatter_order`` are rank-major."""
     ranks = torch.arange(layout.cp_size, device=layout.positions.device)
-    scatter_order = _zigzag_positions(layout.positions, layout.cp_size, ranks, layout.n_local).reshape(-1)
+    scatter_order = zigzag_positions(layout.positions, layout.cp_size, ranks, layout.n_local).reshape(-1)
     gather_order = torch.empty_like(scatter_order).scatter_(
         0, scatter_order, torch.arange(scatter_order.numel(), device=scatter_order.device))
     return gather_order, scatter_order

@@ -85,3 +85,8 @@ def check_mask_values(name: str, mask: torch.Tensor) -> None:
         raise TypeError(f"{name} must be bool or an integer dtype, got {mask.dtype}{hint}")
     if mask.dtype != torch.bool and reads_values(mask) and mask.numel() > 0:
         check_binary_values(name, mask)
+
+
+def keep_bool(keep_mask: torch.Tensor) -> torch.Tensor:
+    """A checked keep mask as bool (0/1 integer masks: nonzero = kept)."""
+    return keep_mask if keep_mask.dtype == torch.bool else keep_mask != 0
