@@ -1,4 +1,10 @@
-"""coreattn: Triton varlen flash attention for LLM training (Dv may differ from Dqk)."""
+"""coreattn: Triton varlen flash attention for LLM training (Dv may differ from Dqk).
+
+Layers, imports flowing downward: ``kernels/`` (Triton kernels and launchers) <- ``layers/`` (the
+attention ops, public functions, backends, context parallelism, masks, the Megatron module) <-
+``adapters/`` (Megatron-Core and transformers glue). ``selfcheck/`` runs the correctness cases on
+the local device. Each package's docstring says what it owns and may import.
+"""
 
 from coreattn import masks
 from coreattn.layers.backends import Backend

@@ -13,7 +13,7 @@ fp32 accumulation, round-to-nearest-even into bf16. Other dtypes take the origin
 arithmetic (``bf16 * bf16``, comparisons) is not corrected: the kernels do none.
 
 tests/conftest.py installs it only when the kernels run under the interpreter; nothing in
-coreattn imports it. tests/test_interpreter_bf16.py checks it against torch.
+coreattn imports it. tests/kernels/test_interpreter_bf16.py checks it against torch.
 """
 
 from __future__ import annotations

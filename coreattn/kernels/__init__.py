@@ -1,4 +1,19 @@
-"""Raw Triton kernels and their launchers (no autograd)."""
+"""The bottom layer: raw Triton kernels, their launchers, and what the launchers need to pick a launch.
+
+Owns: ``attn_fwd.py`` / ``attn_bwd.py`` (the attention kernels and their launchers
+``varlen_attn_fwd`` / ``varlen_attn_bwd``: configs, output allocation, grid), ``attn_common.py``
+(the ``@triton.jit`` helpers both share: sequence lookup, masks in registers, dropout),
+``config.py`` (launch configs per target, and which target a device is), ``packing.py`` (how a
+side's tokens are laid out: packed, padded, spans, keep masks), ``masks.py`` (the mask
+utilities' gather/scatter and token-id kernels), ``dropout.py`` (dropout's keep mask: the
+Philox definition the kernels' ``tl.philox`` follows, in torch ops, and the RNG state),
+``softmax_offset.py`` (the sink gradient's final reduction over the kernels' per-row sums),
+``npu.py`` (Ascend detection: triton-ascend's driver and core counts, torch_npu on first use).
+No autograd here: ``coreattn.layers`` wraps the launchers.
+
+May import: torch and triton only; nothing from ``coreattn.layers``, ``coreattn.adapters`` or
+``coreattn.selfcheck`` (tests/test_layout.py checks it).
+"""
 
 from coreattn.kernels.attn_bwd import varlen_attn_bwd
 from coreattn.kernels.attn_fwd import _varlen_attn_fwd_kernel, varlen_attn_fwd

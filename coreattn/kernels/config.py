@@ -10,7 +10,7 @@ rows are the tile's long side and no warp computes another warp's rows.
 
 CUDA tables, as the compile report shows them (``python -m bench --what kernels``: static
 compiler output for each arch; bf16 and fp16, causal and not, MHA and GQA 4, fp32, and dropout,
-softmax offset and max logit at every head dim; tests/test_kernel_structure.py keeps the main ones):
+softmax offset and max logit at every head dim; tests/kernels/test_kernel_structure.py keeps the main ones):
 
 - Every CUDA launch sets ptxas's register ceiling to the register file (``maxnreg`` 255): left to
   itself ptxas often stopped at 48-168 registers and spilled.
@@ -194,7 +194,7 @@ _INTERPRETER = AttnConfig(block_m=16, block_n=32, num_warps=1, num_stages=1)
 # (max width, AttnConfig(block_m, block_n, num_warps, num_stages)), first match wins. The forward
 # and dQ tiles are block_m queries per program stepping over block_n keys; the dK/dV tile is
 # block_n keys per program stepping over block_m queries. Each table is checked by compiling for
-# its architecture (python -m bench --what kernels; tests/test_kernel_structure.py): shared memory
+# its architecture (python -m bench --what kernels; tests/kernels/test_kernel_structure.py): shared memory
 # within the arch's per-block limit, 0 spill bytes (see the module docstring for what is left).
 # "sm86" is the table of the 99 KB mma.sync parts: sm86, sm89 and sm120.
 _C = AttnConfig

@@ -1,4 +1,17 @@
-"""Autograd Functions, the public functional API, the torch reference backend and the Megatron module."""
+"""The attention ops and everything built on them: the public functions, the backends, context parallelism, the masks.
+
+The root holds the public functions (``varlen_attn.py``: ``varlen_attn``, ``flash_attn_varlen_func``;
+``padded_attn.py``), their argument checks (``checks.py``), the attention custom ops with their
+autograd (``function.py``), which backend runs a call (``backends.py``: the registry per device;
+``dispatch.py``: the call into it) and the Megatron-Core module (``core_attention.py``).
+Subpackages, one per concern: ``torch_backend/`` (attention in torch ops, CPU and any device),
+``npu_fused/`` (Ascend's fused op), ``context_parallel/`` (``cp_attn`` and its exchanges),
+``masks/`` (the utilities behind ``coreattn.masks``). Each subpackage's docstring says what it
+may import.
+
+May import: torch, ``coreattn.kernels`` and megatron-core (``core_attention.py`` only, on first
+use of ``CoreAttention``); nothing from ``coreattn.adapters`` or ``coreattn.selfcheck``.
+"""
 
 from coreattn.layers.context_parallel import cp_attn
 from coreattn.layers.padded_attn import padded_attn

@@ -12,6 +12,9 @@ Without a CUDA device the kernels run under Triton's CPU interpreter. ``TRITON_I
 be set before the kernels are defined, and ``python -m coreattn.selfcheck`` has imported coreattn
 (and its kernels) before this module runs, so ``main`` re-runs itself in a child process with the
 variable set.
+
+May import: anything in coreattn (it sits above the public API and tests it through it); nothing
+in coreattn imports it.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ compressed causal mask), ``checks.py`` (their argument and value checks: values 
 tensors, or on a device with COREATTN_VALIDATE=1). The context-parallel index utilities that
 ``coreattn.masks`` also exports live with context parallelism (``coreattn.layers.context_parallel.indices``).
 
-May import: torch and ``coreattn.kernels`` (the mask kernels); nothing from the rest of
-``coreattn.layers`` or from adapters, so every backend and context parallelism may use it.
+May import: torch, ``coreattn.kernels`` (the mask kernels) and ``coreattn.layers.checks``; nothing
+from the backends, context parallelism or adapters, so every one of them may use it.
 """
 
 from coreattn.layers.masks.formats import keep_mask_from_4d, megatron_mask_from_keep_mask, npu_compressed_causal_mask

@@ -1,4 +1,4 @@
-"""coreattn as a transformers attention implementation, on tiny random models (tests/hf_models.py).
+"""coreattn as a transformers attention implementation, on tiny random models (tests/transformers/hf_models.py).
 
 Reference: each sequence run alone (no padding) by attn_implementation="eager" in float64; the
 naive baseline is the same in float32. coreattn runs in float32 on a right-padded, a left-padded

@@ -373,7 +373,7 @@ def test_memory_grows_linearly_not_quadratically():
     s, h, d = 4096, 2, 16
     square = h * s * s * 4
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0",  # freed blocks leave RSS
-               PYTHONPATH=os.pathsep.join(filter(None, (str(Path(__file__).resolve().parents[1]),
+               PYTHONPATH=os.pathsep.join(filter(None, (str(Path(__file__).resolve().parents[2]),
                                                          os.environ.get("PYTHONPATH")))))
     proc = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(s)], capture_output=True, text=True, env=env,
                           timeout=600)

@@ -1,6 +1,6 @@
 """The kernel source compiles with both Tritons, without a device: upstream Triton to sm90 cubin
 (3D grid and PERSISTENT), triton-ascend through its Linalg/HIVM lowering (PERSISTENT). Each runs
-tests/kernel_compile.py in a subprocess, where TRITON_INTERPRET is unset."""
+tests/kernels/kernel_compile.py in a subprocess, where TRITON_INTERPRET is unset."""
 
 import os
 import subprocess

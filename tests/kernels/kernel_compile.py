@@ -1,8 +1,8 @@
 """Compile the attention kernels through the Triton compiler without a device (run as a script).
 
-``python tests/kernel_compile.py cuda``: upstream Triton, sm90 target, both launch modes
+``python tests/kernels/kernel_compile.py cuda``: upstream Triton, sm90 target, both launch modes
 (3D grid and PERSISTENT), through ptxas to cubin (Triton ships ptxas).
-``python tests/kernel_compile.py ascend``: triton-ascend, PERSISTENT, Triton IR and then
+``python tests/kernels/kernel_compile.py ascend``: triton-ascend, PERSISTENT, Triton IR and then
 triton-adapter-opt's lowering to Linalg/HIVM (the last stage before the bisheng compiler, which
 needs the CANN toolkit). Prints one line per kernel and variant; exits non-zero on failure.
 TRITON_INTERPRET must be unset (the kernels must be JIT functions).

@@ -1,6 +1,6 @@
 """Megatron's attention options on CoreAttention: attention dropout, softmax_type ("off-by-one",
 "learnable" sinks) and qk-clip's max attention logits, layer by layer and inside GPT/MLA models
-against the same models with the float64 oracle core attention (tests/megatron_env.py)."""
+against the same models with the float64 oracle core attention (tests/megatron/megatron_env.py)."""
 
 import pytest
 import torch

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.skipif(not _has_nvidia_backend(), reason="upstream Trit
 @pytest.fixture(scope="module")
 def rows():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCRIPT.parent.parent), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCRIPT.parents[2]), env.get("PYTHONPATH")]))
     specs = [f"{arch}:{','.join(dims)}" for arch, dims in DIMS.items()]
     proc = subprocess.run([sys.executable, str(SCRIPT), *specs], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

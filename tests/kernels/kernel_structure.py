@@ -1,7 +1,7 @@
 """Compile the kernels of the given problems for CUDA architectures, without a device, and print
 bench.compiler's rows as JSON (run as a script; TRITON_INTERPRET must be unset).
 
-``python tests/kernel_structure.py sm90:64,128,192/128 sm86:256,128@fp32``: arch, then head dims
+``python tests/kernels/kernel_structure.py sm90:64,128,192/128 sm86:256,128@fp32``: arch, then head dims
 (q/k[/v], ``@fp32`` for fp32 inputs), each compiled causal, in bf16 unless told (the causal kernels
 hold both the masked and unmasked key loops).
 """
