@@ -19,7 +19,7 @@ from bench import attention, configs, cpu_attention, masks
 from bench import kernels as kernels_report
 from bench import layer as layer_bench
 from bench import context_parallel as cp_bench
-from bench.compiler import ARCHS
+from coreattn.tune.compiler import ARCHS
 from bench.env import REPO_ROOT, device_slug, run_metadata
 from bench.flops import MODES
 from bench.providers import PRIMARY, PROVIDERS

@@ -1,8 +1,8 @@
 """Compile report: ``python -m bench --what kernels [--arch sm90 sm80 ...]``.
 
-For each CUDA architecture (all of ``bench.compiler.ARCHS`` by default) the kernels of every
+For each CUDA architecture (all of ``coreattn.tune.compiler.ARCHS`` by default) the kernels of every
 problem below are compiled through the real launchers with that arch's configs, without a GPU
-(bench/compiler.py), and tabulated: tile, warps/stages, registers, spill bytes, shared memory
+(coreattn/tune/compiler.py), and tabulated: tile, warps/stages, registers, spill bytes, shared memory
 against the arch's per-block limit, MMA kind x PTX instruction count, duplicated MMA work and an
 occupancy estimate. Static compiler output: it shows whether a config fits an arch, not how fast
 it runs.
@@ -10,7 +10,7 @@ it runs.
 
 from __future__ import annotations
 
-from bench.compiler import ARCHS, Problem, compile_report
+from coreattn.tune.compiler import ARCHS, Problem, compile_report
 
 MAIN_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 FEATURE_DIMS = MAIN_DIMS

@@ -1,5 +1,5 @@
 """Compile the kernels of the given problems for CUDA architectures, without a device, and print
-bench.compiler's rows as JSON (run as a script; TRITON_INTERPRET must be unset).
+coreattn.tune.compiler's rows as JSON (run as a script; TRITON_INTERPRET must be unset).
 
 ``python tests/kernels/kernel_structure.py sm90:64,128,192/128 sm86:256,128@fp32``: arch, then head dims
 (q/k[/v], ``@fp32`` for fp32 inputs), each compiled causal, in bf16 unless told (the causal kernels
@@ -14,7 +14,7 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
-from bench.compiler import Problem, compile_report  # noqa: E402
+from coreattn.tune.compiler import Problem, compile_report  # noqa: E402
 
 
 def main(specs: list[str]) -> None:

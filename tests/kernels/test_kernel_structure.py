@@ -1,4 +1,4 @@
-"""What the compiler makes of the kernels per CUDA architecture, without a device (bench/compiler.py):
+"""What the compiler makes of the kernels per CUDA architecture, without a device (coreattn/tune/compiler.py):
 every kernel's shared memory fits its arch's per-block limit; on sm90 at head dims 64, 128 and
 192/128 no kernel spills, every dot is a wgmma, no MMA is duplicated across warps and the loops
 are pipelined (num_stages >= 2); elsewhere no spills where config.py's tables achieve that.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.compiler import ARCHS
+from coreattn.tune.compiler import ARCHS
 
 SCRIPT = Path(__file__).with_name("kernel_structure.py")
 SM90_DIMS = ("64/64", "128/128", "192/128")
