@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from einops import rearrange
 
 from coreattn.kernels.packing import Packing
 from coreattn.kernels import dropout
@@ -36,7 +37,7 @@ def check_heads(heads_q: int, heads_kv: int, cp_size: int) -> None:
 def _to_heads(xs, cp: int, gather_order: torch.Tensor, group) -> list[torch.Tensor]:
     """Sequence shards [n, (B,) H, D] -> whole sequences [T, (B,) H/cp, D], global order; one all-to-all
     for all tensors (each is cut into cp head groups, group p goes to rank p)."""
-    blocks = [x.unflatten(-2, (cp, x.shape[-2] // cp)).movedim(-3, 0).flatten(-2) for x in xs]  # [cp, n, (B,) h*D]
+    blocks = [rearrange(x, "n ... (p h) d -> p n ... (h d)", p=cp) for x in xs]  # [cp, n, (B,) h*D]
     send = torch.cat(blocks, dim=-1).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)  # [cp, n, (B,) W]: rank p's tokens, our heads

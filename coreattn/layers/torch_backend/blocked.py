@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Iterator, NamedTuple
 
 import torch
+from einops import rearrange
 
 from coreattn.kernels.packing import Packing, default_gid, seq_len_dim
 from coreattn.kernels import dropout
@@ -148,9 +149,7 @@ def _gather(x: torch.Tensor, fmt: str, side: _Side, work: torch.dtype) -> torch.
 
 def _q_blocks(x: torch.Tensor, fmt: str, side: _Side, hkv: int, work: torch.dtype) -> torch.Tensor:
     """[N, bq, Hq, D] rows -> [N, Hkv, G * bq, D]: a K/V head's G query heads stacked in the rows."""
-    g = _gather(x, fmt, side, work)
-    n, blk, hq, d = g.shape
-    return g.view(n, blk, hkv, hq // hkv, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, hq // hkv * blk, d)
+    return rearrange(_gather(x, fmt, side, work), "n b (kv g) d -> n kv (g b) d", kv=hkv)
 
 
 def _k_blocks(x: torch.Tensor, fmt: str, side: _Side, work: torch.dtype) -> torch.Tensor:
@@ -159,8 +158,7 @@ def _k_blocks(x: torch.Tensor, fmt: str, side: _Side, work: torch.dtype) -> torc
 
 def _q_rows(blocks: torch.Tensor, bq: int) -> torch.Tensor:
     """[N, Hkv, G * bq, X] -> [N, bq, Hq, X] (the inverse of _q_blocks' arrangement)."""
-    n, hkv, rows, x = blocks.shape
-    return blocks.view(n, hkv, rows // bq, bq, x).permute(0, 3, 1, 2, 4).reshape(n, bq, hkv * (rows // bq), x)
+    return rearrange(blocks, "n kv (g b) x -> n b (kv g) x", b=bq)
 
 
 def _add_rows(out: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
@@ -298,9 +296,8 @@ def blocked_bwd(dout, q, k, v, out, lse, q_pack: Packing, k_pack: Packing, spans
     vb = _k_blocks(v, fmt_k, tl.k, work)  # [Nk, Hkv, bk, Dv]
     dob = _q_blocks(dout, fmt_q, tl.q, hkv, work)  # [Nq, Hkv, G*bq, Dv]
     delta = (dob * _q_blocks(out, fmt_q, tl.q, hkv, work)).sum(-1, keepdim=True)  # [Nq, Hkv, G*bq, 1]
-    n_q = qb.shape[0]
     lse_b = _lse_rows(lse, fmt_q, tl.q).to(work)  # [Nq, bq, Hq]
-    lse_b = lse_b.view(n_q, tl.bq, hkv, g).permute(0, 2, 3, 1).reshape(n_q, hkv, g * tl.bq, 1)
+    lse_b = rearrange(lse_b, "n b (kv g) -> n kv (g b) 1", kv=hkv)
     # rows that saw nothing (lse -inf) get P = exp(S - inf) = 0
     lse_b = torch.where(torch.isneginf(lse_b), torch.full_like(lse_b, float("inf")), lse_b)
     dqb = torch.zeros_like(qb)

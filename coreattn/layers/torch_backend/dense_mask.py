@@ -10,6 +10,7 @@ mask on padded-batch token ids ``b * S + position``, as ``padded_attn`` uses the
 from __future__ import annotations
 
 import torch
+from einops import repeat
 
 from coreattn.kernels import dropout
 
@@ -32,8 +33,8 @@ def dense_mask_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: t
     seqlen_k, hkv = k.shape[1], k.shape[2]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     qh = q.transpose(1, 2).to(compute)  # [B, Hq, Sq, Dqk]
-    kh = k.transpose(1, 2).to(compute).repeat_interleave(hq // hkv, dim=1)  # [B, Hq, Sk, Dqk]
-    vh = v.transpose(1, 2).repeat_interleave(hq // hkv, dim=1)  # [B, Hq, Sk, Dv]
+    kh = repeat(k.to(compute), "b s kv d -> b (kv g) s d", g=hq // hkv)  # [B, Hq, Sk, Dqk]
+    vh = repeat(v, "b s kv d -> b (kv g) s d", g=hq // hkv)  # [B, Hq, Sk, Dv]
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * softmax_scale
     scores = scores.masked_fill(masked, float("-inf"))
     max_logit = None
