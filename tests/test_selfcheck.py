@@ -56,3 +56,29 @@ def test_nonzero_row_without_keys_is_reported():
     assert not zero_rows("zero rows (out)", out, blind).passed
     out[0] = 0
     assert zero_rows("zero rows (out)", out, blind).passed
+
+
+def test_asking_whether_kernels_are_interpreted_never_loads_the_interpreter():
+    """Triton's interpreter imports numpy, which coreattn does not require: a GPU user's process (no
+    TRITON_INTERPRET) must be able to ask without it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    script = ("import sys, coreattn.kernels as k; assert not k.runs_in_interpreter(); "
+              "assert 'triton.runtime.interpreter' not in sys.modules, 'interpreter loaded'")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_cpu_selfcheck_without_numpy_says_what_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    import coreattn.selfcheck as selfcheck
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(selfcheck, "runs_in_interpreter", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "numpy" else real_find_spec(name, *a))
+    assert selfcheck.main(["--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "numpy" in err and selfcheck.NUMPY_HINT in err

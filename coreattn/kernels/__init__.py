@@ -15,15 +15,19 @@ May import: torch and triton only; nothing from ``coreattn.layers``, ``coreattn.
 ``coreattn.selfcheck`` (tests/test_layout.py checks it).
 """
 
+import sys
+
 from coreattn.kernels.attn_bwd import varlen_attn_bwd
 from coreattn.kernels.attn_fwd import _varlen_attn_fwd_kernel, varlen_attn_fwd
 
 
 def runs_in_interpreter() -> bool:
-    """True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
-    from triton.runtime.interpreter import InterpretedFunction
+    """True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import).
 
-    return isinstance(_varlen_attn_fwd_kernel, InterpretedFunction)
+    Triton loads its interpreter module (which needs numpy) only to build interpreted kernels, so
+    when it is not loaded the kernels are compiled ones, and asking never imports it."""
+    interpreter = sys.modules.get("triton.runtime.interpreter")
+    return interpreter is not None and isinstance(_varlen_attn_fwd_kernel, interpreter.InterpretedFunction)
 
 
 __all__ = ["varlen_attn_fwd", "varlen_attn_bwd", "runs_in_interpreter"]

@@ -20,6 +20,7 @@ in coreattn imports it.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -36,6 +37,7 @@ from coreattn.kernels import runs_in_interpreter
 
 EPS = 1e-5
 CPU_MESSAGE = "CPU run under the Triton interpreter: checks the kernels' logic, not your GPU"
+NUMPY_HINT = "pip install numpy"
 
 
 @dataclass(frozen=True)
@@ -335,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() and not runs_in_interpreter():
         if os.environ.get("TRITON_INTERPRET") == "1":  # set, yet the kernels were not interpreted: don't loop
             print("TRITON_INTERPRET=1 is set but coreattn's kernels were not built for the interpreter", file=sys.stderr)
+            return 2
+        if importlib.util.find_spec("numpy") is None:  # Triton's interpreter imports it
+            print(f"No GPU here: the self-check would run the kernels under Triton's CPU interpreter, which needs "
+                  f"numpy ({NUMPY_HINT})", file=sys.stderr)
             return 2
         argv = sys.argv[1:] if argv is None else argv
         env = dict(os.environ, TRITON_INTERPRET="1")
