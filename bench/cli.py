@@ -2,8 +2,9 @@
 
 ``python -m bench --what cpu`` runs the CPU attention section alone (bench/cpu_attention.py):
 performance data for the torch backend, written to bench/results/<cpu>_<date>/ by default.
-``python -m bench --what kernels [--arch sm90 ...]`` is the compile report (bench/kernels.py): static
-compiler output per CUDA architecture, no GPU needed, written to bench/results/compile-report_<date>/."""
+``python -m bench --what kernels [--arch sm90 gfx942 ...]`` is the compile report (bench/kernels.py):
+static compiler output per CUDA or AMD CDNA architecture, no GPU needed, written to
+bench/results/compile-report_<date>/ (compile-report-cdna_<date>/ when every arch is a CDNA one)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from bench import attention, configs, cpu_attention, masks
 from bench import kernels as kernels_report
 from bench import layer as layer_bench
 from bench import context_parallel as cp_bench
-from coreattn.tune.compiler import ARCHS
+from coreattn.tune.compiler import CDNA_ARCHS
 from bench.env import REPO_ROOT, device_slug, run_metadata
 from bench.flops import MODES
 from bench.providers import PRIMARY, PROVIDERS
@@ -49,8 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=list(cpu_attention.PROVIDERS), help="providers of the CPU attention section")
     p.add_argument("--cpu-threads", type=int, help="torch threads in the CPU section's workers (default: torch's "
                    "choice, one per core); 1 gives steadier ratios on a loaded machine")
-    p.add_argument("--arch", nargs="+", choices=list(ARCHS), default=list(ARCHS),
-                   help="CUDA architectures of the compile report (--what kernels)")
+    p.add_argument("--arch", nargs="+", choices=list(kernels_report.ALL_ARCHS), default=list(kernels_report.ALL_ARCHS),
+                   help="CUDA and AMD CDNA architectures of the compile report (--what kernels)")
     p.add_argument("--configs", nargs="+", metavar="SUBSTR",
                    help="keep configs whose id contains every SUBSTR (e.g. hdim192x128 causal 16k; b64)")
     p.add_argument("--modes", nargs="+", choices=MODES, help="attention modes (default: all; fwd fwdbwd with --quick)")
@@ -141,7 +142,9 @@ def main(argv=None) -> int:
     meta = run_metadata(device)
     meta["performance_data"] = meta["performance_data"] or set(args.what) == {"cpu"}
     # the compile report alone is static compiler output for named archs, kept with the results
-    report_name = "compile-report" if set(args.what) == {"kernels"} else None
+    report_name = None
+    if set(args.what) == {"kernels"}:
+        report_name = "compile-report-cdna" if set(args.arch) <= set(CDNA_ARCHS) else "compile-report"
     out = args.out or _default_out(device, meta["performance_data"], report_name)
     out.mkdir(parents=True, exist_ok=True)
     total = (len(attn_cfgs) * len(modes) * len(args.providers) * len(args.dtype) if run_attn else 0) + \

@@ -79,6 +79,7 @@ def run_metadata(device: torch.device) -> dict:
         "flash_attn": _version("flash-attn") or _version("flash_attn_3"),
         "megatron_core": _version("megatron-core"),
         "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),  # ROCm's PyTorch: AMD GPUs are cuda devices
         "driver": _driver_version() if device.type == "cuda" else None,
         "cpu": f"{cpu_model()}, {os.cpu_count()} CPUs",
         "torch_threads": torch.get_num_threads(),
@@ -88,4 +89,6 @@ def run_metadata(device: torch.device) -> dict:
         meta["device_memory_gib"] = round(props.total_memory / 2**30, 1)
         meta["sm_count"] = props.multi_processor_count
         meta["capability"] = f"{props.major}.{props.minor}"
+        if meta["hip"]:
+            meta["gcn_arch"] = props.gcnArchName
     return meta

@@ -1,16 +1,19 @@
-"""Compile report: ``python -m bench --what kernels [--arch sm90 sm80 ...]``.
+"""Compile report: ``python -m bench --what kernels [--arch sm90 gfx942 ...]``.
 
-For each CUDA architecture (all of ``coreattn.tune.compiler.ARCHS`` by default) the kernels of every
-problem below are compiled through the real launchers with that arch's configs, without a GPU
-(coreattn/tune/compiler.py), and tabulated: tile, warps/stages, registers, spill bytes, shared memory
-against the arch's per-block limit, MMA kind x PTX instruction count, duplicated MMA work and an
-occupancy estimate. Static compiler output: it shows whether a config fits an arch, not how fast
-it runs.
+For each architecture, CUDA (``coreattn.tune.compiler.ARCHS``) and AMD CDNA (``CDNA_ARCHS``; all of
+them by default), the kernels of every problem below are compiled through the real launchers with
+that arch's configs, without a GPU (coreattn/tune/compiler.py), and tabulated: tile, warps/stages,
+registers, spill bytes, shared memory (LDS on CDNA) against the arch's per-block limit, MMA kind x
+instruction count (PTX; AMDGCN for CDNA), duplicated MMA work and an occupancy estimate (CTAs per
+SM; waves per SIMD on CDNA). Static compiler output: it shows whether a config fits an arch, not
+how fast it runs.
 """
 
 from __future__ import annotations
 
-from coreattn.tune.compiler import ARCHS, Problem, compile_report
+from coreattn.tune.compiler import ARCHS, CDNA_ARCHS, Problem, compile_report
+
+ALL_ARCHS = (*ARCHS, *CDNA_ARCHS)
 
 MAIN_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 FEATURE_DIMS = MAIN_DIMS
@@ -55,16 +58,53 @@ def _kernel(row: dict) -> str:
     return row["kernel"]
 
 
+def _unique(rows: list[dict], arch: str):
+    """The arch's rows, each compiled kernel once."""
+    seen = set()
+    for r in rows:
+        if r["arch"] == arch and r["hash"] not in seen:
+            seen.add(r["hash"])
+            yield r
+
+
+def _cdna_table(rows: list[dict], arch: str) -> str:
+    limits, lines = CDNA_ARCHS[arch], []
+    for r in _unique(rows, arch):
+        lds = f"{r['smem'] / 1024:g}K" + ("" if r["smem_fits"] else " OVER")
+        tile = f"{r['block_m']}x{r['block_n']}" if r["block_n"] else f"{r['block_m']} rows"
+        mma = " ".join(f"{kind.removeprefix('v_mfma_')} x{n}" for kind, n in r["mma"].items()) or "-"
+        mma += f" DUP {r['mma_dup']}x" if r["mma_dup"] > 1 else ""
+        mma += f" FMA dots {r['fma_dots']}" if r["fma_dots"] else ""
+        lines.append([_kernel(r), r["problem"], tile, f"{r['num_warps']}/{r['num_stages']}",
+                      str(r["matrix_instr_nonkdim"] or "-"),
+                      f"{r['vgprs']}/{r['agprs']}/{r['sgprs']}", f"{r['vgpr_spills']}/{r['sgpr_spills']}",
+                      f"{r['spill_stores']}/{r['spill_loads']}", lds, mma,
+                      f"{r['waves_per_simd']} ({r['occupancy_limit']})"])
+    header = ["kernel", "problem", "tile", "warps/stages", "nonkdim", "VGPR/AGPR/SGPR", "spilled v/s",
+              "spill st/ld B", "LDS", "MFMA (AMDGCN)", "waves/SIMD (limit)"]
+    title = (f"{arch} (compiled for AMD {arch}, wave64; LDS per workgroup {limits.lds_per_workgroup // 1024} KB, "
+             f"per CU {limits.lds_per_cu // 1024} KB; {limits.vgprs_per_simd} VGPRs per SIMD lane):")
+    return title + "\n" + _table(header, lines)
+
+
+def _table(header: list[str], lines: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    rule = fmt.format(*("-" * w for w in widths))
+    return "\n".join([fmt.format(*header), rule] + [fmt.format(*line) for line in lines])
+
+
 def format_tables(rows: list[dict]) -> str:
     """One table per arch; a compiled kernel identical to one already listed for that arch (the
     preprocess kernel, a feature's unchanged backward) is not repeated."""
     parts = []
-    for arch in dict.fromkeys(r["arch"] for r in rows):
-        limits, seen, lines = ARCHS[arch], set(), []
-        for r in (r for r in rows if r["arch"] == arch):
-            if r["hash"] in seen:
-                continue
-            seen.add(r["hash"])
+    archs = list(dict.fromkeys(r["arch"] for r in rows))
+    for arch in archs:
+        if arch in CDNA_ARCHS:
+            parts.append(_cdna_table(rows, arch))
+            continue
+        limits, lines = ARCHS[arch], []
+        for r in _unique(rows, arch):
             smem = f"{r['smem'] / 1024:g}K" + ("" if r["smem_fits"] else " OVER")
             tile = f"{r['block_m']}x{r['block_n']}" if r["block_n"] else f"{r['block_m']} rows"
             occ = f"{r.get('ctas_per_sm', '-')} ({r.get('occupancy_limit', '-')})"
@@ -72,14 +112,24 @@ def format_tables(rows: list[dict]) -> str:
                           f"{r['spill_stores']}/{r['spill_loads']}", smem, _mma(r), occ])
         header = ["kernel", "problem", "tile", "warps/stages", "regs", "spill st/ld B", "smem", "MMA (PTX)",
                   "CTAs/SM (limit)"]
-        widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
-        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         title = (f"{arch} (compiled for capability {limits.capability / 10:.1f}; smem per block "
                  f"{limits.smem_per_block // 1024} KB, per SM {limits.smem_per_sm // 1024} KB):")
-        parts.append("\n".join([title, fmt.format(*header), fmt.format(*("-" * w for w in widths))] +
-                               [fmt.format(*line) for line in lines]))
-    parts.append("STATIC COMPILER OUTPUT for emulated targets (no GPU ran): registers and spills from ptxas -v, "
-                 "shared memory from Triton, MMA instructions counted in the PTX, DUP = an MMA layout wider than "
-                 "its tile (the same MMA in several warps), CTAs/SM from registers, shared memory (+1 KB per "
-                 "block), warps and the block cap. Not speed.")
+        parts.append(title + "\n" + _table(header, lines))
+    if any(arch in ARCHS for arch in archs):
+        parts.append("STATIC COMPILER OUTPUT for emulated targets (no GPU ran): registers and spills from ptxas -v, "
+                     "shared memory from Triton, MMA instructions counted in the PTX, DUP = an MMA layout wider than "
+                     "its tile (the same MMA in several warps), CTAs/SM from registers, shared memory (+1 KB per "
+                     "block), warps and the block cap. Not speed.")
+    if any(arch in CDNA_ARCHS for arch in archs):
+        parts.append(CDNA_LEGEND)
     return "\n\n".join(parts)
+
+
+CDNA_LEGEND = ("STATIC COMPILER OUTPUT for AMD CDNA targets (no AMD GPU ran; Triton's HIP backend without ROCm): "
+               "nonkdim = the matrix_instr_nonkdim launch option (the MFMA's M = N; - = Triton's choice), "
+               "VGPR/AGPR/SGPR from the AMDGCN's kernel info, spilled v/s = VGPRs and SGPRs spilled (SGPRs go to "
+               "VGPR lanes, no memory), spill st/ld B = bytes per lane of the spill stores and reloads to scratch "
+               "in the code, LDS from Triton (allocated at launch), MFMA instructions counted in the AMDGCN, "
+               "DUP = an MFMA layout wider than its tile, FMA dots = dots without an MFMA layout, waves/SIMD "
+               "from registers (the 512-entry unified file), LDS and the 8-wave cap, a workgroup's waves spread "
+               "over 4 SIMDs. Not speed.")

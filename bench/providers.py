@@ -316,6 +316,8 @@ class FlashAttn3(Provider):
             return f"flash-attn 3 (flash_attn_interface) is not installed ({exc})"
         if device.type != "cuda":
             return "needs a CUDA device"
+        if torch.version.hip:  # ROCm reports an MI300X as capability 9.4
+            return "flash-attn 3 (flash_attn_interface) is Hopper-only; this is a ROCm device"
         if torch.cuda.get_device_capability(device)[0] != 9:
             return "flash-attn 3 needs a Hopper (sm90) GPU"
         return None

@@ -8,7 +8,8 @@ from pathlib import Path
 
 NOT_PERF = "NOT PERFORMANCE DATA (CPU run: it checks the suite, not the kernels)"
 CPU_PERF = "the CPU attention section is performance data for the torch backend (python -m bench --what cpu)"
-KERNELS_NOTE = "the compile report is static compiler output for emulated CUDA targets (python -m bench --what kernels)"
+KERNELS_NOTE = ("the compile report is static compiler output for emulated CUDA and AMD CDNA targets "
+                "(python -m bench --what kernels)")
 MEMORY_LIMIT_GIB = 8  # the CPU section's 32k-token memory check
 
 
@@ -91,7 +92,7 @@ def format_table(rows: list[dict], meta: dict, primary: str = "coreattn") -> str
     if any(r["kind"] == "kernels" for r in rows):
         from bench.kernels import format_tables
 
-        parts.append("compile report, per CUDA architecture:\n" + format_tables([r for r in rows if r["kind"] == "kernels"]))
+        parts.append("compile report, per architecture:\n" + format_tables([r for r in rows if r["kind"] == "kernels"]))
     skipped = Counter((r["kind"], r["provider"], r["reason"]) for r in rows if r["status"] == "skipped")
     if skipped:
         parts.append("skipped:\n" + "\n".join(f"  {kind} {provider}: {reason} ({n} case{'s' if n > 1 else ''})"

@@ -1,7 +1,8 @@
 """Test set-up: without CUDA, the Triton kernels run under Triton's CPU interpreter.
 
 TRITON_INTERPRET must be set before coreattn (and its @triton.jit kernels) is imported.
-torch.cuda.is_available() does not create a CUDA context. Under the interpreter,
+torch.cuda.is_available() does not create a CUDA context (on ROCm's PyTorch it is True for AMD GPUs,
+and the GPU tests run there alike). Under the interpreter,
 interpreter_bf16 corrects its bf16 tl.dot and casts so the bf16 kernel paths run on CPU.
 """
 
@@ -21,7 +22,7 @@ if INTERPRETED:
 
 
 def pytest_collection_modifyitems(config, items):
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_gpu = pytest.mark.skip(reason="needs a GPU (CUDA, or ROCm's PyTorch, whose AMD GPUs are cuda devices)")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from coreattn.selfcheck import CPU_MESSAGE, band_mask, compare, naive_attention, zero_rows
+from coreattn.selfcheck import (CPU_MESSAGE, band_mask, compare, environment, environment_keys, naive_attention,
+                                zero_rows)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,6 +31,25 @@ def test_quick_selfcheck_passes_on_this_machine(tmp_path):
     if not torch.cuda.is_available():
         assert CPU_MESSAGE in out and "bf16 skipped on CPU" in out
         assert {row["dtype"] for row in results["rows"]} == {"float16", "float32"}
+
+
+def test_environment_names_hip_and_the_gcn_arch_on_rocm(monkeypatch):
+    """ROCm's PyTorch (faked): AMD GPUs are cuda devices, torch.version.cuda is None."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482-0f2d60242")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "AMD Instinct MI300X")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(gcnArchName="gfx942:sramecc+:xnack-"))
+    env = environment(torch.device("cuda", 0))
+    assert env["hip"] == "6.4.43482-0f2d60242" and env["gcn_arch"] == "gfx942:sramecc+:xnack-"
+    assert env["device"] == "AMD Instinct MI300X"
+    keys = environment_keys(env)
+    assert "hip" in keys and "gcn_arch" in keys and "cuda" not in keys
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert "cuda" in environment_keys(environment(torch.device("cpu")))
 
 
 def test_wrong_output_is_reported():

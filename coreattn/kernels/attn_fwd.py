@@ -22,7 +22,7 @@ import triton.language as tl
 
 from coreattn.kernels.attn_common import (LENGTH_STRIDES, _dropout_keep, _first_gid, _key_range, _load_keep, _load_rows,
                                           _poison, _scan, _seq_span, _visible, tile_bound)
-from coreattn.kernels.config import fwd_config, head_blocks, persistent_grid, target_of
+from coreattn.kernels.config import CDNA_TARGETS, fwd_config, head_blocks, persistent_grid, target_of
 from coreattn.kernels.packing import (Packing, keep_args, kernel_flags, new_like, new_rowstat, rowstat_strides, seq_len_dim,
                                       seq_strides)
 
@@ -246,8 +246,10 @@ def _varlen_attn_fwd_kernel(
 
 def dot_precision(dtype: torch.dtype, target: str) -> str:
     """fp32 inputs run at IEEE precision (no TF32); 16-bit inputs use the native MMA. Ascend
-    accepts only "ieee" and "hf32" (16-bit inputs are exact there either way)."""
-    return "ieee" if dtype == torch.float32 or target == "ascend" else "tf32"
+    accepts only "ieee" and "hf32", Triton's HIP backend "ieee" and bf16x3/bf16x6 (tf32 on gfx942
+    only): 16-bit inputs are exact there either way and still take the MFMA, and fp32 takes
+    CDNA's fp32 MFMA (v_mfma_f32_*_f32), which is IEEE."""
+    return "ieee" if dtype == torch.float32 or target == "ascend" or target in CDNA_TARGETS else "tf32"
 
 
 def launch_grid(device: torch.device, target: str, n_tiles: int, heads: int,

@@ -2,7 +2,9 @@
 
 Targets: the Triton interpreter (CPU, tests), CUDA sm80 (A100: 163 KB of shared memory per
 block), sm86/sm89 (RTX 30/40, A10, L4, L40S: 99 KB), sm90 (H100/H200: 227 KB, wgmma), sm100
-(B200: 227 KB), sm120 (RTX 50 / RTX PRO Blackwell: 99 KB) and Ascend (triton-ascend). Lengths
+(B200: 227 KB), sm120 (RTX 50 / RTX PRO Blackwell: 99 KB), AMD CDNA under ROCm gfx90a
+(MI210/MI250X: 64 KB of LDS per workgroup), gfx942 (MI300X/MI325X: 64 KB), gfx950
+(MI350X/MI355X: 160 KB), and Ascend (triton-ascend). Lengths
 never enter a config key: packed batches change every step and must not trigger recompiles; only
 head dims, dtype and the target do. The forward, the dK/dV kernel and the dQ kernel each have
 their own tile: dK/dV holds many keys and steps over few queries, dQ the reverse, so each dot's
@@ -29,6 +31,39 @@ softmax offset and max logit at every head dim; tests/kernels/test_kernel_struct
   single-stage backward loops, about half the MMA work per loaded byte of a 64-row tile, because
   64 rows x 256 fp32 columns of accumulator are 128 registers per thread on top of the operands.
 - fp32 (IEEE, no tensor cores) takes one small tile on every arch (``_FP32``): 0 spills.
+
+CDNA tables (ROCm's PyTorch reports AMD GPUs as ``cuda`` devices; ``target_of`` reads the
+device's gcnArchName), checked the same way (``python -m bench --what kernels --arch gfx90a gfx942
+gfx950``: the AMDGCN LLVM emits, no GPU or ROCm needed; tests/kernels/test_kernel_structure.py keeps
+gfx942 and gfx950 at the main dims):
+
+- Every bf16 and fp16 kernel at 64, 128, 192/128 and 256, the feature variants included, spills no
+  VGPR and uses no scratch, keeps its LDS within the arch's limit (at most 64 KB of 64 or 160), and
+  every tl.dot is an MFMA of the input type that no two waves duplicate. All but three keep 2 waves
+  per SIMD; the three (gfx942's dropout dK pass and gfx90a's GQA dK pass and sink dQ at 256) are
+  1-3 registers over 256 and run one wave per SIMD instead of spilling. SGPRs spill in some
+  forwards (up to 33, into VGPR lanes: no memory traffic).
+- Registers shape the tiles, not LDS. A SIMD has 512 registers per lane (VGPRs and AGPRs), a wave
+  addresses at most 256 VGPRs and LLVM keeps only MFMA accumulators in AGPRs; an 8-wave workgroup
+  (2 waves per SIMD) caps each wave at 256. The tiles are the largest whose long side is at most
+  128 (as on CUDA: a packed batch's short sequences leave partial tiles) that stay within that
+  without spilling; at 256 the dK/dV and dQ tiles take 4 waves, whose extra register freedom let
+  LLVM fit them (dQ as 128 x 16 with 8 waves spilled 6 VGPRs in fp16, 64 x 16 with 4 waves did not).
+- matrix_instr_nonkdim 16, the one AMD launch option the tables set (waves_per_eu 2 made LLVM
+  spill gfx942's dropout dK pass at 256, 3 VGPRs, where it otherwise takes 259 registers). With
+  Triton's default 32x32 MFMAs 8 waves on a 128-row tile (or 4 on a 64-row one) repeat each MFMA
+  in two waves (gfx942's forward at 128, 128 x 64: 240 registers, 26 SGPRs spilled and DUP 2 with
+  32x32; 210, none and none with 16x16).
+- num_stages 1, as Triton's fused-attention tutorial sets on HIP: 2 spilled gfx942's forward at
+  128 (11 VGPRs). On gfx950 (async copies to LDS) 2 stages compiled without spills there (198
+  registers, 66 KB of LDS): a candidate to time on hardware.
+- No ``maxnreg`` (the HIP backend rejects it) and dot precision "ieee" (it allows tf32 on gfx942
+  only); fp32 runs on CDNA's IEEE fp32 MFMAs with one small tile (``_FP32_CDNA``), one wave per
+  SIMD, spill-free at 128. At 256 fp32's dK and dQ kernels spill on CDNA: a 16-row fp32 tile of q,
+  dO and dQ plus the k and v tiles is more than 256 VGPRs however it is cut.
+- gfx950 (16x16x32 MFMAs) needs fewer registers than gfx942 and takes wider tiles where they stay
+  spill-free; gfx90a needs more in the forward (narrower key steps at 128 and 256).
+- None of these tiles has been timed: no AMD GPU was available. The tuner may search the rest.
 
 TMA tensor descriptors (issue 14, item 1) are not used. The pointer kernels above are already
 spill-free with wgmma on sm90; descriptors built per sequence on the device need a
@@ -57,6 +92,7 @@ over-count.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -64,7 +100,8 @@ import torch
 import triton
 
 ENV_TRITON_TARGET = "COREATTN_TRITON_TARGET"
-TARGETS = ("interpreter", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "ascend")
+CDNA_TARGETS = ("gfx90a", "gfx942", "gfx950")  # AMD Instinct MI200, MI300X/MI325X, MI350X/MI355X
+TARGETS = ("interpreter", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120", *CDNA_TARGETS, "ascend")
 
 ASCEND_BUFFER_BYTES = 192 * 1024  # unified buffer per AI core
 ASCEND_STEP_BUDGET = ASCEND_BUFFER_BYTES // 2  # double buffering
@@ -81,13 +118,14 @@ class AttnConfig(NamedTuple):
     num_warps: int
     num_stages: int
     maxnreg: int | None = None  # CUDA: ptxas's register ceiling per thread (.maxnreg); None: ptxas's choice
+    matrix_instr_nonkdim: int | None = None  # AMD: the MFMA instruction's M = N (16, 32); None: Triton's choice
 
     def launch(self) -> dict:
-        """The kernel launch options of this config."""
-        opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
-        if self.maxnreg is not None:
-            opts["maxnreg"] = self.maxnreg
-        return opts
+        """The kernel launch options of this config (each backend's own: the HIP backend rejects
+        ``maxnreg``, the CUDA backend the AMD ones)."""
+        opts = dict(num_warps=self.num_warps, num_stages=self.num_stages, maxnreg=self.maxnreg,
+                    matrix_instr_nonkdim=self.matrix_instr_nonkdim)
+        return {k: v for k, v in opts.items() if v is not None}
 
 
 def head_block(dim: int) -> int:
@@ -116,7 +154,9 @@ def head_blocks(dim_qk: int, dim_v: int) -> tuple[int, int, int]:
 
 def target_of(device: torch.device) -> str:
     """The launch target for tensors on ``device``: "ascend" for npu tensors or when
-    ``COREATTN_TRITON_TARGET=ascend`` (read at every call), else "interpreter", "sm90" or "sm80"."""
+    ``COREATTN_TRITON_TARGET=ascend`` (read at every call), else "interpreter", a CUDA family
+    ("sm90", "sm80", ...) or, on ROCm's PyTorch (whose AMD GPUs are ``cuda`` devices), the CDNA arch
+    ("gfx942", ...)."""
     from coreattn.kernels import runs_in_interpreter
 
     forced = os.environ.get(ENV_TRITON_TARGET, "").strip().lower()
@@ -129,8 +169,22 @@ def target_of(device: torch.device) -> str:
     if runs_in_interpreter():
         return "interpreter"
     if device.type == "cuda":
+        if torch.version.hip:  # ROCm: the capability (9, 4 on an MI300X) says nothing about CUDA archs
+            return hip_target(torch.cuda.get_device_properties(device).gcnArchName)
         return cuda_target(*torch.cuda.get_device_capability(device))
     raise RuntimeError(f"no Triton launch config for device {device}")
+
+
+def hip_target(arch_name: str) -> str:
+    """The config family of a ROCm device from its ``gcnArchName`` ("gfx942:sramecc+:xnack-" ->
+    "gfx942"). Only the CDNA archs whose tables were checked by compiling for them are accepted:
+    another arch (MI100's gfx908, the RDNA parts' wave32 and WMMA, a future CDNA) could spill or
+    exceed its LDS with them, and an error now beats a kernel that fails or crawls at launch."""
+    arch = arch_name.split(":", 1)[0].strip().lower()
+    if arch in CDNA_TARGETS:
+        return arch
+    raise RuntimeError(f"coreattn's Triton kernels have launch configs for AMD {', '.join(CDNA_TARGETS)} only, "
+                       f"this device is {arch_name!r}; use backend='torch'")
 
 
 def cuda_target(major: int, minor: int) -> str:
@@ -233,6 +287,26 @@ _DQ_DROPOUT["sm120"] = ((256, _C(16, 32, 4, 1)),)
 # operands are spread over the threads, so the 16-bit tiles spilled kilobytes (sm90's forward at
 # 128: 46 KB) and dQ overflowed the 99 KB parts' shared memory. One small tile for every arch.
 _FP32 = ((128, _C(16, 32, 8, 1)), (256, _C(16, 16, 8, 1)))
+# AMD CDNA (ROCm): tiles of 16x16 MFMAs (matrix_instr_nonkdim 16), single-stage loops, 8 waves
+# (wave64) per workgroup but in the backward at 256; see the module docstring. gfx942's is the base.
+_W = functools.partial(AttnConfig, matrix_instr_nonkdim=16)
+_FWD["gfx942"] = ((64, _W(128, 128, 8, 1)), (128, _W(128, 64, 8, 1)), (192, _W(128, 64, 8, 1)), (256, _W(128, 32, 8, 1)))
+_DKDV["gfx942"] = ((64, _W(32, 128, 8, 1)), (128, _W(16, 128, 8, 1)), (192, _W(16, 128, 8, 1)), (256, _W(16, 64, 4, 1)))
+_DQ["gfx942"] = ((64, _W(128, 64, 8, 1)), (128, _W(128, 32, 8, 1)), (192, _W(128, 32, 8, 1)), (256, _W(64, 16, 4, 1)))
+_FWD_DROPOUT["gfx942"] = ((64, _W(128, 64, 8, 1)), (192, _W(128, 32, 8, 1)))
+_DQ_DROPOUT["gfx942"] = ((192, _W(128, 16, 8, 1)),)
+for _table in (_FWD, _DKDV, _DQ, _FWD_DROPOUT, _DQ_DROPOUT):
+    _table["gfx90a"] = _table["gfx950"] = _table["gfx942"]
+# gfx950 (16x16x32 MFMAs) needs fewer registers for the same tile: a wider forward key step at 128,
+# dK/dV tiles stepping over more queries at 64, 128 and 256
+_FWD["gfx950"] = ((64, _W(128, 128, 8, 1)), (128, _W(128, 128, 8, 1)), (192, _W(128, 64, 8, 1)), (256, _W(128, 32, 8, 1)))
+_FWD_DROPOUT["gfx950"] = ((64, _W(128, 64, 8, 1)), (128, _W(128, 64, 8, 1)))
+_DKDV["gfx950"] = ((64, _W(64, 128, 8, 1)), (128, _W(32, 128, 8, 1)), (192, _W(16, 128, 8, 1)), (256, _W(16, 128, 8, 1)))
+_DQ_DROPOUT["gfx950"] = ()
+# gfx90a's forward needs more registers than gfx942's for the same tile (at 128 and 256 it spilled)
+_FWD["gfx90a"] = ((64, _W(128, 128, 8, 1)), (128, _W(128, 32, 8, 1)), (192, _W(128, 64, 8, 1)), (256, _W(128, 16, 8, 1)))
+# fp32 takes CDNA's IEEE fp32 MFMAs; one small tile for every kernel (see the module docstring)
+_FP32_CDNA = ((128, _W(32, 32, 2, 1)), (256, _W(16, 16, 1, 1)))
 # Left to itself, ptxas often capped registers well below the register file and spilled (sm120's dQ
 # at 64: 128 registers and 4 B spilled, 184 and none with the ceiling at 255; sm80's fp32 forward
 # at 64: 48 registers and a spill): every CUDA launch sets the ceiling to the file's 255.
@@ -242,13 +316,15 @@ MAXNREG = 255
 def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, elem: int,
                  override: dict | None = None) -> AttnConfig:
     """The entry of the first width class that holds the widest block (``override``'s entry for
-    that class if it has one); the fp32 tile for 4-byte inputs."""
+    that class if it has one); the fp32 tile for 4-byte inputs. CUDA and CDNA targets alike; only
+    CUDA launches carry the register ceiling."""
     widest = max(block_dqk, block_dv)
-    for width, cfg in (_FP32 if elem == 4 else table[target]):
+    cdna = target in CDNA_TARGETS
+    for width, cfg in ((_FP32_CDNA if cdna else _FP32) if elem == 4 else table[target]):
         if widest <= width:
             if elem != 4:
                 cfg = dict((override or {}).get(target, ())).get(width, cfg)
-            return cfg._replace(maxnreg=MAXNREG)
+            return cfg if cdna else cfg._replace(maxnreg=MAXNREG)
     raise ValueError(f"head dims up to 256 are supported, got blocks {block_dqk}/{block_dv}")
 
 
@@ -265,11 +341,11 @@ def fwd_config(device: torch.device, block_dqk: int, block_dv: int, elem: int = 
 
 
 def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False) -> bool:
-    """On CUDA, dK and dV of a key tile are computed in two passes of the dK/dV kernel when their
-    fp32 accumulators (BLOCK_N x (Dqk + Dv)) cannot stay in registers: 64 rows per warpgroup x
+    """On CUDA and CDNA, dK and dV of a key tile are computed in two passes of the dK/dV kernel when
+    their fp32 accumulators (BLOCK_N x (Dqk + Dv)) cannot stay in registers: 64 rows per warpgroup x
     (256 + 256) columns is 256 registers per thread, the whole register file (with dropout,
-    Philox's state needs the room of 192 + 128 already). The second pass recomputes Q K^T (about
-    1/7 more backward matmul work) instead of spilling."""
+    Philox's state needs the room of 192 + 128 already; a CDNA wave addresses 256 VGPRs too). The
+    second pass recomputes Q K^T (about 1/7 more backward matmul work) instead of spilling."""
     return target not in ("interpreter", "ascend") and block_dqk + block_dv > (256 if dropout else 320)
 
 

@@ -3,16 +3,19 @@
 Selection rule (first match wins):
 1. an explicit override: the ``backend=`` argument, else the ``COREATTN_BACKEND`` environment
    variable; it raises ``RuntimeError`` with the reason if that backend cannot run here;
-2. by device type: ``cuda`` -> Triton; ``cpu`` -> Triton through Triton's interpreter when
-   ``TRITON_INTERPRET=1`` was set before coreattn was imported, else the torch backend;
+2. by device type: ``cuda`` -> Triton (NVIDIA, and AMD CDNA GPUs under ROCm's PyTorch, which
+   reports them as ``cuda`` devices; another AMD arch raises, naming ``backend='torch'``);
+   ``cpu`` -> Triton through Triton's interpreter when ``TRITON_INTERPRET=1`` was set before
+   coreattn was imported, else the torch backend;
    ``npu`` (Ascend) -> ``npu_fused``, torch_npu's ``npu_fusion_attention``: the vendor's fused
    kernel is the mature path there (forward and backward, tuned per chip), while coreattn's Triton
    kernels on Ascend (triton-ascend, persistent grid) have only been checked under Triton's CPU
    interpreter. ``backend="triton"`` runs them on an NPU when the active Triton is triton-ascend.
    Other device types have no default: pass ``backend="torch"``.
 
-Backends: ``triton`` (CUDA; Ascend via triton-ascend; CPU under ``TRITON_INTERPRET=1``),
-``torch`` (any device) and ``npu_fused`` (``npu`` tensors with torch_npu importable).
+Backends: ``triton`` (CUDA; ROCm on gfx90a, gfx942 and gfx950; Ascend via triton-ascend; CPU under
+``TRITON_INTERPRET=1``), ``torch`` (any device) and ``npu_fused`` (``npu`` tensors with torch_npu
+importable).
 
 The choice for each device type is logged once on the ``coreattn`` logger.
 """
@@ -60,6 +63,14 @@ def _triton_available(device: torch.device) -> Availability:
     if device.type == "cuda":
         if interpreted:
             return Availability(False, "kernels were built for Triton's interpreter (TRITON_INTERPRET=1), which runs on CPU tensors")
+        if torch.version.hip:  # ROCm's PyTorch: AMD GPUs are cuda devices
+            from coreattn.kernels.config import target_of
+
+            try:
+                target = target_of(device)
+            except RuntimeError as exc:
+                return Availability(False, str(exc))
+            return Availability(True, f"ROCm device ({target}) through Triton's HIP backend")
         return Availability(True, "CUDA device")
     if device.type == "cpu":
         if interpreted:
@@ -107,6 +118,9 @@ def is_available(backend: Backend, device: torch.device) -> Availability:
 
 def _default_for(device: torch.device) -> Backend:
     if device.type == "cuda":
+        avail = is_available(Backend.TRITON, device)
+        if torch.version.hip and not avail.ok:
+            raise RuntimeError(f"no default backend for this ROCm device: {avail.reason} (or set {ENV_BACKEND}=torch)")
         return Backend.TRITON
     if device.type == "cpu":
         return Backend.TRITON if is_available(Backend.TRITON, device).ok else Backend.TORCH

@@ -8,9 +8,12 @@ scores and softmax, P rounded to the input dtype before P @ V, output rounded). 
 gradients must be finite, and rows that see no key must be zero. On CUDA it also checks that new
 packed batches do not recompile the kernels.
 
-Without a CUDA device the kernels run under Triton's CPU interpreter. ``TRITON_INTERPRET=1`` must
-be set before the kernels are defined, and ``python -m coreattn.selfcheck`` has imported coreattn
-(and its kernels) before this module runs, so ``main`` re-runs itself in a child process with the
+On ROCm's PyTorch an AMD GPU is a ``cuda`` device: everything above runs there alike, and the
+report prints the HIP version and the gcnArchName.
+
+Without a GPU the kernels run under Triton's CPU interpreter. ``TRITON_INTERPRET=1`` must be set
+before the kernels are defined, and ``python -m coreattn.selfcheck`` has imported coreattn (and
+its kernels) before this module runs, so ``main`` re-runs itself in a child process with the
 variable set.
 
 May import: anything in coreattn (it sits above the public API and tests it through it); nothing
@@ -258,16 +261,26 @@ def check_recompiles(device: torch.device, dtype: torch.dtype) -> Check:
 # ---- the report
 
 def environment(device: torch.device) -> dict:
+    """Device and versions; on ROCm's PyTorch (AMD GPUs are ``cuda`` devices there) the HIP version
+    and the device's gcnArchName too."""
     import triton
 
     info = {"device": platform.processor() or platform.machine(), "compute_capability": None,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
-            "coreattn": coreattn.__version__, "python": platform.python_version(),
-            "interpreter": device.type == "cpu"}
+            "torch": torch.__version__, "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
+            "gcn_arch": None, "triton": triton.__version__, "coreattn": coreattn.__version__,
+            "python": platform.python_version(), "interpreter": device.type == "cpu"}
     if device.type == "cuda":
         info["device"] = torch.cuda.get_device_name(device)
         info["compute_capability"] = "{}.{}".format(*torch.cuda.get_device_capability(device))
+        if info["hip"]:
+            info["gcn_arch"] = torch.cuda.get_device_properties(device).gcnArchName
     return info
+
+
+def environment_keys(env: dict) -> list[str]:
+    """The keys the report prints: CUDA's version, or ROCm's HIP version and gcnArchName."""
+    toolkit = ["hip", "gcn_arch"] if env["hip"] else ["cuda"]
+    return ["device", "compute_capability", "torch", *toolkit, "triton", "coreattn", "python"]
 
 
 def _cell(check: Check) -> str:
@@ -291,7 +304,7 @@ def run(quick: bool = False, out=sys.stdout) -> dict:
     say(f"coreattn self-check{' (--quick)' if quick else ''}")
     if device.type == "cpu":
         say(CPU_MESSAGE)
-    for key in ("device", "compute_capability", "torch", "cuda", "triton", "coreattn", "python"):
+    for key in environment_keys(env):
         say(f"  {key:<19} {env[key]}")
     if skipped:
         say(skipped)

@@ -1,14 +1,18 @@
-"""What the compiler makes of the kernels for a CUDA architecture, without a GPU.
+"""What the compiler makes of the kernels for a CUDA or AMD CDNA architecture, without a GPU.
 
 ``emulate(arch)`` makes Triton compile for that architecture (its active driver is replaced by
-one that reports the arch's GPUTarget) and answers the project's own launch-target lookup as a
-device of that compute capability would, so ``coreattn.kernels.config`` picks the arch's tiles.
+one that reports the arch's GPUTarget: ``cuda`` and a capability, or ``hip``, a gfx arch and
+wave64) and answers the project's own launch-target lookup as a device of that arch would, so
+``coreattn.kernels.config`` picks the arch's tiles and launch options.
 Every kernel launch inside becomes a compile-only warmup. ``compile_problem`` then calls the real
 launchers (``varlen_attn_fwd``/``varlen_attn_bwd``) on CPU tensors laid out as a packed thd batch,
 so each kernel is compiled with the constexprs, warps, stages and argument specialization a GPU
 launch would use, and ``describe`` reads each compiled kernel: registers and spill bytes (ptxas
 -v), shared memory (Triton's metadata), MMA kind and count (PTX), duplicated MMA work (TTGIR) and
-an occupancy estimate from the arch's limits (``ARCHS``). Static compiler output, not speed.
+an occupancy estimate from the arch's limits (``ARCHS``). For a CDNA arch (``CDNA_ARCHS``) the
+same rows come from the AMDGCN assembly LLVM emits (no ROCm needed): VGPR/AGPR/SGPR counts, spills
+(memory spill bytes, spilled VGPRs and SGPRs), scratch, MFMA instructions by kind, LDS against the
+arch's limit and waves per SIMD. Static compiler output, not speed.
 """
 
 from __future__ import annotations
@@ -48,6 +52,26 @@ ARCHS = {
     "sm100": ArchLimits(100, 228 * KB, 227 * KB, 64, 32),  # B200, GB200
     "sm120": ArchLimits(120, 100 * KB, 99 * KB, 48, 24),  # RTX 50, RTX PRO Blackwell
 }
+
+
+class CdnaLimits(NamedTuple):
+    """Per-CU limits of an AMD CDNA arch (LLVM's AMDGPUUsage and AMDGPU subtarget tables; AMD's CDNA
+    ISA guides). LDS in bytes; registers per SIMD lane: the unified file of arch VGPRs and AGPRs
+    (512 since gfx90a), allocated in granules of 8. A workgroup's waves are spread over the 4 SIMDs."""
+
+    lds_per_cu: int
+    lds_per_workgroup: int
+    vgprs_per_simd: int = 512
+    vgpr_granule: int = 8
+    max_waves_per_simd: int = 8
+    simds_per_cu: int = 4
+
+
+CDNA_ARCHS = {
+    "gfx90a": CdnaLimits(64 * KB, 64 * KB),  # MI210, MI250X
+    "gfx942": CdnaLimits(64 * KB, 64 * KB),  # MI300X, MI325X
+    "gfx950": CdnaLimits(160 * KB, 160 * KB),  # MI350X, MI355X
+}
 REGS_PER_SM = 64 * 1024
 MAX_REGS_PER_THREAD = 255
 REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
@@ -83,20 +107,24 @@ SEQLENS = (1000, 3096)  # only the grid size follows the lengths; the kernels do
 
 
 class _EmulatedDriver:
-    """The part of Triton's CUDA driver that a compile-only warmup uses. The "device" is the
-    capability itself, so each arch gets its own per-device kernel cache in every JITFunction."""
+    """The part of Triton's CUDA or HIP driver that a compile-only warmup uses. The "device" is the
+    capability or gfx arch itself, so each arch gets its own per-device kernel cache in every
+    JITFunction."""
 
-    def __init__(self, capability: int):
+    def __init__(self, arch: str):
         from triton.backends.compiler import GPUTarget
 
-        self.capability = capability
-        self.target = GPUTarget("cuda", capability, 32)
+        if arch in CDNA_ARCHS:
+            self.device, self.target = arch, GPUTarget("hip", arch, 64)
+        else:
+            self.device = ARCHS[arch].capability
+            self.target = GPUTarget("cuda", self.device, 32)
 
     def is_active(self):
         return True
 
     def get_current_device(self):
-        return self.capability
+        return self.device
 
     def set_current_device(self, device):
         pass
@@ -108,15 +136,14 @@ class _EmulatedDriver:
         return self.target
 
     def get_device_capability(self, device=None):
-        return divmod(self.capability, 10)
+        return divmod(self.device, 10)
 
     def get_active_torch_device(self):
         return torch.device("cpu")
 
     def map_python_to_cpp_type(self, ty: str) -> str:
-        from triton.backends.nvidia.driver import ty_to_cpp
-
-        return ty_to_cpp(ty)
+        backend = "amd" if self.target.backend == "hip" else "nvidia"
+        return importlib.import_module(f"triton.backends.{backend}.driver").ty_to_cpp(ty)
 
 
 @contextlib.contextmanager
@@ -131,8 +158,7 @@ def emulate(arch: str):
     import coreattn.kernels as kernels
     from coreattn.kernels import config
 
-    major, minor = divmod(ARCHS[arch].capability, 10)
-    target = config.cuda_target(major, minor)
+    target = arch if arch in CDNA_ARCHS else config.cuda_target(*divmod(ARCHS[arch].capability, 10))
     real_target_of = config.target_of
     patched = [importlib.import_module(f"coreattn.kernels.{m.name}") for m in pkgutil.iter_modules(kernels.__path__)]
     patched = [m for m in patched if getattr(m, "target_of", None) is real_target_of]
@@ -148,7 +174,7 @@ def emulate(arch: str):
         return kernel
 
     saved_driver, saved_dump = driver._active, knobs.nvidia.dump_ptxas_log  # None without a GPU: no active driver
-    driver.set_active(_EmulatedDriver(ARCHS[arch].capability))
+    driver.set_active(_EmulatedDriver(arch))
     knobs.nvidia.dump_ptxas_log = True
     jit.JITFunction.run = compile_only
     for module in patched:
@@ -206,10 +232,10 @@ def dot_ops(ttgir: str) -> dict:
 def mma_duplication(ttgir: str) -> int:
     """The largest factor by which a dot's MMA layout covers more rows or columns than the dot's
     result has (1: none). Such a dot repeats the same MMA in several warps: e.g. 8 warps in a
-    [8, 1] wgmma layout span 128 rows, twice a 64-row tile. Hopper (v3) and Ampere (v2) layouts;
-    tcgen05 (v5) accumulates in tensor memory and is not checked."""
+    [8, 1] wgmma layout span 128 rows, twice a 64-row tile. Hopper (v3) and Ampere (v2) layouts and
+    AMD's MFMA layouts; tcgen05 (v5) accumulates in tensor memory and is not checked."""
     layouts = {}
-    for name, body in re.findall(r"^#(mma\d*) = #ttg\.nvidia_mma<\{([^}]*)\}>", ttgir, re.M):
+    for name, body in re.findall(r"^#(mma\d*) = #ttg\.(?:nvidia_mma|amd_mfma)<\{([^}]*)\}>", ttgir, re.M):
         warps = [int(w) for w in re.search(r"warpsPerCTA = \[([^\]]*)\]", body).group(1).split(",")]
         instr = [int(w) for w in re.search(r"instrShape = \[([^\]]*)\]", body).group(1).split(",")]
         layouts[name] = (warps, instr)
@@ -235,16 +261,74 @@ def occupancy(regs: int, num_warps: int, smem: int, limits: ArchLimits) -> dict:
     return dict(ctas_per_sm=by[limit], warps_per_sm=by[limit] * num_warps, occupancy_limit=limit)
 
 
+def fma_dots(ttgir: str) -> int:
+    """Dots of the TTGIR whose result is not in an MMA layout: they run as FMA loops."""
+    layouts = re.findall(r"\btt\.dot\b[^\n]*-> tensor<[^,>]*, #(\w+)>", ttgir)
+    return sum(not layout.startswith("mma") for layout in layouts)
+
+
+# LLVM marks each spill and reload it inserts: "; 4-byte Folded Spill"; memory ones go through
+# scratch (scratch_* on gfx942/gfx950, buffer_* on the private segment's resource on gfx90a)
+_AMD_SPILL = r"^\s*(?:scratch|buffer|global|flat)_(?:store|load)\w*[^\n]*; (\d+)-byte Folded (Spill|Reload)"
+
+
+def amdgcn_stats(asm: str) -> dict:
+    """Registers, spills and scratch from the AMDGCN of a kernel: LLVM's kernel-info comments
+    (``regs`` = TotalNumVgprs, arch VGPRs + AGPRs, what occupancy counts), the code object's
+    metadata (VGPRs and SGPRs spilled; SGPRs spill to VGPR lanes, not memory) and, as ptxas counts
+    them, the bytes per lane of the spill stores and reloads in the code."""
+    def info(key):
+        return int(re.search(rf"^; {key}: (\d+)", asm, re.M).group(1))
+
+    def meta(key):
+        return int(re.search(rf"^\s+\.{key}:\s+(\d+)", asm, re.M).group(1))
+
+    spills = {"Spill": 0, "Reload": 0}
+    for size, kind in re.findall(_AMD_SPILL, asm, re.M):
+        spills[kind] += int(size)
+    return dict(regs=info("TotalNumVgprs"), vgprs=info("NumVgprs"), agprs=info("NumAgprs"), sgprs=info("TotalNumSgprs"),
+                spill_stores=spills["Spill"], spill_loads=spills["Reload"], vgpr_spills=meta("vgpr_spill_count"),
+                sgpr_spills=meta("sgpr_spill_count"), scratch=info("ScratchSize"), llvm_occupancy=info("Occupancy"))
+
+
+def mfma_counts(asm: str) -> dict:
+    """MFMA instructions in the AMDGCN, by mnemonic (kind, shape and input type: v_mfma_f32_32x32x8_bf16)."""
+    found = re.findall(r"^\s*(v_mfma_\w+)", asm, re.M)
+    return {kind: found.count(kind) for kind in sorted(set(found))}
+
+
+def cdna_occupancy(regs: int, num_warps: int, lds: int, limits: CdnaLimits) -> dict:
+    """Workgroups per CU by registers (the SIMD's unified file, in granules), LDS and the wave cap,
+    and the waves per SIMD they make; ``limit`` names the binding one. 0: the kernel cannot launch."""
+    alloc = math.ceil(regs / limits.vgpr_granule) * limits.vgpr_granule
+    waves_by_regs = min(limits.max_waves_per_simd, limits.vgprs_per_simd // max(alloc, 1))
+    per_simd = math.ceil(num_warps / limits.simds_per_cu)  # a workgroup's waves on each SIMD
+    by = dict(regs=waves_by_regs // per_simd,
+              lds=limits.lds_per_cu // max(lds, 1) if lds <= limits.lds_per_workgroup else 0,
+              waves=limits.max_waves_per_simd // per_simd)
+    limit = min(by, key=by.get)
+    return dict(workgroups_per_cu=by[limit], waves_per_simd=by[limit] * per_simd, occupancy_limit=limit)
+
+
 def describe(launch: dict, arch: str) -> dict:
-    kernel, limits = launch["kernel"], ARCHS[arch]
+    kernel = launch["kernel"]
     md = kernel.metadata
     ttgir = kernel.asm["ttgir"]
     constants = launch["constants"]
     row = dict(arch=arch, kernel=KERNEL_NAMES.get(launch["fn"], launch["fn"]),
                block_m=constants.get("BLOCK_M"), block_n=constants.get("BLOCK_N"),
                dk=constants.get("DK", True), dv=constants.get("DV", True),
-               num_warps=md.num_warps, num_stages=md.num_stages, smem=md.shared,
-               **ptxas_stats(launch["ptxas_log"], kernel, limits.capability),
+               num_warps=md.num_warps, num_stages=md.num_stages, smem=md.shared)
+    if arch in CDNA_ARCHS:
+        limits = CDNA_ARCHS[arch]
+        asm = kernel.asm["amdgcn"]
+        row.update(**amdgcn_stats(asm), mma=mfma_counts(asm), mma_dup=mma_duplication(ttgir), dots=dot_ops(ttgir),
+                   fma_dots=fma_dots(ttgir), smem_fits=md.shared <= limits.lds_per_workgroup,
+                   matrix_instr_nonkdim=md.matrix_instr_nonkdim, hash=kernel.hash)
+        row.update(cdna_occupancy(row["regs"], md.num_warps, md.shared, limits))
+        return row
+    limits = ARCHS[arch]
+    row.update(**ptxas_stats(launch["ptxas_log"], kernel, limits.capability),
                mma=mma_counts(kernel.asm["ptx"]), mma_dup=mma_duplication(ttgir),
                dots=dot_ops(ttgir),
                smem_fits=md.shared <= limits.smem_per_block, hash=kernel.hash)

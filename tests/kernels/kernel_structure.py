@@ -1,4 +1,4 @@
-"""Compile the kernels of the given problems for CUDA architectures, without a device, and print
+"""Compile the kernels of the given problems for CUDA or AMD CDNA architectures, without a device, and print
 coreattn.tune.compiler's rows as JSON (run as a script; TRITON_INTERPRET must be unset).
 
 ``python tests/kernels/kernel_structure.py sm90:64,128,192/128 sm86:256,128@fp32``: arch, then head dims
