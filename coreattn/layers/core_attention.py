@@ -24,6 +24,7 @@ head slice, sharded checkpoint) and ``qk_clip`` / ``log_max_attention_logit``
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 
 import torch
@@ -43,9 +44,12 @@ CONFIG_BACKEND_ATTR = "coreattn_backend"
 _CAUSAL_ALIGNMENT = {
     AttnMaskType.causal: "top_left",
     AttnMaskType.padding_causal: "top_left",
-    AttnMaskType.causal_bottom_right: "bottom_right",
 }
+if hasattr(AttnMaskType, "causal_bottom_right"):  # megatron-core >= 0.15
+    _CAUSAL_ALIGNMENT[AttnMaskType.causal_bottom_right] = "bottom_right"
 _PADDING = (AttnMaskType.padding, AttnMaskType.padding_causal)
+# megatron-core >= 0.16 takes the process groups here; older releases read parallel_state's
+_SHARDED_TAKES_GROUPS = "tp_group" in inspect.signature(make_sharded_tensors_for_checkpoint).parameters
 
 
 def _tp_group(pgs):
@@ -191,9 +195,11 @@ class CoreAttention(MegatronModule):
         state_dict = {}
         if getattr(self.config, "softmax_type", "vanilla") == "learnable":
             state_dict = self.state_dict(prefix="", keep_vars=True)
-        dp_cp_group = (metadata or {}).get("dp_cp_group")
+        groups = {}
+        if _SHARDED_TAKES_GROUPS:
+            groups = dict(tp_group=self.tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"))
         return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"softmax_offset": 0}, sharded_offsets,
-                                                   tp_group=self.tp_group, dp_cp_group=dp_cp_group)
+                                                   **groups)
 
     def _backend_for(self, device: torch.device) -> Backend:
         return select_backend(device, self.backend)
