@@ -28,7 +28,7 @@ from coreattn.kernels.attn_fwd import (LOG2E, RUNTIME_INTS, dot_precision, dropo
 from coreattn.kernels.config import bwd_configs, head_blocks, split_dkdv, target_of
 from coreattn.kernels.packing import (Packing, keep_args, new_like, new_rowstat, rowstat_strides, seq_len_dim,
                                       seq_strides)
-from coreattn.kernels.tile_map import _tile_entry, tile_bound, tile_maps
+from coreattn.kernels.tile_map import _tile_rows, _tile_seq, tile_bound, tile_maps
 
 
 @triton.jit
@@ -156,11 +156,10 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
     kv_head = task % heads
     tile = task // heads
     kv64 = kv_head.to(tl.int64)
-    dk_head = dk_ptr + kv64 * stride_dkh
-    dv_head = dv_ptr + kv64 * stride_dvh
-    seq, n0, q_start, seqlen_q, k_start, seqlen_k = _tile_entry(map_ptr, tile)
+    seq = _tile_seq(map_ptr, tile)
     if seq >= 0:
         if seq < batch:
+            n0, q_start, seqlen_q, k_start, seqlen_k = _tile_rows(map_ptr, tile)
             seq64 = seq.to(tl.int64)
             shift = seqlen_q * 0
             if BOTTOM_RIGHT:
@@ -221,8 +220,9 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
                                         HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT,
                                         HAS_RIGHT,
                                         HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, True, DOT_PRECISION)
-            dk_base = dk_head + seq64 * stride_dkb + k_start.to(tl.int64) * stride_dkt
-            dv_base = dv_head + seq64 * stride_dvb + k_start.to(tl.int64) * stride_dvt
+            # the head offsets are added here, not kept live over the loops (sm90 192/128: 255 registers)
+            dk_base = dk_ptr + kv64 * stride_dkh + seq64 * stride_dkb + k_start.to(tl.int64) * stride_dkt
+            dv_base = dv_ptr + kv64 * stride_dvh + seq64 * stride_dvb + k_start.to(tl.int64) * stride_dvt
             if DK:
                 _store_rows(dk_base, stride_dkt, n0, col_ok, dk * sm_scale, dk2 * sm_scale, HEAD_DIM_QK, BLOCK_DQK,
                             BLOCK_DQK2, BLOCK_N)
@@ -233,10 +233,10 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
         if not PACKED:
             n_rows_k = batch * seqlen_k_total
         if DK:
-            _poison(dk_head, tile, n_tiles, n_rows_k, seqlen_k_total, stride_dkb, stride_dkt, HEAD_DIM_QK, BLOCK_DQK,
+            _poison(dk_ptr + kv64 * stride_dkh, tile, n_tiles, n_rows_k, seqlen_k_total, stride_dkb, stride_dkt, HEAD_DIM_QK, BLOCK_DQK,
                     BLOCK_N)
         if DV:
-            _poison(dv_head, tile, n_tiles, n_rows_k, seqlen_k_total, stride_dvb, stride_dvt, HEAD_DIM_V, BLOCK_DV,
+            _poison(dv_ptr + kv64 * stride_dvh, tile, n_tiles, n_rows_k, seqlen_k_total, stride_dvb, stride_dvt, HEAD_DIM_V, BLOCK_DV,
                     BLOCK_N)
 
 
@@ -340,9 +340,10 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
     tile = task // heads
     h64 = head.to(tl.int64)
     dq_head = dq_ptr + h64 * stride_dqh
-    seq, m0, q_start, seqlen_q, k_start, seqlen_k = _tile_entry(map_ptr, tile)
+    seq = _tile_seq(map_ptr, tile)
     if seq >= 0:
         if seq < batch:
+            m0, q_start, seqlen_q, k_start, seqlen_k = _tile_rows(map_ptr, tile)
             seq64 = seq.to(tl.int64)
             shift = seqlen_q * 0
             if BOTTOM_RIGHT:

@@ -26,7 +26,7 @@ from coreattn.kernels.attn_common import (LENGTH_STRIDES, _dropout_keep, _first_
 from coreattn.kernels.config import fwd_config, head_blocks, persistent_grid, target_of
 from coreattn.kernels.packing import (Packing, keep_args, kernel_flags, new_like, new_rowstat, rowstat_strides, seq_len_dim,
                                       seq_strides)
-from coreattn.kernels.tile_map import _tile_entry, tile_bound, tile_maps
+from coreattn.kernels.tile_map import _tile_rows, _tile_seq, tile_bound, tile_maps
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -115,9 +115,10 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
     tile = task // heads
     o_head = out_ptr + head.to(tl.int64) * stride_oh
     lse_head = lse_ptr + head.to(tl.int64) * stride_lh
-    seq, m0, q_start, seqlen_q, k_start, seqlen_k = _tile_entry(map_ptr, tile)
+    seq = _tile_seq(map_ptr, tile)
     if seq >= 0:
         if seq < batch:
+            m0, q_start, seqlen_q, k_start, seqlen_k = _tile_rows(map_ptr, tile)
             seq64 = seq.to(tl.int64)
             shift = seqlen_q * 0
             if BOTTOM_RIGHT:

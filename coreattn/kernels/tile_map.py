@@ -222,9 +222,15 @@ def tile_maps(q_pack: Packing, k_pack: Packing, seqlen_q_total: int, seqlen_k_to
 
 
 @triton.jit
-def _tile_entry(map_ptr, tile):
-    """(seq, row0, q_start, seqlen_q, k_start, seqlen_k) of tile ``tile``: seq -1 when the layout is
-    malformed (write NaN), B past the last tile (nothing to do)."""
+def _tile_seq(map_ptr, tile):
+    """Tile ``tile``'s sequence: -1 when the layout is malformed (write NaN), B past the last tile
+    (nothing to do)."""
+    return tl.load(map_ptr + tl.cast(tile, tl.int64) * 8)
+
+
+@triton.jit
+def _tile_rows(map_ptr, tile):
+    """(row0, q_start, seqlen_q, k_start, seqlen_k) of a real tile (read where they are used, so
+    they are not live across the kernel's early branches)."""
     entry = map_ptr + tl.cast(tile, tl.int64) * 8
-    return (tl.load(entry + 0), tl.load(entry + 1), tl.load(entry + 2), tl.load(entry + 3), tl.load(entry + 4),
-            tl.load(entry + 5))
+    return tl.load(entry + 1), tl.load(entry + 2), tl.load(entry + 3), tl.load(entry + 4), tl.load(entry + 5)
