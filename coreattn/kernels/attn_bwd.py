@@ -139,7 +139,8 @@ def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_s
 
 
 @triton.jit
-def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
+def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, map_ptr, q_keep_ptr, k_keep_ptr,
+               q_gid_ptr, k_gid_ptr, rng_ptr,
                batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2,
                window_left, window_right, drop_threshold, drop_scale,
                stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -233,11 +234,11 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
         if not PACKED:
             n_rows_k = batch * seqlen_k_total
         if DK:
-            _poison(dk_ptr + kv64 * stride_dkh, tile, n_tiles, n_rows_k, seqlen_k_total, stride_dkb, stride_dkt, HEAD_DIM_QK, BLOCK_DQK,
-                    BLOCK_N)
+            _poison(dk_ptr + kv64 * stride_dkh, tile, n_tiles, n_rows_k, seqlen_k_total, stride_dkb, stride_dkt,
+                    HEAD_DIM_QK, BLOCK_DQK, BLOCK_N)
         if DV:
-            _poison(dv_ptr + kv64 * stride_dvh, tile, n_tiles, n_rows_k, seqlen_k_total, stride_dvb, stride_dvt, HEAD_DIM_V, BLOCK_DV,
-                    BLOCK_N)
+            _poison(dv_ptr + kv64 * stride_dvh, tile, n_tiles, n_rows_k, seqlen_k_total, stride_dvb, stride_dvt,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=RUNTIME_INTS)
@@ -323,7 +324,8 @@ def _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_
 
 
 @triton.jit
-def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr, map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
+def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr, map_ptr, q_keep_ptr, k_keep_ptr,
+             q_gid_ptr, k_gid_ptr, rng_ptr,
              batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2,
              window_left, window_right, drop_threshold, drop_scale,
              stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,

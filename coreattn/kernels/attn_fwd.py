@@ -99,7 +99,8 @@ def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, str
 
 
 @triton.jit
-def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr, max_ptr,
+def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr,
+              rng_ptr, sink_ptr, max_ptr,
               batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
               drop_threshold, drop_scale,
               stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -193,7 +194,7 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
             lse_base = lse_head + seq64 * stride_lb + q_start.to(tl.int64)
             tl.store(lse_base + tl.cast(m0, tl.int64) + offs_m, lse, mask=row_ok)
     else:
-        # malformed cu_seqlens or spans (the map says so to every program): NaN rather than silently wrong numbers
+        # malformed cu_seqlens or spans (the map tells every program): NaN rather than silently wrong numbers
         n_rows_q = seqlen_q_total
         if not PACKED:
             n_rows_q = batch * seqlen_q_total
