@@ -174,6 +174,7 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
             k_keep_base = k_keep_ptr + seq64 * stride_kkb + k_start.to(tl.int64) * stride_kks
             cols = n0 + tl.arange(0, BLOCK_N)
             col_ok = cols < seqlen_k
+            k_row0 = k_start + n0
             k, k2 = _load_rows(k_base, stride_kt, n0, col_ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, BLOCK_N)
             v, _ = _load_rows(v_base, stride_vt, n0, col_ok, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)
             k_keep = col_ok
@@ -221,14 +222,18 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
                                         HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT,
                                         HAS_RIGHT,
                                         HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, True, DOT_PRECISION)
-            # the head offsets are added here, not kept live over the loops (sm90 192/128: 255 registers)
-            dk_base = dk_ptr + kv64 * stride_dkh + seq64 * stride_dkb + k_start.to(tl.int64) * stride_dkt
-            dv_base = dv_ptr + kv64 * stride_dvh + seq64 * stride_dvb + k_start.to(tl.int64) * stride_dvt
+            # the head offsets are added here and the rows counted from the sample's start, so no
+            # more than one row index stays live over the loops (sm90 192/128 is at 254 registers)
+            dk_base = dk_ptr + kv64 * stride_dkh
+            dv_base = dv_ptr + kv64 * stride_dvh
+            if not PACKED:  # thd: one sample (batch stride 0)
+                dk_base += seq64 * stride_dkb
+                dv_base += seq64 * stride_dvb
             if DK:
-                _store_rows(dk_base, stride_dkt, n0, col_ok, dk * sm_scale, dk2 * sm_scale, HEAD_DIM_QK, BLOCK_DQK,
-                            BLOCK_DQK2, BLOCK_N)
+                _store_rows(dk_base, stride_dkt, k_row0, col_ok, dk * sm_scale, dk2 * sm_scale, HEAD_DIM_QK,
+                            BLOCK_DQK, BLOCK_DQK2, BLOCK_N)
             if DV:
-                _store_rows(dv_base, stride_dvt, n0, col_ok, dv, dv, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)
+                _store_rows(dv_base, stride_dvt, k_row0, col_ok, dv, dv, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)
     else:
         n_rows_k = seqlen_k_total
         if not PACKED:
