@@ -26,8 +26,10 @@ def _train_step(lens, seed):
 def test_new_packed_batches_do_not_recompile():
     from coreattn.kernels.attn_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _attn_bwd_preprocess_kernel
     from coreattn.kernels.attn_fwd import _varlen_attn_fwd_kernel
+    from coreattn.kernels.tile_map import _tile_map_kernel, _tile_scan_kernel
 
-    kernels = (_varlen_attn_fwd_kernel, _attn_bwd_preprocess_kernel, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel)
+    kernels = (_varlen_attn_fwd_kernel, _attn_bwd_preprocess_kernel, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel,
+               _tile_scan_kernel, _tile_map_kernel)
     _train_step((100, 37, 512), seed=0)
     before = [_compiled_count(k) for k in kernels]
     for i, lens in enumerate([(5,), (1000, 3, 0, 77), (4096, 2048, 17, 1, 1, 9), (512,), (1,)]):  # totals: odd, %16, 1
