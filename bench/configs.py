@@ -49,7 +49,8 @@ class MaskConfig(NamedTuple):
 
 def attention_configs(on_gpu: bool, quick: bool) -> list[AttnConfig]:
     """GPU: 32 query heads, 16k/64k tokens. CPU: tiny shapes (for testing the suite, not timing).
-    Dropout and sink rows: 128 and 192/128, causal, GQA, the first distribution and total."""
+    Dropout and sink rows: 128 and 192/128, causal, GQA, the first distribution and total. The full
+    set ends with the many-short-sequences rows (``many_short_configs``)."""
     if on_gpu:
         heads = ((32, 32), (32, 8))
         totals = (16384, 65536)
@@ -65,7 +66,22 @@ def attention_configs(on_gpu: bool, quick: bool) -> list[AttnConfig]:
                 for dqk, dv in ((128, 128), (192, 128))] + features
     return [AttnConfig(dqk, dv, hq, hkv, causal, dist, total)
             for (dqk, dv), (hq, hkv), causal, dist, total
-            in itertools.product(HEAD_DIMS, heads, (True, False), dists, totals)] + features
+            in itertools.product(HEAD_DIMS, heads, (True, False), dists, totals)] + features + \
+        many_short_configs(on_gpu)
+
+
+# many short sequences (issue 21): about 1M tokens as 4,096 x 256, 16,384 x 64 and 65,536 x 16
+MANY_SHORT_DISTS = ("docs256", "docs64", "docs16")
+MANY_SHORT_DIMS = ((128, 128), (192, 128))
+
+
+def many_short_configs(on_gpu: bool) -> list[AttnConfig]:
+    """Causal rows where the number of sequences, not their length, sets the cost of finding each
+    tile's sequence: 1M tokens with 16 heads on GPU (q, k, v about 4-6 GiB each), 1,024 tokens on
+    CPU (only that the rows build and run)."""
+    total, heads = (1 << 20, 16) if on_gpu else (1024, 2)
+    return [AttnConfig(dqk, dv, heads, heads, True, dist, total) for (dqk, dv) in MANY_SHORT_DIMS
+            for dist in MANY_SHORT_DISTS]
 
 
 def attention_modes(quick: bool) -> tuple[str, ...]:

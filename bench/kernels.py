@@ -106,7 +106,7 @@ def format_tables(rows: list[dict]) -> str:
         limits, lines = ARCHS[arch], []
         for r in _unique(rows, arch):
             smem = f"{r['smem'] / 1024:g}K" + ("" if r["smem_fits"] else " OVER")
-            tile = f"{r['block_m']}x{r['block_n']}" if r["block_n"] else f"{r['block_m']} rows"
+            tile = f"{r['block_m']}x{r['block_n']}" if r["block_n"] else f"{r['block_m']} rows" if r["block_m"] else "-"
             occ = f"{r.get('ctas_per_sm', '-')} ({r.get('occupancy_limit', '-')})"
             lines.append([_kernel(r), r["problem"], tile, f"{r['num_warps']}/{r['num_stages']}", str(r["regs"]),
                           f"{r['spill_stores']}/{r['spill_loads']}", smem, _mma(r), occ])

@@ -213,6 +213,9 @@ def _flex_fns(compiled: bool):
     return flex_attention, create_block_mask
 
 
+FLEX_MAX_TOKENS = 1 << 17  # create_block_mask's [T, T] mask evaluation gets too slow beyond this
+
+
 class Flex(Provider):
     name = "flex"
     description = "FlexAttention with a document mask (mask build timed separately)"
@@ -227,6 +230,9 @@ class Flex(Provider):
     def skip_reason(self, cfg, mode, dtype, device):
         if device.type != "cuda" and mode != "fwd":
             return "FlexAttention has no backward on CPU"
+        if cfg.total_tokens > FLEX_MAX_TOKENS:
+            return (f"create_block_mask evaluates the document mask over [T, T] = [{cfg.total_tokens}]^2 "
+                    f"positions (limit here T <= {FLEX_MAX_TOKENS})")
         return None
 
     def build(self, inp, cfg, mode):

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import random
 
-DISTRIBUTIONS = ("uniform", "longtail", "equal", "short")
+DISTRIBUTIONS = ("uniform", "longtail", "equal", "short", "docs256", "docs64", "docs16")
+# "docsN": documents of exactly N tokens (many short sequences: RL rollouts, short-chat SFT packing)
+DOCS_PREFIX = "docs"
 SEED = 1234
 EQUAL_DOC_LEN = 4096
 UNIFORM_RANGE = (128, 4096)
@@ -33,11 +35,12 @@ def _draw_one(rng: random.Random, dist: str) -> int:
 
 
 def draw_seqlens(dist: str, total: int, seed: int = SEED, equal_len: int = EQUAL_DOC_LEN) -> list[int]:
-    """Document lengths summing to ``total``; ``equal`` uses ``min(equal_len, total)`` for all."""
+    """Document lengths summing to ``total``; ``equal`` uses ``min(equal_len, total)`` for all,
+    ``docsN`` ``min(N, total)``."""
     if total <= 0:
         raise ValueError(f"total must be positive, got {total}")
-    if dist == "equal":
-        length = min(equal_len, total)
+    if dist == "equal" or dist.startswith(DOCS_PREFIX):
+        length = min(equal_len if dist == "equal" else int(dist[len(DOCS_PREFIX):]), total)
         if total % length:
             raise ValueError(f"equal-length batch: {total} tokens is not a multiple of {length}")
         return [length] * (total // length)

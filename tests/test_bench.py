@@ -276,3 +276,23 @@ def test_cpu_section_matrix_and_skips():
     assert "no backward on CPU" in cpu.skip_reason(big, "flex", "fwdbwd")
     assert "one sequence" in cpu.skip_reason(big, "sdpa-padded", "fwd")
     assert cpu.skip_reason(cases["hdim64x64-1x32k"], "flex", "fwdbwd").startswith("memory check")
+
+
+def test_many_short_sequence_rows_build_on_cpu():
+    gpu = configs.many_short_configs(on_gpu=True)
+    assert {(c.head_dim_qk, c.head_dim_v) for c in gpu} == {(128, 128), (192, 128)}
+    assert all(c.causal and c.total_tokens == 1 << 20 for c in gpu)
+    assert {len(draw_seqlens(c.dist, c.total_tokens)) for c in gpu} == {4096, 16384, 65536}
+    assert set(gpu) <= set(configs.attention_configs(on_gpu=True, quick=False))
+    flex = providers.PROVIDERS["flex"].skip_reason(gpu[0], "fwd", torch.bfloat16, torch.device("cuda"))
+    assert flex and "create_block_mask" in flex
+    from bench.attention import run_attention
+
+    cpu = configs.many_short_configs(on_gpu=False)
+    assert set(cpu) <= set(configs.attention_configs(on_gpu=False, quick=False))
+    rows = run_attention(cpu, ("fwd", "fwdbwd"), ["coreattn", "flash-attn", "flash-attn3", "torch-varlen"],
+                         torch.float32, torch.device("cpu"), quick=True)
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert {(r["config"], r["mode"]) for r in ok} == {(c.id, m) for c in cpu for m in ("fwd", "fwdbwd")}
+    assert all(r["provider"] == "coreattn" and r["num_seqs"] == 1024 // int(r["dist"][4:]) for r in ok)
+    assert all(r["status"] == "skipped" and r["reason"] for r in rows if r["provider"] != "coreattn")

@@ -167,10 +167,11 @@ def _packed_varlen(q, k, v, batch: int, kwargs, opts):
         raise ValueError("packed sequences need both cu_seq_lens_q and cu_seq_lens_k")
     qf, kf, vf = (x.reshape(-1, *x.shape[-2:]) for x in (q, k, v))
     # max_length_* only bound the argument checks (the kernels size their grids by the token
-    # count): a tensor would need a host read, so the token count stands in for it
+    # count): ints and 0-dim tensors go to varlen_attn, which never reads a tensor; anything else
+    # (None) becomes the token count
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
-    max_q = max_q if isinstance(max_q, (int, torch.SymInt)) else qf.shape[0]
-    max_k = max_k if isinstance(max_k, (int, torch.SymInt)) else kf.shape[0]
+    max_q = max_q if isinstance(max_q, (int, torch.SymInt, torch.Tensor)) else qf.shape[0]
+    max_k = max_k if isinstance(max_k, (int, torch.SymInt, torch.Tensor)) else kf.shape[0]
     out = varlen_attn(qf, kf, vf, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, **opts)
     return out.view(batch, -1, *out.shape[-2:])
 

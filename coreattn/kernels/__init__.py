@@ -2,7 +2,9 @@
 
 Owns: ``attn_fwd.py`` / ``attn_bwd.py`` (the attention kernels and their launchers
 ``varlen_attn_fwd`` / ``varlen_attn_bwd``: configs, output allocation, grid), ``attn_common.py``
-(the ``@triton.jit`` helpers both share: sequence lookup, masks in registers, dropout),
+(the ``@triton.jit`` helpers both share: masks in registers, dropout, row loads and stores),
+``tile_map.py`` (the per-call tile map: which sequence and rows each attention program works on,
+and the one layout check per call),
 ``config.py`` (launch configs per target, and which target a device is), ``packing.py`` (how a
 side's tokens are laid out: packed, padded, spans, keep masks), ``masks.py`` (the mask
 utilities' gather/scatter and token-id kernels), ``dropout.py`` (dropout's keep mask: the

@@ -8,8 +8,9 @@ Three kernels, all deterministic (no atomics):
 3. ``_attn_bwd_dq_kernel``: one program per (query tile, q head) accumulates dQ.
 They take separate tile configs (kernels/config.py: a dK/dV tile has many keys and steps over
 few queries, a dQ tile the reverse). Tiles, masks, block skipping, split q/k head dims, dropout
-(the forward's keep mask, regenerated), layouts, the NaN answer to malformed cu_seqlens and
-``PERSISTENT`` (Ascend) follow the forward. The softmax offset needs no change to dQ/dK/dV: the saved
+(the forward's keep mask, regenerated), layouts, the tile maps (one layout check per call for
+both kernels: kernels/tile_map.py), the NaN answer to malformed cu_seqlens and ``PERSISTENT``
+(Ascend) follow the forward. The softmax offset needs no change to dQ/dK/dV: the saved
 lse includes its sink term, so P = exp(S - lse) is already the forward's probability; for the
 offset's own gradient the dQ kernel can also sum P * dP per row in fp32 (``SINK_GRAD``).
 """
@@ -21,12 +22,13 @@ import triton
 import triton.language as tl
 
 from coreattn.kernels.attn_common import (LENGTH_STRIDES, _dropout_keep, _first_gid, _key_range, _load_keep, _load_rows,
-                                          _poison, _query_range, _scan, _seq_span, _store_rows, _visible, tile_bound)
+                                          _poison, _query_range, _store_rows, _visible)
 from coreattn.kernels.attn_fwd import (LOG2E, RUNTIME_INTS, dot_precision, dropout_args, kernel_window, launch_grid,
                                        mask_flags)
 from coreattn.kernels.config import bwd_configs, head_blocks, split_dkdv, target_of
 from coreattn.kernels.packing import (Packing, keep_args, new_like, new_rowstat, rowstat_strides, seq_len_dim,
                                       seq_strides)
+from coreattn.kernels.tile_map import _tile_rows, _tile_seq, tile_bound, tile_maps
 
 
 @triton.jit
@@ -137,8 +139,8 @@ def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_s
 
 
 @triton.jit
-def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-               q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
+def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, map_ptr, q_keep_ptr, k_keep_ptr,
+               q_gid_ptr, k_gid_ptr, rng_ptr,
                batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2,
                window_left, window_right, drop_threshold, drop_scale,
                stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -146,8 +148,8 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
                stride_kks, stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
                HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_B: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-               SPANS: tl.constexpr, PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+               PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
                DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
     """Task ``task`` of the (key tile, kv head) grid, heads fastest (``heads`` = kv heads): dK and/or
@@ -155,15 +157,11 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
     kv_head = task % heads
     tile = task // heads
     kv64 = kv_head.to(tl.int64)
-    dk_head = dk_ptr + kv64 * stride_dkh
-    dv_head = dv_ptr + kv64 * stride_dvh
-    ok, seq, n0, n_real = _scan(k_seq_ptr, k_len_ptr, batch, seqlen_k_total, tile, BLOCK_N, SPANS, BLOCK_B, False)
-    q_ok = _scan(q_seq_ptr, q_len_ptr, batch, seqlen_q_total, -1, BLOCK_M, SPANS, BLOCK_B, False)[0]
-    if ok & q_ok & (n_real <= n_tiles):
+    seq = _tile_seq(map_ptr, tile)
+    if seq >= 0:
         if seq < batch:
+            n0, q_start, seqlen_q, k_start, seqlen_k = _tile_rows(map_ptr, tile)
             seq64 = seq.to(tl.int64)
-            q_start, seqlen_q = _seq_span(q_seq_ptr, q_len_ptr, seq, SPANS)
-            k_start, seqlen_k = _seq_span(k_seq_ptr, k_len_ptr, seq, SPANS)
             shift = seqlen_q * 0
             if BOTTOM_RIGHT:
                 shift = seqlen_k - seqlen_q
@@ -176,6 +174,7 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
             k_keep_base = k_keep_ptr + seq64 * stride_kkb + k_start.to(tl.int64) * stride_kks
             cols = n0 + tl.arange(0, BLOCK_N)
             col_ok = cols < seqlen_k
+            k_row0 = k_start + n0
             k, k2 = _load_rows(k_base, stride_kt, n0, col_ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, BLOCK_N)
             v, _ = _load_rows(v_base, stride_vt, n0, col_ok, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)
             k_keep = col_ok
@@ -223,37 +222,42 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
                                         HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT,
                                         HAS_RIGHT,
                                         HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, True, DOT_PRECISION)
-            dk_base = dk_head + seq64 * stride_dkb + k_start.to(tl.int64) * stride_dkt
-            dv_base = dv_head + seq64 * stride_dvb + k_start.to(tl.int64) * stride_dvt
+            # the head offsets are added here and the rows counted from the sample's start, so no
+            # more than one row index stays live over the loops (sm90 192/128 is at 254 registers)
+            dk_base = dk_ptr + kv64 * stride_dkh
+            dv_base = dv_ptr + kv64 * stride_dvh
+            if not PACKED:  # thd: one sample (batch stride 0)
+                dk_base += seq64 * stride_dkb
+                dv_base += seq64 * stride_dvb
             if DK:
-                _store_rows(dk_base, stride_dkt, n0, col_ok, dk * sm_scale, dk2 * sm_scale, HEAD_DIM_QK, BLOCK_DQK,
-                            BLOCK_DQK2, BLOCK_N)
+                _store_rows(dk_base, stride_dkt, k_row0, col_ok, dk * sm_scale, dk2 * sm_scale, HEAD_DIM_QK,
+                            BLOCK_DQK, BLOCK_DQK2, BLOCK_N)
             if DV:
-                _store_rows(dv_base, stride_dvt, n0, col_ok, dv, dv, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)
+                _store_rows(dv_base, stride_dvt, k_row0, col_ok, dv, dv, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)
     else:
         n_rows_k = seqlen_k_total
         if not PACKED:
             n_rows_k = batch * seqlen_k_total
         if DK:
-            _poison(dk_head, tile, n_tiles, n_rows_k, seqlen_k_total, stride_dkb, stride_dkt, HEAD_DIM_QK, BLOCK_DQK,
-                    BLOCK_N)
+            _poison(dk_ptr + kv64 * stride_dkh, tile, n_tiles, n_rows_k, seqlen_k_total, stride_dkb, stride_dkt,
+                    HEAD_DIM_QK, BLOCK_DQK, BLOCK_N)
         if DV:
-            _poison(dv_head, tile, n_tiles, n_rows_k, seqlen_k_total, stride_dvb, stride_dvt, HEAD_DIM_V, BLOCK_DV,
-                    BLOCK_N)
+            _poison(dv_ptr + kv64 * stride_dvh, tile, n_tiles, n_rows_k, seqlen_k_total, stride_dvb, stride_dvt,
+                    HEAD_DIM_V, BLOCK_DV, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
+    map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
     batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
     drop_threshold, drop_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
     stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SPANS: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_GID: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
@@ -261,24 +265,24 @@ def _attn_bwd_dkdv_kernel(
     # core-count 1D grid
     if PERSISTENT:
         for task in range(tl.program_id(0), n_tiles * heads, tl.num_programs(0)):
-            _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, q_seq_ptr, q_len_ptr,
-                       k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, batch, heads,
+            _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, map_ptr,
+                       q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, batch, heads,
                        n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left,
                        window_right, drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb,
                        stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
                        stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dkb, stride_dkt,
                        stride_dkh, stride_dvb, stride_dvt, stride_dvh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
-                       BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS,
+                       BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
                        PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, DK, DV, DOT_PRECISION)
     else:
-        _dkdv_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, q_seq_ptr,
-                   q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, batch,
+        _dkdv_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, map_ptr,
+                   q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, batch,
                    heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left,
                    window_right, drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt,
                    stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb,
                    stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dkb, stride_dkt, stride_dkh,
                    stride_dvb, stride_dvt, stride_dvh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
-                   BLOCK_M, BLOCK_N, BLOCK_B, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, PACKED, HAS_Q_KEEP,
+                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, PACKED, HAS_Q_KEEP,
                    HAS_K_KEEP, DROPOUT, HAS_GID, DK, DV, DOT_PRECISION)
 
 
@@ -325,8 +329,8 @@ def _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_
 
 
 @triton.jit
-def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr,
-             q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
+def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr, map_ptr, q_keep_ptr, k_keep_ptr,
+             q_gid_ptr, k_gid_ptr, rng_ptr,
              batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2,
              window_left, window_right, drop_threshold, drop_scale,
              stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -334,8 +338,8 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
              stride_kks, stride_dqb, stride_dqt, stride_dqh,
              HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
              BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_B: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-             SPANS: tl.constexpr, PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
+             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+             PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
              DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, SINK_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Task ``task`` of the (query tile, q head) grid, heads fastest. With SINK_GRAD, rowsum(P * dP)
     of each row goes to ``dsink_ptr`` (lse's layout)."""
@@ -343,13 +347,11 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
     tile = task // heads
     h64 = head.to(tl.int64)
     dq_head = dq_ptr + h64 * stride_dqh
-    ok, seq, m0, n_real = _scan(q_seq_ptr, q_len_ptr, batch, seqlen_q_total, tile, BLOCK_M, SPANS, BLOCK_B, True)
-    k_ok = _scan(k_seq_ptr, k_len_ptr, batch, seqlen_k_total, -1, BLOCK_N, SPANS, BLOCK_B, False)[0]
-    if ok & k_ok & (n_real <= n_tiles):
+    seq = _tile_seq(map_ptr, tile)
+    if seq >= 0:
         if seq < batch:
+            m0, q_start, seqlen_q, k_start, seqlen_k = _tile_rows(map_ptr, tile)
             seq64 = seq.to(tl.int64)
-            q_start, seqlen_q = _seq_span(q_seq_ptr, q_len_ptr, seq, SPANS)
-            k_start, seqlen_k = _seq_span(k_seq_ptr, k_len_ptr, seq, SPANS)
             shift = seqlen_q * 0
             if BOTTOM_RIGHT:
                 shift = seqlen_k - seqlen_q
@@ -423,15 +425,15 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr,
-    q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
+    map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
     batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
     drop_threshold, drop_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
     stride_dqb, stride_dqt, stride_dqh,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SPANS: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_GID: tl.constexpr, SINK_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
@@ -439,24 +441,24 @@ def _attn_bwd_dq_kernel(
     # core-count 1D grid
     if PERSISTENT:
         for task in range(tl.program_id(0), n_tiles * heads, tl.num_programs(0)):
-            _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr,
-                     k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, batch, heads, n_tiles,
+            _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr, map_ptr,
+                     q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, batch, heads, n_tiles,
                      seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
                      drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                      stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
                      stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dqb, stride_dqt, stride_dqh,
-                     HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B,
-                     HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID,
+                     HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N,
+                     HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID,
                      SINK_GRAD, DOT_PRECISION)
     else:
-        _dq_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr, q_seq_ptr, q_len_ptr,
-                 k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, batch, heads, n_tiles,
+        _dq_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr, map_ptr,
+                 q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, batch, heads, n_tiles,
                  seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
                  drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                  stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
                  stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dqb, stride_dqt, stride_dqh,
-                 HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B,
-                 HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS, PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID,
+                 HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N,
+                 HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID,
                  SINK_GRAD, DOT_PRECISION)
 
 
@@ -517,31 +519,36 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                   **dict(zip(("stride_lb", "stride_lh"), rowstat_strides(lse, q_pack))),
                   **dict(zip(("stride_qkb", "stride_qks"), keep_args(q_pack)[1:])),
                   **dict(zip(("stride_kkb", "stride_kks"), keep_args(k_pack)[1:])),
-                  q_seq_ptr=q_pack.seq, q_len_ptr=q_pack.lens, k_seq_ptr=k_pack.seq, k_len_ptr=k_pack.lens,
                   q_keep_ptr=keep_args(q_pack)[0], k_keep_ptr=keep_args(k_pack)[0],
                   HEAD_DIM_QK=dim_qk, HEAD_DIM_V=dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2,
                   BLOCK_DV=block_dv, DOT_PRECISION=dot_precision(q.dtype, target),
                   **dropout_args(dropout_p, rng_state, q_pack, k_pack),
                   **mask_flags(window_left, window_right, bottom_right, q_pack, k_pack))
-    n_tiles = tile_bound(batch, seqlen_k_total, cfg_dkdv.block_n, k_pack.fmt == "thd")
-    if k.numel() > 0 and n_tiles > 0:
-        grid, persistent = launch_grid(q.device, target, n_tiles, heads_kv)
+    n_tiles_k = tile_bound(batch, seqlen_k_total, cfg_dkdv.block_n, k_pack.fmt == "thd")
+    n_tiles_q = tile_bound(batch, seqlen_q_total, cfg_dq.block_m, q_pack.fmt == "thd")
+    run_dkdv, run_dq = k.numel() > 0 and n_tiles_k > 0, q.numel() > 0 and n_tiles_q > 0
+    if run_dkdv or run_dq:  # one layout check for both kernels, a map for each
+        dq_map, dkdv_map = tile_maps(q_pack, k_pack, seqlen_q_total, seqlen_k_total, target,
+                                     q_tiles=(cfg_dq.block_m, n_tiles_q) if run_dq else None,
+                                     k_tiles=(cfg_dkdv.block_n, n_tiles_k) if run_dkdv else None)
+    if run_dkdv:
+        grid, persistent = launch_grid(q.device, target, n_tiles_k, heads_kv)
         # wide heads: dK and dV accumulators together would not fit the register file, so two passes
         split = split_dkdv(block_dqk + block_dqk2, block_dv, target, dropout_p > 0)
         passes = ((True, False), (False, True)) if split else ((True, True),)
         for do_dk, do_dv in passes:
-            _attn_bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, heads=heads_kv, n_tiles=n_tiles,
+            _attn_bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, dkdv_map, heads=heads_kv,
+                                        n_tiles=n_tiles_k,
                                         **dict(zip(("stride_dkb", "stride_dkt", "stride_dkh"),
                                                    seq_strides(dk, k_pack.fmt))),
                                         **dict(zip(("stride_dvb", "stride_dvt", "stride_dvh"),
                                                    seq_strides(dv, k_pack.fmt))),
                                         BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, DK=do_dk, DV=do_dv,
                                         PERSISTENT=persistent, **cfg_dkdv.launch(), **common)
-    n_tiles = tile_bound(batch, seqlen_q_total, cfg_dq.block_m, q_pack.fmt == "thd")
-    if q.numel() > 0 and n_tiles > 0:
-        grid, persistent = launch_grid(q.device, target, n_tiles, heads_q)
-        _attn_bwd_dq_kernel[grid](q, k, v, dout, lse, delta, dq, lse if sink_rowsum is None else sink_rowsum,
-                                  heads=heads_q, n_tiles=n_tiles, SINK_GRAD=sink_rowsum is not None,
+    if run_dq:
+        grid, persistent = launch_grid(q.device, target, n_tiles_q, heads_q)
+        _attn_bwd_dq_kernel[grid](q, k, v, dout, lse, delta, dq, lse if sink_rowsum is None else sink_rowsum, dq_map,
+                                  heads=heads_q, n_tiles=n_tiles_q, SINK_GRAD=sink_rowsum is not None,
                                   **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, q_pack.fmt))),
                                   BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, PERSISTENT=persistent,
                                   **cfg_dq.launch(), **common)

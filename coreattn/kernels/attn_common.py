@@ -14,55 +14,6 @@ LENGTH_STRIDES = ("stride_lb", "stride_lh", "stride_qkb", "stride_kkb")
 
 
 @triton.jit
-def _scan(seq_ptr, len_ptr, batch, total, tile, BLOCK: tl.constexpr, SPANS: tl.constexpr, BLOCK_B: tl.constexpr,
-          REVERSE: tl.constexpr):
-    """One pass over a side's layout (cu_seqlens, or span starts and lengths). Returns:
-    ok: the layout is well formed (cu_seqlens from 0 to ``total`` without decreasing; every span
-    inside [0, total)), the same answer in every program;
-    seq, row0: the sequence and first row of tile ``tile`` when the sequences are cut into tiles of
-    BLOCK rows, sequence after sequence (``batch`` when there is no such tile); with REVERSE a
-    sequence's tiles are numbered from its last (the longest-running under a causal mask) first;
-    n_tiles: the tile count of the whole layout.
-    Lengths stay runtime values: tiles are counted in-kernel, so the grid needs no max_seqlen."""
-    offs = tl.arange(0, BLOCK_B)
-    if SPANS:
-        ok = batch >= 0
-    else:
-        ok = (tl.load(seq_ptr) == 0) & (tl.load(seq_ptr + batch) == total)
-    seq = batch
-    row0 = batch * 0
-    n_tiles = batch * 0
-    for b0 in range(0, batch, BLOCK_B):
-        idx = b0 + offs
-        valid = idx < batch
-        start = tl.load(seq_ptr + idx, mask=valid, other=0)
-        if SPANS:
-            length = tl.load(len_ptr + idx, mask=valid, other=0)
-            bad = (start < 0) | (length < 0) | (start > total - length)
-        else:
-            length = tl.load(seq_ptr + idx + 1, mask=valid, other=0) - start
-            bad = length < 0
-        ok = ok & (tl.max((valid & bad).to(tl.int32), axis=0) == 0)
-        count = tl.where(valid, (tl.maximum(length, 0) + (BLOCK - 1)) // BLOCK, 0)
-        first = n_tiles + tl.cumsum(count, axis=0) - count  # tiles before each sequence
-        hit = (first <= tile) & (tile < first + count)
-        local = tile - first
-        if REVERSE:
-            local = count - 1 - local
-        seq = tl.minimum(seq, tl.min(tl.where(hit, idx, batch), axis=0))
-        row0 += tl.sum(tl.where(hit, local * BLOCK, 0), axis=0)
-        n_tiles += tl.sum(count, axis=0)
-    return ok, seq, row0, n_tiles
-
-
-def tile_bound(batch: int, seqlen_total: int, block: int, packed_layout: bool) -> int:
-    """Tiles of ``block`` rows that a layout's sequences can need at most: packed (thd) sequences
-    share the T tokens (each adds at most one partial tile); padded ones each fit in S."""
-    per_seq = batch * triton.cdiv(seqlen_total, block)
-    return min(per_seq, triton.cdiv(seqlen_total, block) + batch) if packed_layout else per_seq
-
-
-@triton.jit
 def _visible(q_idx, k_idx, seqlen_k, shift, window_left, window_right,
              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, K_BOUND: tl.constexpr):
     """Query q_idx may attend to key k_idx (broadcast shapes, e.g. [M, 1] and [1, N]) under the
@@ -143,17 +94,6 @@ def _query_range(n0, seqlen_q, seqlen_k, shift, window_left, window_right,
         full_lo = hi
         full_hi = hi
     return lo, full_lo, full_hi, hi
-
-
-@triton.jit
-def _seq_span(seq_ptr, len_ptr, seq, SPANS: tl.constexpr):
-    """(start, length) of sequence ``seq``: from cu_seqlens or from span tensors."""
-    start = tl.load(seq_ptr + seq)
-    if SPANS:
-        length = tl.load(len_ptr + seq)
-    else:
-        length = tl.load(seq_ptr + seq + 1) - start
-    return start, length
 
 
 @triton.jit

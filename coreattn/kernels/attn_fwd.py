@@ -6,12 +6,13 @@ max logits are constexpr flags; head dims are real (HEAD_DIM_*) plus padded powe
 (192 = 128 + 64) so its dot products cost what the real dim costs.
 
 Grid: one program per (query tile, q head), the tiles of every sequence numbered one after the
-other; each program finds its sequence by scanning the lengths (kernels/attn_common.py ``_scan``),
-so the grid is sized by the token count alone and max_seqlen is never needed (an underestimate
-cannot lose rows), and one query tile per program keeps the kernel free of an outer loop around
-the pipelined key loop (which made Hopper spill). Lengths and token counts are runtime ints that
-never specialize: a new packed batch never recompiles. ``PERSISTENT`` (Ascend) runs the same
-programs as tasks of a core-count 1D grid (kernels/config.py).
+other; each program reads its tile's sequence, first row and spans from the call's tile map
+(kernels/tile_map.py: built once per call, which also checks the layout), so the grid is sized by
+the token count alone, max_seqlen is never needed (an underestimate cannot lose rows) and a
+program's work does not grow with the number of sequences. One query tile per program keeps the
+kernel free of an outer loop around the pipelined key loop (which made Hopper spill). Lengths and
+token counts are runtime ints that never specialize: a new packed batch never recompiles.
+``PERSISTENT`` (Ascend) runs the same programs as tasks of a core-count 1D grid (kernels/config.py).
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ import triton
 import triton.language as tl
 
 from coreattn.kernels.attn_common import (LENGTH_STRIDES, _dropout_keep, _first_gid, _key_range, _load_keep, _load_rows,
-                                          _poison, _scan, _seq_span, _visible, tile_bound)
+                                          _poison, _visible)
 from coreattn.kernels.config import CDNA_TARGETS, fwd_config, head_blocks, persistent_grid, target_of
 from coreattn.kernels.packing import (Packing, keep_args, kernel_flags, new_like, new_rowstat, rowstat_strides, seq_len_dim,
                                       seq_strides)
+from coreattn.kernels.tile_map import _tile_rows, _tile_seq, tile_bound, tile_maps
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MAX_TASKS = 2**31 - 1  # program ids and persistent task indices are int32
-CU_SCAN_BLOCK = 128  # fixed, so the batch size never enters a compile key
 # runtime ints that follow the batch, its lengths or the dropout probability: never specialized
 RUNTIME_INTS = ("batch", "n_tiles", "seqlen_q_total", "seqlen_k_total", "window_left", "window_right",
                 "drop_threshold", *LENGTH_STRIDES)
@@ -98,16 +99,16 @@ def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, str
 
 
 @triton.jit
-def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr,
-              k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr, max_ptr,
+def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr,
+              rng_ptr, sink_ptr, max_ptr,
               batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
               drop_threshold, drop_scale,
               stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
               stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
               HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
               BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_B: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-              SPANS: tl.constexpr, PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+              PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
               DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, HAS_SINK: tl.constexpr, RETURN_MAX: tl.constexpr,
               DOT_PRECISION: tl.constexpr):
     """Task ``task`` of the (query tile, q head) grid, heads fastest."""
@@ -115,13 +116,11 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr,
     tile = task // heads
     o_head = out_ptr + head.to(tl.int64) * stride_oh
     lse_head = lse_ptr + head.to(tl.int64) * stride_lh
-    ok, seq, m0, n_real = _scan(q_seq_ptr, q_len_ptr, batch, seqlen_q_total, tile, BLOCK_M, SPANS, BLOCK_B, True)
-    k_ok = _scan(k_seq_ptr, k_len_ptr, batch, seqlen_k_total, -1, BLOCK_N, SPANS, BLOCK_B, False)[0]
-    if ok & k_ok & (n_real <= n_tiles):
+    seq = _tile_seq(map_ptr, tile)
+    if seq >= 0:
         if seq < batch:
+            m0, q_start, seqlen_q, k_start, seqlen_k = _tile_rows(map_ptr, tile)
             seq64 = seq.to(tl.int64)
-            q_start, seqlen_q = _seq_span(q_seq_ptr, q_len_ptr, seq, SPANS)
-            k_start, seqlen_k = _seq_span(k_seq_ptr, k_len_ptr, seq, SPANS)
             shift = seqlen_q * 0
             if BOTTOM_RIGHT:
                 shift = seqlen_k - seqlen_q
@@ -195,7 +194,7 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr,
             lse_base = lse_head + seq64 * stride_lb + q_start.to(tl.int64)
             tl.store(lse_base + tl.cast(m0, tl.int64) + offs_m, lse, mask=row_ok)
     else:
-        # malformed cu_seqlens or spans (every program sees it): NaN rather than silently wrong numbers
+        # malformed cu_seqlens or spans (the map tells every program): NaN rather than silently wrong numbers
         n_rows_q = seqlen_q_total
         if not PACKED:
             n_rows_q = batch * seqlen_q_total
@@ -207,15 +206,15 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr,
 
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def _varlen_attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, q_keep_ptr, k_keep_ptr,
-    q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr, max_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr,
+    max_ptr,
     batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
     drop_threshold, drop_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, SPANS: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_GID: tl.constexpr, HAS_SINK: tl.constexpr, RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PERSISTENT: tl.constexpr,
@@ -225,22 +224,22 @@ def _varlen_attn_fwd_kernel(
     # or the padded length S (bshd/sbhd); see kernels/packing.py.
     if PERSISTENT:
         for task in range(tl.program_id(0), n_tiles * heads, tl.num_programs(0)):
-            _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr,
+            _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr,
                       q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr, max_ptr, batch, heads, n_tiles,
                       seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
                       drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                       stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
                       stride_qkb, stride_qks, stride_kkb, stride_kks, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
-                      BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS,
+                      BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
                       PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, HAS_SINK, RETURN_MAX, DOT_PRECISION)
     else:
-        _fwd_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr,
+        _fwd_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr,
                   q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr, max_ptr, batch, heads, n_tiles,
                   seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
                   drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                   stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
                   stride_qkb, stride_qks, stride_kkb, stride_kks, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
-                  BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_B, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, SPANS,
+                  BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
                   PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, HAS_SINK, RETURN_MAX, DOT_PRECISION)
 
 
@@ -275,7 +274,7 @@ def kernel_window(window: int, limit: int) -> int:
 
 def mask_flags(window_left: int, window_right: int, bottom_right: bool, q_pack: Packing, k_pack: Packing) -> dict:
     return dict(HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, BOTTOM_RIGHT=bottom_right,
-                BLOCK_B=CU_SCAN_BLOCK, PACKED=q_pack.fmt == "thd", **kernel_flags(q_pack, k_pack))
+                PACKED=q_pack.fmt == "thd", **kernel_flags(q_pack, k_pack))
 
 
 def dropout_args(dropout_p: float, rng_state: torch.Tensor | None, q_pack: Packing, k_pack: Packing) -> dict:
@@ -329,10 +328,11 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
     if q.numel() > 0 and batch > 0 and n_tiles > 0:
         limit = max(seqlen_q_total, seqlen_k_total)
         window_left, window_right = kernel_window(window_left, limit), kernel_window(window_right, limit)
+        tile_map, _ = tile_maps(q_pack, k_pack, seqlen_q_total, seqlen_k_total, target,
+                                q_tiles=(cfg.block_m, n_tiles))
         grid, persistent = launch_grid(q.device, target, n_tiles, heads_q)
         _varlen_attn_fwd_kernel[grid](
-            q, k, v, out, lse, q_pack.seq, q_pack.lens, k_pack.seq, k_pack.lens,
-            keep_args(q_pack)[0], keep_args(k_pack)[0],
+            q, k, v, out, lse, tile_map, keep_args(q_pack)[0], keep_args(k_pack)[0],
             sink_ptr=softmax_offset if softmax_offset is not None else q_pack.seq,
             max_ptr=max_logit if return_max_logit else lse,
             batch=batch, heads=heads_q, n_tiles=n_tiles, seqlen_q_total=seqlen_q_total, seqlen_k_total=seqlen_k_total,

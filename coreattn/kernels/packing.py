@@ -100,4 +100,4 @@ def keep_args(pack: Packing) -> tuple[torch.Tensor, int, int]:
 def kernel_flags(q_pack: Packing, k_pack: Packing) -> dict:
     if q_pack.spans != k_pack.spans:
         raise ValueError("q and k must both use cu_seqlens or both use spans")
-    return dict(SPANS=q_pack.spans, HAS_Q_KEEP=q_pack.keep is not None, HAS_K_KEEP=k_pack.keep is not None)
+    return dict(HAS_Q_KEEP=q_pack.keep is not None, HAS_K_KEEP=k_pack.keep is not None)

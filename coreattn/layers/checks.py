@@ -39,9 +39,18 @@ def _check_tensor(name: str, t, ndim: int) -> None:
         raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
 
 
-def check_max_seqlen(name: str, value) -> int:
-    """An int >= 0. Plain and symbolic ints are taken as they are: under torch.compile an
-    ``operator.index`` would specialize the graph on the value (a recompile per new length)."""
+def check_max_seqlen(name: str, value, bound: int) -> int:
+    """An int >= 0, or a 0-dim (or one-element) integer tensor on any device (Transformer Engine and
+    Megatron pass these), which is never read: ``bound``, a host int at least every sequence's length (the token
+    count), stands in for it. The kernels never use max_seqlen (their grids follow the token
+    counts); only the argument checks compare it with the longest sequence. Plain and symbolic
+    ints are taken as they are: under torch.compile an ``operator.index`` would specialize the
+    graph on the value (a recompile per new length)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be an int or a 0-dim integer tensor, got a {value.dtype} tensor of shape "
+                            f"{tuple(value.shape)}")
+        return bound
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got bool")
     if not isinstance(value, (int, torch.SymInt)):
@@ -173,7 +182,7 @@ def check_flag(name: str, value) -> bool:
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                         softmax_scale, causal, window_size, causal_alignment) -> tuple[VarlenParams, int, int]:
     """Validate the packed (thd) attention arguments without reading tensor values; returns the
-    params and max_seqlen_q/k. The checks that read cu_seqlens run inside the attention op
+    params and max_seqlen_q/k (ints; the token counts for 0-dim tensors, see check_max_seqlen). The checks that read cu_seqlens run inside the attention op
     (``check_layout_values``)."""
     check_qkv(q, k, v, "thd")
     params = check_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, causal_alignment)
@@ -182,8 +191,8 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel()} entries but cu_seqlens_k has "
                          f"{cu_seqlens_k.numel()}: q and k batch sizes must match")
-    max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0])
+    max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0])
     return params, max_seqlen_q, max_seqlen_k
 
 

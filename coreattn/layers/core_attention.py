@@ -369,18 +369,20 @@ def _lengths_from_cu_seqlens(params, batch: int) -> dict:
 
 
 def _max_or_none(value):
-    return None if value is None else int(value)
+    """PackedSeqParams.max_seqlen_* for cp_attn: an int, a 0-dim tensor (megatron-core < 0.14; passed
+    on unread) or None."""
+    return value if value is None or isinstance(value, (int, torch.SymInt, torch.Tensor)) else int(value)
 
 
-def _max_seqlen(value, tokens: int) -> int:
-    """PackedSeqParams.max_seqlen_* as an int (a tensor in megatron-core < 0.14, read on the host).
-    None: the token count, an upper bound that reads no tensor (so torch.compile traces it): the
-    kernels size their grids by the token count and never read max_seqlen, which only bounds the
-    argument checks."""
+def _max_seqlen(value, tokens: int):
+    """PackedSeqParams.max_seqlen_* for varlen_attn, which takes an int or a 0-dim tensor (a tensor
+    in megatron-core < 0.14) without reading it. None: the token count, an upper bound that reads
+    no tensor (so torch.compile traces it): the kernels size their grids by the token count and
+    never read max_seqlen, which only bounds the argument checks."""
     if value is None:
         return tokens
-    if isinstance(value, (int, torch.SymInt)):
-        return value  # int() would specialize a compiled graph on a symbolic value
+    if isinstance(value, (int, torch.SymInt, torch.Tensor)):
+        return value  # int() would sync on a device tensor and specialize a compiled graph
     return int(value)
 
 

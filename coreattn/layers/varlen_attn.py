@@ -28,7 +28,10 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             in place, never copied.
         cu_seqlens_q, cu_seqlens_k: int32 ``[B+1]`` cumulative lengths starting at 0; empty
             sequences are allowed.
-        max_seqlen_q, max_seqlen_k: the longest sequence lengths (ints; they size the grid).
+        max_seqlen_q, max_seqlen_k: the longest sequence lengths: ints, or 0-dim integer tensors
+            (Transformer Engine's and Megatron's), which are never read, so a device tensor costs no
+            host sync. The kernels do not use them (their grids follow the token counts); an int is
+            checked against the longest sequence where the lengths are read (below).
         dropout_p: attention dropout on the normalized probabilities, ``0 <= p < 1``, kept ones
             scaled by ``1 / (1 - p)`` (flash-attn 2's definition; lse is unaffected). The keep mask
             is a counter-based function of (seed, offset, q head, query token, key token)
@@ -73,7 +76,7 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         ``(out, lse)``, ``(out, max_logit)`` or ``(out, lse, max_logit)``. A query that sees no key
         (and has no sink) gets zeros and lse = -inf.
 
-    Malformed cu_seqlens (not starting at 0, decreasing, last entry != T) or a max_seqlen below
+    Malformed cu_seqlens (not starting at 0, decreasing, last entry != T) or an int max_seqlen below
     the longest sequence raise ``ValueError`` when cu_seqlens is on the CPU or
     ``COREATTN_VALIDATE=1`` (a host sync on GPU). Otherwise the GPU kernel turns malformed
     cu_seqlens into NaN outputs, and an underestimated max_seqlen only costs speed. With

@@ -78,7 +78,9 @@ REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
 RESERVED_SMEM = 1 * KB
 
 KERNEL_NAMES = {"_varlen_attn_fwd_kernel": "fwd", "_attn_bwd_preprocess_kernel": "bwd_pre",
-                "_attn_bwd_dkdv_kernel": "dkdv", "_attn_bwd_dq_kernel": "dq"}
+                "_attn_bwd_dkdv_kernel": "dkdv", "_attn_bwd_dq_kernel": "dq", "_tile_scan_kernel": "tile_scan",
+                "_tile_map_kernel": "tile_map"}
+ATTENTION_KERNELS = ("fwd", "dkdv", "dq")  # the kernels with tl.dot (the others: preprocess and the tile map)
 FEATURES = ("", "dropout", "sink", "max_logit")  # sink: softmax_offset, with the dQ kernel's SINK_GRAD
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -1,7 +1,8 @@
 """Compile the attention kernels through the Triton compiler without a device (run as a script).
 
 ``python tests/kernels/kernel_compile.py cuda``: upstream Triton, sm90 target, both launch modes
-(3D grid and PERSISTENT), through ptxas to cubin (Triton ships ptxas).
+(3D grid and PERSISTENT), through ptxas to cubin (Triton ships ptxas); the tile map's two
+kernels once per layout (cu_seqlens, spans).
 ``python tests/kernels/kernel_compile.py ascend``: triton-ascend, PERSISTENT, Triton IR and then
 triton-adapter-opt's lowering to Linalg/HIVM (the last stage before the bisheng compiler, which
 needs the CANN toolkit). Prints one line per kernel and variant; exits non-zero on failure.
@@ -22,13 +23,16 @@ from triton.compiler import ASTSource  # noqa: E402
 from coreattn.kernels.attn_bwd import (_attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel,  # noqa: E402
                                        _attn_bwd_preprocess_kernel)
 from coreattn.kernels.attn_fwd import _varlen_attn_fwd_kernel  # noqa: E402
+from coreattn.kernels.tile_map import SCAN_CHUNK, MAP_TILES, _tile_map_kernel, _tile_scan_kernel  # noqa: E402
 
 POINTER_TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "q_seq_ptr": "*i32", "q_len_ptr": "*i32",
                  "k_seq_ptr": "*i32", "k_len_ptr": "*i32", "q_keep_ptr": "*u8", "k_keep_ptr": "*u8",
                  "q_gid_ptr": "*i32", "k_gid_ptr": "*i32", "rng_ptr": "*i64", "sink_ptr": "*fp32", "max_ptr": "*fp32",
-                 "dsink_ptr": "*fp32"}
+                 "dsink_ptr": "*fp32", "map_ptr": "*i32", "first_ptr": "*i32", "first_q_ptr": "*i32",
+                 "first_k_ptr": "*i32", "status_ptr": "*i32"}
 SHAPES = dict(HEAD_DIM_QK=192, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DQK2=64, BLOCK_DV=128, BLOCK_M=32, BLOCK_N=32,
-              BLOCK_B=128, DK=True, DV=True)
+              DK=True, DV=True, BLOCK_Q=32, BLOCK_K=64, MAP_Q=True, MAP_K=True, CHUNK=SCAN_CHUNK, BLOCK=32,
+              REVERSE=True, TILES=MAP_TILES)
 NO_FEATURES = dict(DROPOUT=False, HAS_GID=False, HAS_SINK=False, RETURN_MAX=False, SINK_GRAD=False)
 VARIANTS = {
     "thd-causal-window": dict(HAS_LEFT=True, HAS_RIGHT=True, BOTTOM_RIGHT=True, SPANS=False, PACKED=True,
@@ -40,6 +44,7 @@ VARIANTS = {
                                    RETURN_MAX=True, SINK_GRAD=True),
 }
 KERNELS = (_varlen_attn_fwd_kernel, _attn_bwd_preprocess_kernel, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel)
+LAYOUT_KERNELS = (_tile_scan_kernel, _tile_map_kernel)  # compiled once per layout (SPANS), not per variant
 
 
 def _signature(fn, consts: dict) -> dict:
@@ -95,6 +100,12 @@ def main(which: str) -> None:
                 consts = {k: v for k, v in consts.items() if k in fn.arg_names}
                 mode = "PERSISTENT" if persistent else "grid"
                 print(f"{which} {fn.__name__} {variant} {mode}: {compile_one(fn, consts)}", flush=True)
+    for spans in (False, True):  # the tile map's kernels follow the layout only
+        for fn in LAYOUT_KERNELS:
+            consts = {k: v for k, v in dict(SHAPES, SPANS=spans, PERSISTENT=which != "cuda").items()
+                      if k in fn.arg_names}
+            print(f"{which} {fn.__name__} {'spans' if spans else 'cu_seqlens'}: {compile_one(fn, consts)}",
+                  flush=True)
 
 
 if __name__ == "__main__":

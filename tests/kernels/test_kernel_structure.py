@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from coreattn.tune.compiler import ARCHS, CDNA_ARCHS
+from coreattn.tune.compiler import ARCHS, ATTENTION_KERNELS, CDNA_ARCHS
 
 SCRIPT = Path(__file__).with_name("kernel_structure.py")
 SM90_DIMS = ("64/64", "128/128", "192/128")
@@ -78,7 +78,7 @@ def _label(r: dict) -> str:
 def test_every_kernel_compiled_and_fits_shared_memory(rows, arch):
     mine = [r for r in rows if r["arch"] == arch]
     kernels = {r["kernel"] for r in mine}
-    assert {"fwd", "bwd_pre", "dkdv", "dq"} <= kernels
+    assert {"fwd", "bwd_pre", "dkdv", "dq", "tile_scan", "tile_map"} <= kernels
     limit = ARCHS[arch].smem_per_block
     assert not [(_label(r), r["smem"]) for r in mine if r["smem"] > limit], f"over {limit} bytes of shared memory"
     assert all(r["ctas_per_sm"] >= 1 for r in mine)
@@ -90,7 +90,7 @@ def test_sm90_spill_free_wgmma_unduplicated_pipelined(rows, dims):
     mine = [r for r in rows if r["arch"] == "sm90" and r["dims"] == dims]
     assert mine
     assert not [_label(r) for r in mine if r["spill_stores"] or r["spill_loads"]], "spills"
-    mma = [r for r in mine if r["kernel"] != "bwd_pre"]
+    mma = [r for r in mine if r["kernel"] in ATTENTION_KERNELS]
     assert not [(_label(r), r["dots"]) for r in mma if set(r["dots"]) != {"ttng.warp_group_dot"}], "dots not wgmma"
     assert not [(_label(r), r["mma"]) for r in mma if set(r["mma"]) != {"wgmma"}], "MMA other than wgmma in the PTX"
     assert not [(_label(r), r["mma_dup"]) for r in mma if r["mma_dup"] != 1], "MMA duplicated across warps"
@@ -122,7 +122,7 @@ def test_cdna_every_kernel_compiled_fits_lds_and_does_not_spill(cdna_rows, arch)
 @needs_amd
 @pytest.mark.parametrize("arch", list(CDNA_DIMS))
 def test_cdna_every_dot_is_an_unduplicated_bf16_mfma(cdna_rows, arch):
-    mma = [r for r in cdna_rows if r["arch"] == arch and r["kernel"] != "bwd_pre"]
+    mma = [r for r in cdna_rows if r["arch"] == arch and r["kernel"] in ATTENTION_KERNELS]
     assert mma
     assert not [(_label(r), r["fma_dots"]) for r in mma if r["fma_dots"]], "dots without an MFMA layout"
     assert not [(_label(r), r["mma"]) for r in mma if not r["mma"] or not all(k.startswith("v_mfma_f32_") and

@@ -10,14 +10,17 @@ per class. So across batches of different lengths, every int argument outside
 import pytest
 import torch
 
-from coreattn.kernels import attn_bwd, attn_fwd
+from coreattn.kernels import attn_bwd, attn_fwd, tile_map
 from coreattn.kernels.packing import Packing, packed
 
 H, HKV, DQK, DV = 4, 2, 40, 24  # H * D multiples of 16, as in real models
 KERNELS = {"fwd": (attn_fwd, "_varlen_attn_fwd_kernel"),
            "pre": (attn_bwd, "_attn_bwd_preprocess_kernel"),
            "dkdv": (attn_bwd, "_attn_bwd_dkdv_kernel"),
-           "dq": (attn_bwd, "_attn_bwd_dq_kernel")}
+           "dq": (attn_bwd, "_attn_bwd_dq_kernel"),
+           "scan": (tile_map, "_tile_scan_kernel"),
+           "map": (tile_map, "_tile_map_kernel")}
+LAUNCHES = {"fwd": 1, "pre": 1, "dkdv": 1, "dq": 1, "scan": 2, "map": 3}  # per forward + backward
 
 
 def _spec_class(value):
@@ -65,8 +68,8 @@ def _record(monkeypatch, inputs):
     attn_bwd.varlen_attn_bwd(torch.zeros_like(out), q, k, v, out, lse, q_pack, k_pack, max_len, max_len, 0.1, 3, 0,
                              True)
     monkeypatch.undo()
-    assert all(len(c) == 1 for c in calls.values()), {n: len(c) for n, c in calls.items()}
-    return {name: c[0] for name, c in calls.items()}
+    assert {n: len(c) for n, c in calls.items()} == LAUNCHES
+    return {f"{name}{i}": call for name, c in calls.items() for i, call in enumerate(c)}
 
 
 BATCHES = {
@@ -83,8 +86,9 @@ def test_new_lengths_keep_every_specialized_argument_class(monkeypatch, layout):
         kernel = getattr(module, attr)
         free = set(getattr(kernel, "kwargs", {}).get("do_not_specialize") or
                    [p.name for p in kernel.params if p.do_not_specialize])
-        for arg in runs[0][name]:
-            if arg in free:
-                continue
-            classes = {_spec_class(run[name][arg]) for run in runs}
-            assert len(classes) == 1, f"{attr}: {arg} is specialized and takes {[r[name][arg] for r in runs]}"
+        for launch in (f"{name}{i}" for i in range(LAUNCHES[name])):
+            for arg in runs[0][launch]:
+                if arg in free:
+                    continue
+                classes = {_spec_class(run[launch][arg]) for run in runs}
+                assert len(classes) == 1, f"{attr}: {arg} is specialized and takes {[r[launch][arg] for r in runs]}"

@@ -309,8 +309,9 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
             each padded length a multiple of 2*cp. None: the real lengths are the layout (they must
             then be multiples of 2*cp). Real tokens sit at the start of each padded sequence.
         max_seqlen_q, max_seqlen_kv: ints >= the longest GLOBAL padded sequence (thd; what
-            PackedSeqParams carries); they size the grid. None: computed with one host sync. Ignored
-            for sbhd (the padded length is s_local * cp).
+            PackedSeqParams carries), or 0-dim integer tensors, which are never read (the global
+            token count stands in for them: nothing is sized by max_seqlen). None: computed with
+            one host sync. Ignored for sbhd (the padded length is s_local * cp).
         causal: global causal mask (top-left = bottom-right here: q and k are the same tokens).
         window_size: ``(left, 0)`` or ``(left, -1)`` with causal (sliding window) or ``(-1, -1)``;
             other windows raise NotImplementedError when cp_size > 1, except with ``comm="a2a"``
@@ -381,8 +382,9 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
             longest = int(_lens(pad_q).max())  # one host sync on a device
             max_seqlen_q = longest if max_seqlen_q is None else max_seqlen_q
             max_seqlen_kv = longest if max_seqlen_kv is None else max_seqlen_kv
-        max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
-        max_seqlen_kv = check_max_seqlen("max_seqlen_kv", max_seqlen_kv)
+        # a 0-dim tensor is not read: the global token count bounds every sequence
+        max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, n_local * cp_size)
+        max_seqlen_kv = check_max_seqlen("max_seqlen_kv", max_seqlen_kv, n_local * cp_size)
         if reads:
             _check_values_thd(n_local, cp_size, cu_seqlens_q, cu_seqlens_kv, pad_q, pad_kv, pad_name,
                               max_seqlen_q, max_seqlen_kv)
@@ -399,7 +401,7 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
             raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel()} entries but the batch has {batch} samples")
         for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_kv", max_seqlen_kv)):
             if value is not None:
-                check_max_seqlen(name, value)
+                check_max_seqlen(name, value, n_local * cp_size)
         if cp_size > 1 and n_local % 2:
             raise ValueError(f"layout 'sbhd': the local sequence length {n_local} must be even (2 chunks of the "
                              f"global length, a multiple of 2 * cp_size = {2 * cp_size})")
