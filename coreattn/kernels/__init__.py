@@ -3,7 +3,9 @@
 Owns: ``attn_fwd.py`` / ``attn_bwd.py`` (the attention kernels and their launchers
 ``varlen_attn_fwd`` / ``varlen_attn_bwd``: configs, output allocation, grid), ``attn_common.py``
 (the ``@triton.jit`` helpers both share: sequence lookup, masks in registers, dropout),
-``config.py`` (launch configs per target, and which target a device is), ``packing.py`` (how a
+``config.py`` (launch configs per target, which target a device is, the tuner's candidate spaces
+and which config a launch picks), ``tuned_cache.py`` (the tuned-config files: reading, writing, the
+launchers' lookup), ``descriptors.py`` (TMA descriptors for the loop loads), ``packing.py`` (how a
 side's tokens are laid out: packed, padded, spans, keep masks), ``masks.py`` (the mask
 utilities' gather/scatter and token-id kernels), ``dropout.py`` (dropout's keep mask: the
 Philox definition the kernels' ``tl.philox`` follows, in torch ops, and the RNG state),
@@ -11,8 +13,9 @@ Philox definition the kernels' ``tl.philox`` follows, in torch ops, and the RNG 
 ``npu.py`` (Ascend detection: triton-ascend's driver and core counts, torch_npu on first use).
 No autograd here: ``coreattn.layers`` wraps the launchers.
 
-May import: torch and triton only; nothing from ``coreattn.layers``, ``coreattn.adapters`` or
-``coreattn.selfcheck`` (tests/test_layout.py checks it).
+May import: torch and triton only; nothing from ``coreattn.layers``, ``coreattn.adapters``,
+``coreattn.selfcheck`` or ``coreattn.tune`` (tests/test_layout.py checks it). Tuned configs reach the
+launchers as JSON files, never by importing the tuner.
 """
 
 from coreattn.kernels.attn_bwd import varlen_attn_bwd
