@@ -276,3 +276,28 @@ def test_cpu_section_matrix_and_skips():
     assert "no backward on CPU" in cpu.skip_reason(big, "flex", "fwdbwd")
     assert "one sequence" in cpu.skip_reason(big, "sdpa-padded", "fwd")
     assert cpu.skip_reason(cases["hdim64x64-1x32k"], "flex", "fwdbwd").startswith("memory check")
+
+
+def test_timed_rows_record_the_kernel_configs_that_ran():
+    """A coreattn row names each Triton kernel's launch config and its source (shipped table or a tuned
+    file). The benchmark's coreattn provider runs the torch backend on CPU, so this one runs Triton
+    (the interpreter here)."""
+    from bench.attention import _measure
+
+    class TritonOnCpu(providers.Coreattn):
+        def build(self, inp, cfg, mode):
+            from coreattn import varlen_attn
+
+            q, k, v = (t.detach().requires_grad_() for t in (inp.q, inp.k, inp.v))
+            fn = lambda: varlen_attn(q, k, v, inp.cu_seqlens, inp.cu_seqlens, inp.max_seqlen,  # noqa: E731
+                                     inp.max_seqlen, causal=cfg.causal, backend="triton")
+            return providers.Prepared(fn, [q, k, v], {"backend": "triton"})
+
+    cfg = configs.AttnConfig(32, 16, 2, 1, True, "short", 64)
+    row = {"flops": 1}
+    _measure(row, TritonOnCpu(), cfg, "fwdbwd", torch.float16, torch.device("cpu"), quick=True)
+    assert row["status"] == "ok", row
+    used = {use["kernel"]: use for use in row["kernel_configs"]}
+    assert set(used) == {"fwd", "dkdv", "dq", "preprocess"}
+    assert used["fwd"]["class"] == "hdim32x16-fp16-causal-gqa" and used["fwd"]["source"].startswith("shipped table")
+    assert json.loads(json.dumps(row["kernel_configs"]))[0]["config"]["block_m"] > 0
