@@ -41,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gqa", action="store_true", help=f"tune GQA classes ({batch_defs.GQA_GROUP} q heads per kv head); "
                    "a lookup falls back between GQA and MHA entries")
     p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
-    p.add_argument("--quick", action="store_true", help="a quarter of the tokens, shorter timing")
+    p.add_argument("--quick", action="store_true", help="a quarter of each batch, shorter timing")
     p.add_argument("--min-speedup", type=float, default=None,
                    help="a candidate must beat the shipped config by this factor (default 1.02)")
     p.add_argument("--out", type=Path, help="the cache file to write (default: the user cache file for this GPU)")
@@ -144,9 +144,8 @@ def tune(args, device: torch.device, key, timer, argv=None) -> int:
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 16 * 2**30
     for t in tasks:
         heads_kv = batch_defs.HEADS_Q // batch_defs.GQA_GROUP if t.source.gqa else batch_defs.HEADS_Q
-        requested = batch_defs.QUICK_TOKENS if args.quick else batch_defs.FULL_TOKENS
-        tokens = batch_defs.fit_tokens(requested, free, t.source.dim_qk, t.source.dim_v,
-                                       space.ELEMENT_BYTES[t.source.dtype], heads_kv)
+        tokens = batch_defs.fit_tokens(free, t.source.dim_qk, t.source.dim_v, space.ELEMENT_BYTES[t.source.dtype],
+                                       heads_kv)
         plan[t] = batch_defs.batches(args.quick, tokens)
     total = sum(steps(len(cands[t]), len(plan[t])) for t in tasks)
     guess = sum(estimate_seconds(len(cands[t]), len(plan[t]), args.quick) for t in tasks)

@@ -1,11 +1,12 @@
 """The packed batches the tuner times each candidate on, and their tensors.
 
-About 1M tokens each (a quarter with ``--quick``), shaped like the packed batches training sees:
-long documents, short documents, and the many-short-sequences batches of RL rollouts and
-short-chat SFT packing (4,096 x 256, 16,384 x 64 and 65,536 x 16 tokens at full size: issue 21's
-scheduling rows). On a GPU with little memory the token count shrinks to fit (``fit_tokens``).
-Every candidate of a kernel is timed on every batch; the tuner ranks them by the geometric mean of
-their time ratios to the shipped config, so each batch shape counts alike.
+Shaped like the packed batches training sees: long documents (4 x 16,384 tokens) and short
+documents (32 x 2,048), a 64K-token micro-batch each, and the many-short-sequences batches of RL
+rollouts and short-chat SFT packing, about 1M tokens each (4,096 x 256, 16,384 x 64 and 65,536 x
+16: issue 21's scheduling rows). ``--quick`` takes a quarter of every batch; on a GPU with little
+memory the token counts shrink to fit (``fit_tokens``). Every candidate of a kernel is timed on
+every batch; the tuner ranks them by the geometric mean of their time ratios to the shipped
+config, so each batch shape counts alike.
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ import torch
 
 from coreattn.kernels.packing import Packing, packed
 
-FULL_TOKENS = 2**20
-QUICK_TOKENS = 2**18
 HEADS_Q = 8  # q heads; kv heads are HEADS_Q, or HEADS_Q // GQA_GROUP for a GQA class
 GQA_GROUP = 4
-# (name, sequence length); the sequence count follows from the token count
-SHAPES = (("long-docs-16k", 16384), ("short-docs-2k", 2048), ("many-short-256", 256), ("many-short-64", 64),
-          ("many-short-16", 16))
+# (name, sequence length, tokens at full size); the sequence count follows
+SHAPES = (("long-docs-16k", 16384, 2**16), ("short-docs-2k", 2048, 2**16), ("many-short-256", 256, 2**20),
+          ("many-short-64", 64, 2**20), ("many-short-16", 16, 2**20))
+MAX_TOKENS = max(tokens for _, _, tokens in SHAPES)
 
 
 class Batch(NamedTuple):
@@ -34,9 +34,13 @@ class Batch(NamedTuple):
         return f"{self.name} ({len(self.seqlens)} x {self.seqlens[0]})"
 
 
-def batches(quick: bool = False, tokens: int | None = None) -> list[Batch]:
-    total = tokens or (QUICK_TOKENS if quick else FULL_TOKENS)
-    return [Batch(name, (length,) * max(1, total // length)) for name, length in SHAPES]
+def batches(quick: bool = False, max_tokens: int = MAX_TOKENS) -> list[Batch]:
+    """The batches, a quarter of each with ``quick``, none over ``max_tokens`` tokens (``fit_tokens``)."""
+    out = []
+    for name, length, tokens in SHAPES:
+        tokens = min(tokens // 4 if quick else tokens, max_tokens)
+        out.append(Batch(name, (length,) * max(1, tokens // length)))
+    return out
 
 
 def bytes_per_token(dim_qk: int, dim_v: int, elem: int, heads_kv: int) -> int:
@@ -46,8 +50,9 @@ def bytes_per_token(dim_qk: int, dim_v: int, elem: int, heads_kv: int) -> int:
     return per * 3 // 2
 
 
-def fit_tokens(requested: int, free_bytes: int, dim_qk: int, dim_v: int, elem: int, heads_kv: int) -> int:
-    """The requested token count, halved until one batch takes at most half the free memory."""
+def fit_tokens(free_bytes: int, dim_qk: int, dim_v: int, elem: int, heads_kv: int,
+               requested: int = MAX_TOKENS) -> int:
+    """The largest batch's token count, halved until one batch takes at most half the free memory."""
     tokens = requested
     while tokens > 4096 and tokens * bytes_per_token(dim_qk, dim_v, elem, heads_kv) > free_bytes // 2:
         tokens //= 2

@@ -63,12 +63,13 @@ def test_classes_and_kernel_tasks():
 
 def test_batches_cover_the_many_short_sequence_shapes():
     full = {b.name: b for b in batches()}
-    assert {len(b.seqlens) * b.seqlens[0] for b in full.values()} == {2**20}
-    assert (len(full["many-short-16"].seqlens), len(full["many-short-64"].seqlens),
-            len(full["many-short-256"].seqlens)) == (65536, 16384, 4096)
-    assert sum(batches(quick=True)[0].seqlens) == 2**18
-    assert fit_tokens(2**20, 80 * 2**30, 128, 128, 2, 8) == 2**20
-    assert fit_tokens(2**20, 8 * 2**30, 256, 256, 2, 8) < 2**20
+    assert {b.name: (len(b.seqlens), b.seqlens[0]) for b in full.values()} == {
+        "long-docs-16k": (4, 16384), "short-docs-2k": (32, 2048), "many-short-256": (4096, 256),
+        "many-short-64": (16384, 64), "many-short-16": (65536, 16)}
+    assert [sum(b.seqlens) * 4 for b in batches(quick=True)] == [sum(b.seqlens) for b in full.values()]
+    assert max(sum(b.seqlens) for b in batches(max_tokens=2**17)) == 2**17
+    assert fit_tokens(80 * 2**30, 128, 128, 2, 8) == 2**20
+    assert fit_tokens(8 * 2**30, 256, 256, 2, 8) < 2**20
 
 
 def _task(kernel="fwd", cls=KernelClass(64, 64, "fp16", True)):
@@ -171,7 +172,7 @@ def test_the_whole_run_writes_the_cache_the_launchers_read(tmp_path, monkeypatch
     real = space.kernel_candidates
     monkeypatch.setattr(space, "kernel_candidates", lambda target, kernel, cls, limit=None:
                         real(target, kernel, cls, limit) + ([FAST] if kernel == "fwd" else []))
-    monkeypatch.setattr(cli.batch_defs, "batches", lambda quick, tokens: TINY)
+    monkeypatch.setattr(cli.batch_defs, "batches", lambda quick, max_tokens: TINY)
     monkeypatch.setattr(tuner, "accept", lambda *a, **k: acceptance.Acceptance(True, []))
     ms = {SHIPPED: {"tiny-a": 3.0, "tiny-b": 3.0}, FAST: {"tiny-a": 2.0, "tiny-b": 2.5}}
     out = tmp_path / "cache.json"
