@@ -81,9 +81,8 @@ def descriptors(monkeypatch):
     return built
 
 
-@pytest.mark.parametrize("poison", [float("inf"), float("nan")], ids=["inf", "nan"])
-@pytest.mark.parametrize("hkv", [2, 1], ids=["mha", "gqa2"])
-def test_descriptor_rows_past_a_sequence_never_reach_it(poison, hkv, descriptors):
+@pytest.mark.parametrize("hkv, poison", [(2, float("inf")), (1, float("nan"))], ids=["mha-inf", "gqa2-nan"])
+def test_descriptor_rows_past_a_sequence_never_reach_it(hkv, poison, descriptors):
     """Descriptor boxes run past a sequence's end into the next one's tokens. With the middle sequence
     non-finite, every other sequence's output and gradients are finite and equal the pointer path's
     to fp32 rounding: the descriptor path multiplies k as loaded ([N, D], transposed in the dot)
