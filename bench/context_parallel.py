@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from bench.flops import attention_flops, visible_pairs
-from bench.timing import time_fn
+from bench.timing import kernel_configs, time_fn
 
 CP_SIZES = (1, 2, 4, 8)
 COMMS = ("p2p", "all_gather", "a2a")
@@ -159,9 +159,10 @@ def rank_compute(cfg: CPConfig, cp: int, dtype: torch.dtype, device: torch.devic
 def _time_rank(row: dict, cfg: CPConfig, cp: int, comm: str, dtype: torch.dtype, device: torch.device,
                quick: bool) -> None:
     try:
-        fn, leaves = rank_compute(cfg, cp, dtype, device, backend="triton", comm=comm)
-        dout = torch.randn_like(fn())
-        timing = time_fn(lambda: fn().backward(dout), device, leaves, quick)
+        with kernel_configs(row):
+            fn, leaves = rank_compute(cfg, cp, dtype, device, backend="triton", comm=comm)
+            dout = torch.randn_like(fn())
+            timing = time_fn(lambda: fn().backward(dout), device, leaves, quick)
     except Exception as exc:  # one failing size must not end the run; the row says why
         first = (str(exc).strip().splitlines() or [""])[0]
         row.update(status="error", reason=f"{type(exc).__name__}: {first[:200]}")

@@ -6,12 +6,15 @@ re-read straight from cache (do_bench also flushes L2 before every run).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import statistics
 import time
 from typing import Callable, NamedTuple, Sequence
 
 import torch
+
+from coreattn.kernels.config import record_configs
 
 
 class Timing(NamedTuple):
@@ -53,3 +56,14 @@ def time_fn(fn: Callable[[], object], device: torch.device, grad_to_none=None, q
     if device.type == "cuda":
         return time_gpu(fn, grad_to_none, quick)
     return time_cpu(fn, grad_to_none, quick)
+
+
+@contextlib.contextmanager
+def kernel_configs(row: dict):
+    """Inside, every launch config coreattn's Triton kernels pick is recorded into
+    ``row["kernel_configs"]`` (kernel, launch class, config, source: shipped table or tuned file)."""
+    with record_configs() as uses:
+        try:
+            yield
+        finally:
+            row["kernel_configs"] = [use.as_json() for use in uses.values()]

@@ -296,3 +296,28 @@ def test_many_short_sequence_rows_build_on_cpu():
     assert {(r["config"], r["mode"]) for r in ok} == {(c.id, m) for c in cpu for m in ("fwd", "fwdbwd")}
     assert all(r["provider"] == "coreattn" and r["num_seqs"] == 1024 // int(r["dist"][4:]) for r in ok)
     assert all(r["status"] == "skipped" and r["reason"] for r in rows if r["provider"] != "coreattn")
+
+
+def test_timed_rows_record_the_kernel_configs_that_ran():
+    """A coreattn row names each Triton kernel's launch config and its source (shipped table or a tuned
+    file). The benchmark's coreattn provider runs the torch backend on CPU, so this one runs Triton
+    (the interpreter here)."""
+    from bench.attention import _measure
+
+    class TritonOnCpu(providers.Coreattn):
+        def build(self, inp, cfg, mode):
+            from coreattn import varlen_attn
+
+            q, k, v = (t.detach().requires_grad_() for t in (inp.q, inp.k, inp.v))
+            fn = lambda: varlen_attn(q, k, v, inp.cu_seqlens, inp.cu_seqlens, inp.max_seqlen,  # noqa: E731
+                                     inp.max_seqlen, causal=cfg.causal, backend="triton")
+            return providers.Prepared(fn, [q, k, v], {"backend": "triton"})
+
+    cfg = configs.AttnConfig(32, 16, 2, 1, True, "short", 64)
+    row = {"flops": 1}
+    _measure(row, TritonOnCpu(), cfg, "fwdbwd", torch.float16, torch.device("cpu"), quick=True)
+    assert row["status"] == "ok", row
+    used = {use["kernel"]: use for use in row["kernel_configs"]}
+    assert set(used) == {"fwd", "dkdv", "dq", "preprocess"}
+    assert used["fwd"]["class"] == "hdim32x16-fp16-causal-gqa" and used["fwd"]["source"].startswith("shipped table")
+    assert json.loads(json.dumps(row["kernel_configs"]))[0]["config"]["block_m"] > 0

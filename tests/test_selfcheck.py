@@ -28,6 +28,13 @@ def test_quick_selfcheck_passes_on_this_machine(tmp_path):
     assert "hdim192x128-causal-gqa4" in out and "PASSED" in out and "FAIL" not in out
     results = json.loads(report.read_text())
     assert results["passed"] and all(row["passed"] for row in results["rows"])
+    # the launch configs the cases ran, and where each came from
+    assert "launch configs the kernels used" in out
+    sources = {use["source"] for row in results["rows"] for use in row["configs"]}
+    kernels = {use["kernel"] for row in results["rows"] for use in row["configs"]}
+    assert kernels == {"fwd", "dkdv", "dq", "preprocess"} and sources
+    if not torch.cuda.is_available():
+        assert sources == {"shipped table (interpreter)"} and "(shipped table (interpreter))" in out
     if not torch.cuda.is_available():
         assert CPU_MESSAGE in out and "bf16 skipped on CPU" in out
         assert {row["dtype"] for row in results["rows"]} == {"float16", "float32"}

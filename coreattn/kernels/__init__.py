@@ -5,7 +5,9 @@ Owns: ``attn_fwd.py`` / ``attn_bwd.py`` (the attention kernels and their launche
 (the ``@triton.jit`` helpers both share: masks in registers, dropout, row loads and stores),
 ``tile_map.py`` (the per-call tile map: which sequence and rows each attention program works on,
 and the one layout check per call),
-``config.py`` (launch configs per target, and which target a device is), ``packing.py`` (how a
+``config.py`` (launch configs per target, which target a device is, the tuner's candidate spaces
+and which config a launch picks), ``tuned_cache.py`` (the tuned-config files: reading, writing, the
+launchers' lookup), ``descriptors.py`` (TMA descriptors for the loop loads), ``packing.py`` (how a
 side's tokens are laid out: packed, padded, spans, keep masks), ``masks.py`` (the mask
 utilities' gather/scatter and token-id kernels), ``dropout.py`` (dropout's keep mask: the
 Philox definition the kernels' ``tl.philox`` follows, in torch ops, and the RNG state),
@@ -13,8 +15,9 @@ Philox definition the kernels' ``tl.philox`` follows, in torch ops, and the RNG 
 ``npu.py`` (Ascend detection: triton-ascend's driver and core counts, torch_npu on first use).
 No autograd here: ``coreattn.layers`` wraps the launchers.
 
-May import: torch and triton only; nothing from ``coreattn.layers``, ``coreattn.adapters`` or
-``coreattn.selfcheck`` (tests/test_layout.py checks it).
+May import: torch and triton only; nothing from ``coreattn.layers``, ``coreattn.adapters``,
+``coreattn.selfcheck`` or ``coreattn.tune`` (tests/test_layout.py checks it). Tuned configs reach the
+launchers as JSON files, never by importing the tuner.
 """
 
 import sys

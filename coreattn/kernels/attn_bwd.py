@@ -25,10 +25,13 @@ from coreattn.kernels.attn_common import (LENGTH_STRIDES, _dropout_keep, _first_
                                           _poison, _query_range, _store_rows, _visible)
 from coreattn.kernels.attn_fwd import (LOG2E, RUNTIME_INTS, dot_precision, dropout_args, kernel_window, launch_grid,
                                        mask_flags)
-from coreattn.kernels.config import bwd_configs, head_blocks, split_dkdv, target_of
+from coreattn.kernels.config import (bwd_configs, head_blocks, loop_flags, preprocess_config, split_dkdv, target_of,
+                                     tuned_fallback)
+from coreattn.kernels.descriptors import row_descriptor, row_descriptors, usable
 from coreattn.kernels.packing import (Packing, keep_args, new_like, new_rowstat, rowstat_strides, seq_len_dim,
                                       seq_strides)
 from coreattn.kernels.tile_map import _tile_rows, _tile_seq, tile_bound, tile_maps
+from coreattn.kernels.tuned_cache import launch_class
 
 
 @triton.jit
@@ -82,65 +85,112 @@ def _load_row_stats(lse_base, delta_base, rows, row_mask):
 
 
 @triton.jit
-def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_seq, q_keep_base, stride_qt,
-                  stride_qh, stride_dot, stride_doh, stride_lh, stride_qks, cols, m_lo, m_hi, head0, group,
-                  seqlen_q, seqlen_k, shift, window_left, window_right,
-                  sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
-                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
-                  BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
-                  HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Query blocks [m_lo, m_hi) of each q head head0 .. head0 + group - 1 (GQA), as one flat loop
-    (head-major), so no loop nests around the pipelined steps."""
-    offs_m = tl.arange(0, BLOCK_M)
-    n_blocks = tl.cdiv(m_hi - m_lo, BLOCK_M)
-    for step in range(0, n_blocks * group):
-        head = head0 + step // n_blocks
-        m0 = m_lo + (step % n_blocks) * BLOCK_M
-        h64 = tl.cast(head, tl.int64)
-        rows = m0 + offs_m
-        row_ok = rows < seqlen_q
+def _dkdv_q_step(dk, dk2, dv, head, m0, offs_m, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_seq, q_keep_base,
+                 stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, stride_qks, cols, seqlen_q, seqlen_k, shift,
+                 window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids,
+                 drop_threshold, drop_scale, q_desc, q2_desc, do_desc, q_row0, HEAD_DIM_QK: tl.constexpr,
+                 HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
+                 HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """Query block [m0, m0 + BLOCK_M) of q head ``head``. TMA: q and dO through descriptors (row
+    ``q_row0 + m0``); in the MASKED blocks, which hold the partial last block (see _dkdv_tile),
+    their rows past the sequence (another sequence's) are zeroed: a P of 0 times a non-finite q or
+    dO would be NaN in every key's dK/dV."""
+    h64 = tl.cast(head, tl.int64)
+    rows = m0 + offs_m
+    row_ok = rows < seqlen_q
+    if TMA:
+        q = q_desc.load([q_row0 + m0, (h64 * stride_qh).to(tl.int32)])  # [M, DQK]
+        q2 = q
+        if BLOCK_DQK2 > 0:
+            q2 = q2_desc.load([q_row0 + m0, (h64 * stride_qh).to(tl.int32) + BLOCK_DQK])
+        do = do_desc.load([q_row0 + m0, (h64 * stride_doh).to(tl.int32)])  # [M, DV]
+        if MASKED:
+            q = tl.where(row_ok[:, None], q, 0.0)
+            if BLOCK_DQK2 > 0:
+                q2 = tl.where(row_ok[:, None], q2, 0.0)
+            do = tl.where(row_ok[:, None], do, 0.0)
+    else:
         q, q2 = _load_rows(q_seq + h64 * stride_qh, stride_qt, m0, row_ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2,
                            BLOCK_M)  # [M, DQK]
         do, _ = _load_rows(do_seq + h64 * stride_doh, stride_dot, m0, row_ok, HEAD_DIM_V, BLOCK_DV, 0,
                            BLOCK_M)  # [M, DV]
-        lse, delta = _load_row_stats(lse_seq + h64 * stride_lh, delta_seq + h64 * stride_lh, rows, row_ok)
-        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
-        if BLOCK_DQK2 > 0:
-            sT = tl.dot(k2, tl.trans(q2), sT, input_precision=DOT_PRECISION)
-        pT = tl.math.exp2(sT * sm_scale_log2 - lse[None, :])
-        if MASKED:
-            vis = _visible(rows[None, :], cols[:, None], seqlen_k, shift, window_left, window_right, HAS_LEFT,
-                           HAS_RIGHT, False)
-            if HAS_K_KEEP:
-                vis = vis & k_keep[:, None]
-            if HAS_Q_KEEP:
-                vis = vis & _load_keep(q_keep_base, stride_qks, rows, seqlen_q)[None, :]
-            pT = tl.where(vis, pT, 0.0)
-        keep = pT == pT
+    lse, delta = _load_row_stats(lse_seq + h64 * stride_lh, delta_seq + h64 * stride_lh, rows, row_ok)
+    sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
+    if BLOCK_DQK2 > 0:
+        sT = tl.dot(k2, tl.trans(q2), sT, input_precision=DOT_PRECISION)
+    pT = tl.math.exp2(sT * sm_scale_log2 - lse[None, :])
+    if MASKED:
+        vis = _visible(rows[None, :], cols[:, None], seqlen_k, shift, window_left, window_right, HAS_LEFT,
+                       HAS_RIGHT, False)
+        if HAS_K_KEEP:
+            vis = vis & k_keep[:, None]
+        if HAS_Q_KEEP:
+            vis = vis & _load_keep(q_keep_base, stride_qks, rows, seqlen_q)[None, :]
+        pT = tl.where(vis, pT, 0.0)
+    keep = pT == pT
+    if DROPOUT:
+        keep = _dropout_keep(seed, rng_offset, head + drop_head0, (q_gid0 + rows)[None, :], k_ids[:, None],
+                             drop_threshold)
+    if DV:
+        pdT = pT
         if DROPOUT:
-            keep = _dropout_keep(seed, rng_offset, head + drop_head0, (q_gid0 + rows)[None, :], k_ids[:, None],
-                                 drop_threshold)
-        if DV:
-            pdT = pT
-            if DROPOUT:
-                pdT = tl.where(keep, pT * drop_scale, 0.0)
-            dv += tl.dot(pdT.to(do.dtype), do, input_precision=DOT_PRECISION)
-        if DK:
-            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
-            if DROPOUT:
-                dpT = tl.where(keep, dpT * drop_scale, 0.0)
-            dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
-            dk += tl.dot(dsT, q, input_precision=DOT_PRECISION)
-            if BLOCK_DQK2 > 0:
-                dk2 += tl.dot(dsT, q2, input_precision=DOT_PRECISION)
+            pdT = tl.where(keep, pT * drop_scale, 0.0)
+        dv += tl.dot(pdT.to(do.dtype), do, input_precision=DOT_PRECISION)
+    if DK:
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
+        if DROPOUT:
+            dpT = tl.where(keep, dpT * drop_scale, 0.0)
+        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dk += tl.dot(dsT, q, input_precision=DOT_PRECISION)
+        if BLOCK_DQK2 > 0:
+            dk2 += tl.dot(dsT, q2, input_precision=DOT_PRECISION)
+    return dk, dk2, dv
+
+
+@triton.jit
+def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_seq, q_keep_base, stride_qt,
+                  stride_qh, stride_dot, stride_doh, stride_lh, stride_qks, cols, m_lo, m_hi, head0, group,
+                  seqlen_q, seqlen_k, shift, window_left, window_right,
+                  sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
+                  q_desc, q2_desc, do_desc, q_row0,
+                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                  BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
+                  HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+    """Query blocks [m_lo, m_hi) of each q head head0 .. head0 + group - 1 (GQA), as one flat loop
+    (head-major), so no loop nests around the pipelined steps; WARP_SPEC as in the forward's
+    _fwd_kv_steps."""
+    offs_m = tl.arange(0, BLOCK_M)
+    n_blocks = tl.cdiv(m_hi - m_lo, BLOCK_M)
+    if WARP_SPEC:
+        for step in tl.range(0, n_blocks * group, warp_specialize=True):
+            dk, dk2, dv = _dkdv_q_step(
+                dk, dk2, dv, head0 + step // n_blocks, m_lo + (step % n_blocks) * BLOCK_M, offs_m, k, k2, v, k_keep,
+                                                               q_seq,
+                do_seq, lse_seq, delta_seq, q_keep_base, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
+                stride_qks, cols, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
+                rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale, q_desc, q2_desc, do_desc, q_row0,
+                HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP,
+                HAS_K_KEEP, DROPOUT, DK, DV, MASKED, DOT_PRECISION, TMA)
+    else:
+        for step in range(0, n_blocks * group):
+            dk, dk2, dv = _dkdv_q_step(
+                dk, dk2, dv, head0 + step // n_blocks, m_lo + (step % n_blocks) * BLOCK_M, offs_m, k, k2, v, k_keep,
+                                                               q_seq,
+                do_seq, lse_seq, delta_seq, q_keep_base, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
+                stride_qks, cols, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
+                rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale, q_desc, q2_desc, do_desc, q_row0,
+                HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP,
+                HAS_K_KEEP, DROPOUT, DK, DV, MASKED, DOT_PRECISION, TMA)
     return dk, dk2, dv
 
 
 @triton.jit
 def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, map_ptr, q_keep_ptr, k_keep_ptr,
-               q_gid_ptr, k_gid_ptr, rng_ptr,
+               q_gid_ptr, k_gid_ptr, rng_ptr, q_desc, q2_desc, do_desc,
                batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2,
                window_left, window_right, drop_threshold, drop_scale,
                stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -151,9 +201,10 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
                PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
                DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
     """Task ``task`` of the (key tile, kv head) grid, heads fastest (``heads`` = kv heads): dK and/or
-    dV (DK, DV) of one key tile."""
+    dV (DK, DV) of one key tile. TMA: q and dO through the descriptors ``q_desc`` (``q2_desc``) and
+    ``do_desc`` (packed thd only)."""
     kv_head = task % heads
     tile = task // heads
     kv64 = kv_head.to(tl.int64)
@@ -198,30 +249,32 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
             dv = tl.zeros([BLOCK_N, BLOCK_DV if DV else 16], tl.float32)
             lo, full_lo, full_hi, hi = _query_range(n0, seqlen_q, seqlen_k, shift, window_left, window_right,
                                                     BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP or HAS_K_KEEP)
+            if TMA:  # the partial last query block into the masked tail, which zeroes its rows past seqlen_q
+                full_hi = tl.minimum(full_hi, tl.maximum(seqlen_q // BLOCK_M * BLOCK_M, full_lo))
             dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
                                         delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
                                         stride_doh, stride_lh, stride_qks, cols, lo, full_lo, kv_head * group, group,
                                         seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
-                                        rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
-                                        HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT,
-                                        HAS_RIGHT,
-                                        HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, True, DOT_PRECISION)
+                                        rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale, q_desc,
+                                        q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
+                                        BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK,
+                                        DV, True, DOT_PRECISION, TMA, WARP_SPEC)
             dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
                                         delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
-                                        stride_doh, stride_lh, stride_qks, cols, full_lo, full_hi, kv_head * group, group,
-                                        seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
-                                        rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
-                                        HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT,
-                                        HAS_RIGHT,
-                                        HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, False, DOT_PRECISION)
+                                        stride_doh, stride_lh, stride_qks, cols, full_lo, full_hi, kv_head * group,
+                                        group, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+                                        seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
+                                        q_desc, q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
+                                        BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
+                                        DROPOUT, DK, DV, False, DOT_PRECISION, TMA, WARP_SPEC)
             dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
                                         delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
                                         stride_doh, stride_lh, stride_qks, cols, full_hi, hi, kv_head * group, group,
                                         seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
-                                        rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
-                                        HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT,
-                                        HAS_RIGHT,
-                                        HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, True, DOT_PRECISION)
+                                        rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale, q_desc,
+                                        q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
+                                        BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK,
+                                        DV, True, DOT_PRECISION, TMA, WARP_SPEC)
             # the head offsets are added here and the rows counted from the sample's start, so no
             # more than one row index stays live over the loops (sm90 192/128 is at 254 registers)
             dk_base = dk_ptr + kv64 * stride_dkh
@@ -249,7 +302,7 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
+    map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, q_desc, q2_desc, do_desc,
     batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
     drop_threshold, drop_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -260,77 +313,122 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_GID: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+    TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
 ):
     # grid: n_tiles key tiles x kv heads (``heads``) programs; PERSISTENT: those tasks over a
     # core-count 1D grid
     if PERSISTENT:
         for task in range(tl.program_id(0), n_tiles * heads, tl.num_programs(0)):
             _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, map_ptr,
-                       q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, batch, heads,
+                       q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, q_desc, q2_desc, do_desc, batch, heads,
                        n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left,
                        window_right, drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb,
                        stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
                        stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dkb, stride_dkt,
                        stride_dkh, stride_dvb, stride_dvt, stride_dvh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
                        BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
-                       PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, DK, DV, DOT_PRECISION)
+                       PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, DK, DV, DOT_PRECISION, TMA, WARP_SPEC)
     else:
         _dkdv_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, map_ptr,
-                   q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, batch,
+                   q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, q_desc, q2_desc, do_desc, batch,
                    heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left,
                    window_right, drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt,
                    stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb,
                    stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dkb, stride_dkt, stride_dkh,
                    stride_dvb, stride_dvt, stride_dvh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
                    BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, PACKED, HAS_Q_KEEP,
-                   HAS_K_KEEP, DROPOUT, HAS_GID, DK, DV, DOT_PRECISION)
+                   HAS_K_KEEP, DROPOUT, HAS_GID, DK, DV, DOT_PRECISION, TMA, WARP_SPEC)
+
+
+@triton.jit
+def _dq_kv_step(dq, dq2, delta_exact, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
+                stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left, window_right,
+                sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale,
+                k_desc, k2_desc, v_desc, k_row0, k_col, v_col,
+                HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
+                HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, SINK_GRAD: tl.constexpr, MASKED: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """dQ over key block [n0, n0 + BLOCK_N); with SINK_GRAD also delta_exact += rowsum(P * dP) in
+    fp32 (the softmax offset's gradient needs delta without the output's rounding). TMA: k and v
+    through descriptors; in the MASKED (edge) blocks their rows past the sequence (another
+    sequence's) are zeroed, since dS and P are 0 there and 0 * inf would be NaN."""
+    cols = n0 + offs_n
+    col_ok = cols < seqlen_k
+    if TMA:
+        k = k_desc.load([k_row0 + n0, k_col])  # [N, DQK]
+        k2 = k
+        if BLOCK_DQK2 > 0:
+            k2 = k2_desc.load([k_row0 + n0, k_col + BLOCK_DQK])
+        v = v_desc.load([k_row0 + n0, v_col])  # [N, DV]
+        if MASKED:
+            k = tl.where(col_ok[:, None], k, 0.0)
+            if BLOCK_DQK2 > 0:
+                k2 = tl.where(col_ok[:, None], k2, 0.0)
+            v = tl.where(col_ok[:, None], v, 0.0)
+    else:
+        k, k2 = _load_rows(k_base, stride_kt, n0, col_ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, BLOCK_N)  # [N, DQK]
+        v, _ = _load_rows(v_base, stride_vt, n0, col_ok, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)  # [N, DV]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
+    if BLOCK_DQK2 > 0:
+        s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
+    p = tl.math.exp2(s * sm_scale_log2 - lse[:, None])
+    if MASKED:
+        vis = _visible(rows[:, None], cols[None, :], seqlen_k, shift, window_left, window_right, HAS_LEFT,
+                       HAS_RIGHT, True)
+        if HAS_Q_KEEP:
+            vis = vis & q_keep[:, None]
+        if HAS_K_KEEP:
+            vis = vis & _load_keep(k_keep_base, stride_kks, cols, seqlen_k)[None, :]
+        p = tl.where(vis, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
+    if DROPOUT:
+        keep = _dropout_keep(seed, rng_offset, head, q_ids[:, None], (k_gid0 + cols)[None, :], drop_threshold)
+        dp = tl.where(keep, dp * drop_scale, 0.0)
+    if SINK_GRAD:
+        delta_exact += tl.sum(p * dp, 1)
+    ds = (p * (dp - delta[:, None])).to(k.dtype)
+    dq += tl.dot(ds, k, input_precision=DOT_PRECISION)
+    if BLOCK_DQK2 > 0:
+        dq2 += tl.dot(ds, k2, input_precision=DOT_PRECISION)
+    return dq, dq2, delta_exact
 
 
 @triton.jit
 def _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
                  stride_vt, stride_kks, rows, n_lo, n_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
                  sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale,
+                 k_desc, k2_desc, v_desc, k_row0, k_col, v_col,
                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                  BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
                  HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, SINK_GRAD: tl.constexpr, MASKED: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """dQ over key blocks [n_lo, n_hi); with SINK_GRAD also delta_exact += rowsum(P * dP) in fp32 (the
-    softmax offset's gradient needs delta without the output's rounding)."""
+                 DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+    """dQ over key blocks [n_lo, n_hi); WARP_SPEC as in the forward's _fwd_kv_steps."""
     offs_n = tl.arange(0, BLOCK_N)
-    for n0 in range(n_lo, n_hi, BLOCK_N):
-        cols = n0 + offs_n
-        col_ok = cols < seqlen_k
-        k, k2 = _load_rows(k_base, stride_kt, n0, col_ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, BLOCK_N)  # [N, DQK]
-        v, _ = _load_rows(v_base, stride_vt, n0, col_ok, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)  # [N, DV]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
-        if BLOCK_DQK2 > 0:
-            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
-        p = tl.math.exp2(s * sm_scale_log2 - lse[:, None])
-        if MASKED:
-            vis = _visible(rows[:, None], cols[None, :], seqlen_k, shift, window_left, window_right, HAS_LEFT,
-                           HAS_RIGHT, True)
-            if HAS_Q_KEEP:
-                vis = vis & q_keep[:, None]
-            if HAS_K_KEEP:
-                vis = vis & _load_keep(k_keep_base, stride_kks, cols, seqlen_k)[None, :]
-            p = tl.where(vis, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
-        if DROPOUT:
-            keep = _dropout_keep(seed, rng_offset, head, q_ids[:, None], (k_gid0 + cols)[None, :], drop_threshold)
-            dp = tl.where(keep, dp * drop_scale, 0.0)
-        if SINK_GRAD:
-            delta_exact += tl.sum(p * dp, 1)
-        ds = (p * (dp - delta[:, None])).to(k.dtype)
-        dq += tl.dot(ds, k, input_precision=DOT_PRECISION)
-        if BLOCK_DQK2 > 0:
-            dq2 += tl.dot(ds, k2, input_precision=DOT_PRECISION)
+    if WARP_SPEC:
+        for n0 in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=True):
+            dq, dq2, delta_exact = _dq_kv_step(
+                dq, dq2, delta_exact, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
+                stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
+                rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_row0, k_col,
+                v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, MASKED, DOT_PRECISION, TMA)
+    else:
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            dq, dq2, delta_exact = _dq_kv_step(
+                dq, dq2, delta_exact, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
+                stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
+                rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_row0, k_col,
+                v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, MASKED, DOT_PRECISION, TMA)
     return dq, dq2, delta_exact
 
 
 @triton.jit
 def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr, map_ptr, q_keep_ptr, k_keep_ptr,
-             q_gid_ptr, k_gid_ptr, rng_ptr,
+             q_gid_ptr, k_gid_ptr, rng_ptr, k_desc, k2_desc, v_desc,
              batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2,
              window_left, window_right, drop_threshold, drop_scale,
              stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -340,9 +438,11 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
              BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
              PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
-             DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, SINK_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+             DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, SINK_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+             TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
     """Task ``task`` of the (query tile, q head) grid, heads fastest. With SINK_GRAD, rowsum(P * dP)
-    of each row goes to ``dsink_ptr`` (lse's layout)."""
+    of each row goes to ``dsink_ptr`` (lse's layout). TMA: k and v through the descriptors
+    ``k_desc`` (``k2_desc``) and ``v_desc`` (packed thd only)."""
     head = task % heads
     tile = task // heads
     h64 = head.to(tl.int64)
@@ -389,24 +489,35 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
             delta_exact = tl.zeros([BLOCK_M], tl.float32)
             lo, full_lo, full_hi, hi = _key_range(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP or HAS_K_KEEP)
-            dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                                   stride_vt, stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift, window_left,
-                                   window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
-                                   drop_threshold, drop_scale, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
-                                   BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, True,
-                                   DOT_PRECISION)
-            dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                                   stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift,
-                                   window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
-                                   drop_threshold, drop_scale, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
-                                   BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, False,
-                                   DOT_PRECISION)
-            dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                                   stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift, window_left,
-                                   window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
-                                   drop_threshold, drop_scale, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
-                                   BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, True,
-                                   DOT_PRECISION)
+            k_col = 0  # TMA: the kv head's first column in the [T, Hkv * D] views
+            v_col = 0
+            if TMA:
+                k_col = (kv64 * stride_kh).to(tl.int32)
+                v_col = (kv64 * stride_vh).to(tl.int32)
+            dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
+                                                k_keep_base, stride_kt, stride_vt, stride_kks, rows, lo, full_lo,
+                                                seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+                                                seed, rng_offset, drop_head, q_ids, k_gid0, drop_threshold,
+                                                drop_scale, k_desc, k2_desc, v_desc, k_start, k_col, v_col,
+                                                HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
+                                                HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, True,
+                                                DOT_PRECISION, TMA, WARP_SPEC)
+            dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
+                                                k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_lo, full_hi,
+                                                seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+                                                seed, rng_offset, drop_head, q_ids, k_gid0, drop_threshold,
+                                                drop_scale, k_desc, k2_desc, v_desc, k_start, k_col, v_col,
+                                                HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
+                                                HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD,
+                                                False, DOT_PRECISION, TMA, WARP_SPEC)
+            dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
+                                                k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_hi, hi,
+                                                seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+                                                seed, rng_offset, drop_head, q_ids, k_gid0, drop_threshold,
+                                                drop_scale, k_desc, k2_desc, v_desc, k_start, k_col, v_col,
+                                                HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
+                                                HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, True,
+                                                DOT_PRECISION, TMA, WARP_SPEC)
             dq_base = dq_head + seq64 * stride_dqb + q_start.to(tl.int64) * stride_dqt
             _store_rows(dq_base, stride_dqt, m0, row_ok, dq * sm_scale, dq2 * sm_scale, HEAD_DIM_QK, BLOCK_DQK,
                         BLOCK_DQK2, BLOCK_M)
@@ -425,7 +536,7 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr,
-    map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
+    map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, k_desc, k2_desc, v_desc,
     batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
     drop_threshold, drop_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -436,32 +547,35 @@ def _attn_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_GID: tl.constexpr, SINK_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+    TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
 ):
     # grid: n_tiles query tiles x q heads (``heads``) programs; PERSISTENT: those tasks over a
     # core-count 1D grid
     if PERSISTENT:
         for task in range(tl.program_id(0), n_tiles * heads, tl.num_programs(0)):
             _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr, map_ptr,
-                     q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, batch, heads, n_tiles,
+                     q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, k_desc, k2_desc, v_desc, batch, heads,
+                     n_tiles,
                      seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
                      drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                      stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
                      stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dqb, stride_dqt, stride_dqh,
                      HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N,
                      HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID,
-                     SINK_GRAD, DOT_PRECISION)
+                     SINK_GRAD, DOT_PRECISION, TMA, WARP_SPEC)
     else:
         _dq_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr, map_ptr,
-                 q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, batch, heads, n_tiles,
+                 q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, k_desc, k2_desc, v_desc, batch, heads, n_tiles,
                  seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
                  drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                  stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
                  stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dqb, stride_dqt, stride_dqh,
                  HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N,
                  HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID,
-                 SINK_GRAD, DOT_PRECISION)
+                 SINK_GRAD, DOT_PRECISION, TMA, WARP_SPEC)
 
 
+@tuned_fallback
 def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int,
                     softmax_scale: float, window_left: int = -1, window_right: int = -1, bottom_right: bool = True,
@@ -495,19 +609,21 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     window_left, window_right = kernel_window(window_left, limit), kernel_window(window_right, limit)
     target = target_of(q.device)
     block_dqk, block_dqk2, block_dv = head_blocks(dim_qk, dim_v)
-    cfg_dkdv, cfg_dq = bwd_configs(q.device, block_dqk + block_dqk2, block_dv, q.element_size(),
-                                   dropout=dropout_p > 0)
+    cls = launch_class(q, v, window_left, window_right, heads_kv=heads_kv, dropout=dropout_p > 0,
+                       sink=sink_rowsum is not None, keep=q_pack.keep is not None or k_pack.keep is not None)
+    blocks = (block_dqk + block_dqk2, block_dv, q.element_size())
+    cfg_dkdv, cfg_dq = bwd_configs(q.device, *blocks, dropout=dropout_p > 0, cls=cls)
+    cfg_pre = preprocess_config(q.device, *blocks, dropout=dropout_p > 0, cls=cls)
 
     delta = new_rowstat(q, q_pack, fill=0.0)  # [H, T] or [B, H, S]
     if q.numel() > 0:
         pre_batch = 1 if q_pack.fmt == "thd" else batch
-        grid_m = triton.cdiv(seqlen_q_total, cfg_dq.block_m)
+        grid_m = triton.cdiv(seqlen_q_total, cfg_pre.block_m)
         grid, persistent = launch_grid(q.device, target, grid_m * pre_batch, heads_q, vector_only=True)
         _attn_bwd_preprocess_kernel[grid](
             out, dout, delta, seqlen_q_total, grid_m, pre_batch, heads_q, *seq_strides(out, q_pack.fmt),
             *seq_strides(dout, q_pack.fmt), *rowstat_strides(delta, q_pack),
-            HEAD_DIM_V=dim_v, BLOCK_DV=block_dv, BLOCK_M=cfg_dq.block_m, PERSISTENT=persistent,
-            num_warps=cfg_dq.num_warps,  # the dQ tile's warps: 4 warps on 128 x 256 rows of out and dO would spill
+            HEAD_DIM_V=dim_v, BLOCK_DV=block_dv, BLOCK_M=cfg_pre.block_m, PERSISTENT=persistent, **cfg_pre.launch(),
         )
     common = dict(batch=batch, seqlen_q_total=seqlen_q_total, seqlen_k_total=seqlen_k_total,
                   group=heads_q // heads_kv, sm_scale=softmax_scale, sm_scale_log2=softmax_scale * LOG2E,
@@ -536,20 +652,29 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         # wide heads: dK and dV accumulators together would not fit the register file, so two passes
         split = split_dkdv(block_dqk + block_dqk2, block_dv, target, dropout_p > 0)
         passes = ((True, False), (False, True)) if split else ((True, True),)
+        loop = loop_flags(cfg_dkdv, target, cfg_dkdv.tma and usable((q_pack, k_pack), ((q, block_dqk + block_dqk2),
+                                                                                        (dout, block_dv))))
+        q_desc, q2_desc = row_descriptors(q, cfg_dkdv.block_m, block_dqk, block_dqk2) if loop["TMA"] else (None, None)
+        do_desc = row_descriptor(dout, cfg_dkdv.block_m, block_dv) if loop["TMA"] else None
         for do_dk, do_dv in passes:
             _attn_bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, dkdv_map, heads=heads_kv,
-                                        n_tiles=n_tiles_k,
+                                        n_tiles=n_tiles_k, q_desc=q_desc, q2_desc=q2_desc, do_desc=do_desc,
                                         **dict(zip(("stride_dkb", "stride_dkt", "stride_dkh"),
                                                    seq_strides(dk, k_pack.fmt))),
                                         **dict(zip(("stride_dvb", "stride_dvt", "stride_dvh"),
                                                    seq_strides(dv, k_pack.fmt))),
                                         BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, DK=do_dk, DV=do_dv,
-                                        PERSISTENT=persistent, **cfg_dkdv.launch(), **common)
+                                        PERSISTENT=persistent, **loop, **cfg_dkdv.launch(), **common)
     if run_dq:
         grid, persistent = launch_grid(q.device, target, n_tiles_q, heads_q)
+        loop = loop_flags(cfg_dq, target, cfg_dq.tma and usable((q_pack, k_pack), ((k, block_dqk + block_dqk2),
+                                                                                    (v, block_dv))))
+        k_desc, k2_desc = row_descriptors(k, cfg_dq.block_n, block_dqk, block_dqk2) if loop["TMA"] else (None, None)
         _attn_bwd_dq_kernel[grid](q, k, v, dout, lse, delta, dq, lse if sink_rowsum is None else sink_rowsum, dq_map,
+                                  k_desc=k_desc, k2_desc=k2_desc,
+                                  v_desc=row_descriptor(v, cfg_dq.block_n, block_dv) if loop["TMA"] else None,
                                   heads=heads_q, n_tiles=n_tiles_q, SINK_GRAD=sink_rowsum is not None,
                                   **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, q_pack.fmt))),
                                   BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, PERSISTENT=persistent,
-                                  **cfg_dq.launch(), **common)
+                                  **loop, **cfg_dq.launch(), **common)
     return dq, dk, dv

@@ -23,10 +23,13 @@ import triton.language as tl
 
 from coreattn.kernels.attn_common import (LENGTH_STRIDES, _dropout_keep, _first_gid, _key_range, _load_keep, _load_rows,
                                           _poison, _visible)
-from coreattn.kernels.config import CDNA_TARGETS, fwd_config, head_blocks, persistent_grid, target_of
+from coreattn.kernels.config import (CDNA_TARGETS, fwd_config, head_blocks, loop_flags, persistent_grid, target_of,
+                                     tuned_fallback)
+from coreattn.kernels.descriptors import row_descriptor, row_descriptors, usable
 from coreattn.kernels.packing import (Packing, keep_args, kernel_flags, new_like, new_rowstat, rowstat_strides, seq_len_dim,
                                       seq_strides)
 from coreattn.kernels.tile_map import _tile_rows, _tile_seq, tile_bound, tile_maps
+from coreattn.kernels.tuned_cache import launch_class
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -37,10 +40,20 @@ RUNTIME_INTS = ("batch", "n_tiles", "seqlen_q_total", "seqlen_k_total", "window_
 
 
 @triton.jit
-def _qk_scores(q, q2, k_base, stride_kt, n0, offs_n, col_ok, HEAD_DIM_QK: tl.constexpr, BLOCK_DQK: tl.constexpr,
-               BLOCK_DQK2: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _qk_scores(q, q2, k_base, stride_kt, n0, offs_n, col_ok, k_desc, k2_desc, k_row0, k_col,
+               HEAD_DIM_QK: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, MASKED: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     """q @ k^T for keys [n0, n0 + N): [M, N] fp32. The q/k dims may come in two blocks (q2, the
-    second, is [M, BLOCK_DQK2] when BLOCK_DQK2 > 0), so a non-power-of-two dim is not padded."""
+    second, is [M, BLOCK_DQK2] when BLOCK_DQK2 > 0), so a non-power-of-two dim is not padded.
+    TMA: k's rows come through descriptors over the packed [T, H * D] tensor (row ``k_row0 + n0``,
+    column ``k_col``); rows past the sequence hold another sequence's keys, whose scores the
+    caller's mask replaces."""
+    if TMA:
+        s = tl.dot(q, tl.trans(k_desc.load([k_row0 + n0, k_col])), input_precision=DOT_PRECISION)
+        if BLOCK_DQK2 > 0:
+            s = tl.dot(q2, tl.trans(k2_desc.load([k_row0 + n0, k_col + BLOCK_DQK])), s,
+                       input_precision=DOT_PRECISION)
+        return s
     offs_d = tl.arange(0, BLOCK_DQK)
     k_ptrs = k_base + tl.cast(n0, tl.int64) * stride_kt + offs_n[None, :] * stride_kt + offs_d[:, None]
     kd_mask = offs_d[:, None] < HEAD_DIM_QK
@@ -58,49 +71,90 @@ def _qk_scores(q, q2, k_base, stride_kt, n0, offs_n, col_ok, HEAD_DIM_QK: tl.con
 
 
 @triton.jit
-def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt, stride_kks,
-                  rows, n_lo, n_hi, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
-                  seed, rng_offset, head, q_ids, k_gid0, drop_threshold,
-                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
-                  BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
-                  HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    for n0 in range(n_lo, n_hi, BLOCK_N):
-        cols = n0 + offs_n
-        col_ok = cols < seqlen_k
-        s = _qk_scores(q, q2, k_base, stride_kt, n0, offs_n, col_ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, MASKED,
-                       DOT_PRECISION) * sm_scale_log2  # [M, N], log2 domain
+def _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
+                 stride_kks, rows, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
+                 rng_offset, head, q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col,
+                 HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                 BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+                 HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """Key block [n0, n0 + BLOCK_N). TMA: k and v through descriptors; in the MASKED (edge) blocks
+    the rows past the sequence are another sequence's (or zeros past T), so v's are zeroed there: a
+    probability of 0 times a non-finite value would be NaN. The unmasked blocks lie inside the
+    sequence."""
+    cols = n0 + offs_n
+    col_ok = cols < seqlen_k
+    s = _qk_scores(q, q2, k_base, stride_kt, n0, offs_n, col_ok, k_desc, k2_desc, k_row0, k_col, HEAD_DIM_QK,
+                   BLOCK_DQK, BLOCK_DQK2, MASKED, DOT_PRECISION, TMA) * sm_scale_log2  # [M, N], log2 domain
+    if TMA:
+        v = v_desc.load([k_row0 + n0, v_col])  # [N, DV]
+        if MASKED:
+            v = tl.where(col_ok[:, None], v, 0.0)
+    else:
         v_ptrs = v_base + tl.cast(n0, tl.int64) * stride_vt + offs_n[:, None] * stride_vt + offs_dv[None, :]
         if MASKED:
             v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
-            vis = _visible(rows[:, None], cols[None, :], seqlen_k, shift, window_left, window_right, HAS_LEFT,
-                           HAS_RIGHT, True)
-            if HAS_Q_KEEP:
-                vis = vis & q_keep[:, None]
-            if HAS_K_KEEP:
-                vis = vis & _load_keep(k_keep_base, stride_kks, cols, seqlen_k)[None, :]
-            s = tl.where(vis, s, float("-inf"))
         else:
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # a row that has seen no key yet keeps m = -inf; subtract 0 instead so p and alpha are 0, not NaN
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)  # the normalizer counts every probability, dropped or not
-        if DROPOUT:
-            keep = _dropout_keep(seed, rng_offset, head, q_ids[:, None], (k_gid0 + cols)[None, :], drop_threshold)
-            p = tl.where(keep, p, 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if MASKED:
+        vis = _visible(rows[:, None], cols[None, :], seqlen_k, shift, window_left, window_right, HAS_LEFT,
+                       HAS_RIGHT, True)
+        if HAS_Q_KEEP:
+            vis = vis & q_keep[:, None]
+        if HAS_K_KEEP:
+            vis = vis & _load_keep(k_keep_base, stride_kks, cols, seqlen_k)[None, :]
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a row that has seen no key yet keeps m = -inf; subtract 0 instead so p and alpha are 0, not NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)  # the normalizer counts every probability, dropped or not
+    if DROPOUT:
+        keep = _dropout_keep(seed, rng_offset, head, q_ids[:, None], (k_gid0 + cols)[None, :], drop_threshold)
+        p = tl.where(keep, p, 0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt, stride_kks,
+                  rows, n_lo, n_hi, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+                  seed, rng_offset, head, q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col,
+                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                  BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
+                  HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+    """Key blocks [n_lo, n_hi). WARP_SPEC: the loop is warp-specialized (Triton splits loads, MMAs
+    and softmax into partitions); it is a separate loop so that the plain one stays what
+    Tritons without ``tl.range(warp_specialize=)`` (triton-ascend 3.2) parse."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    if WARP_SPEC:
+        for n0 in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=True):
+            acc, m_i, l_i = _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_base,
+                                         k_keep_base, stride_kt,
+                                         stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
+                                         window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
+                                         drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col, HEAD_DIM_QK,
+                                         HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                         HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, MASKED, DOT_PRECISION, TMA)
+    else:
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            acc, m_i, l_i = _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_base,
+                                         k_keep_base, stride_kt,
+                                         stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
+                                         window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
+                                         drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col, HEAD_DIM_QK,
+                                         HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                         HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, MASKED, DOT_PRECISION, TMA)
     return acc, m_i, l_i
 
 
 @triton.jit
 def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr,
-              rng_ptr, sink_ptr, max_ptr,
+              rng_ptr, sink_ptr, max_ptr, k_desc, k2_desc, v_desc,
               batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
               drop_threshold, drop_scale,
               stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -110,8 +164,9 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
               PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
               DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, HAS_SINK: tl.constexpr, RETURN_MAX: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
-    """Task ``task`` of the (query tile, q head) grid, heads fastest."""
+              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+    """Task ``task`` of the (query tile, q head) grid, heads fastest. TMA: k and v are read through
+    the descriptors ``k_desc`` (``k2_desc`` for a split q/k dim) and ``v_desc`` (packed thd only)."""
     head = task % heads
     tile = task // heads
     o_head = out_ptr + head.to(tl.int64) * stride_oh
@@ -156,24 +211,32 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
             acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
             lo, full_lo, full_hi, hi = _key_range(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP or HAS_K_KEEP)
+            k_col = 0  # TMA: the kv head's first column in the [T, Hkv * D] views
+            v_col = 0
+            if TMA:
+                k_col = (kv_head * stride_kh).to(tl.int32)
+                v_col = (kv_head * stride_vh).to(tl.int32)
             acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
                                           stride_vt, stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift,
-                                          window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids,
-                                          k_gid0, drop_threshold, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
-                                          BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True,
-                                          DOT_PRECISION)
+                                          window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
+                                          q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
+                                          v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
+                                          HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION,
+                                          TMA, WARP_SPEC)
             acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
                                           stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift,
-                                          window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids,
-                                          k_gid0, drop_threshold, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
-                                          BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, False,
-                                          DOT_PRECISION)
+                                          window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
+                                          q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
+                                          v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
+                                          HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, False, DOT_PRECISION,
+                                          TMA, WARP_SPEC)
             acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
                                           stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift,
-                                          window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids,
-                                          k_gid0, drop_threshold, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
-                                          BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True,
-                                          DOT_PRECISION)
+                                          window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
+                                          q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
+                                          v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
+                                          HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION,
+                                          TMA, WARP_SPEC)
             if RETURN_MAX:  # the largest visible scaled logit of this tile (before the sink joins the max)
                 tl.store(max_ptr + head.to(tl.int64) * n_tiles + tile,
                          tl.max(tl.where(row_ok, m_i, float("-inf")), 0) * 0.6931471805599453)
@@ -207,7 +270,7 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def _varlen_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr,
-    max_ptr,
+    max_ptr, k_desc, k2_desc, v_desc,
     batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
     drop_threshold, drop_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -217,7 +280,7 @@ def _varlen_attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_GID: tl.constexpr, HAS_SINK: tl.constexpr, RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
 ):
     # grid: n_tiles * heads programs (CUDA, interpreter), or PERSISTENT (Ascend): a core-count 1D
     # grid whose programs run those same tasks in turn. seqlen_*_total is the token count T (thd)
@@ -225,22 +288,26 @@ def _varlen_attn_fwd_kernel(
     if PERSISTENT:
         for task in range(tl.program_id(0), n_tiles * heads, tl.num_programs(0)):
             _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr,
-                      q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr, max_ptr, batch, heads, n_tiles,
+                      q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr, max_ptr, k_desc, k2_desc, v_desc,
+                      batch, heads, n_tiles,
                       seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
                       drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                       stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
                       stride_qkb, stride_qks, stride_kkb, stride_kks, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
                       BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
-                      PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, HAS_SINK, RETURN_MAX, DOT_PRECISION)
+                      PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, HAS_SINK, RETURN_MAX, DOT_PRECISION, TMA,
+                      WARP_SPEC)
     else:
         _fwd_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr,
-                  q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr, max_ptr, batch, heads, n_tiles,
+                  q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr, max_ptr, k_desc, k2_desc, v_desc,
+                  batch, heads, n_tiles,
                   seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
                   drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                   stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
                   stride_qkb, stride_qks, stride_kkb, stride_kks, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
                   BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
-                  PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, HAS_SINK, RETURN_MAX, DOT_PRECISION)
+                  PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, HAS_SINK, RETURN_MAX, DOT_PRECISION, TMA,
+                  WARP_SPEC)
 
 
 def dot_precision(dtype: torch.dtype, target: str) -> str:
@@ -293,6 +360,7 @@ def dropout_args(dropout_p: float, rng_state: torch.Tensor | None, q_pack: Packi
                 drop_scale=1.0 / (1.0 - dropout_p), DROPOUT=dropout_p > 0, HAS_GID=has_gid and dropout_p > 0)
 
 
+@tuned_fallback
 def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: Packing, k_pack: Packing,
                     max_seqlen_q: int, softmax_scale: float, window_left: int = -1, window_right: int = -1,
                     bottom_right: bool = True, out: torch.Tensor | None = None, lse: torch.Tensor | None = None, *,
@@ -322,7 +390,10 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
     seqlen_q_total, seqlen_k_total = seq_len_dim(q, q_pack.fmt), seq_len_dim(k, k_pack.fmt)
     target = target_of(q.device)
     block_dqk, block_dqk2, block_dv = head_blocks(dim_qk, dim_v)
-    cfg = fwd_config(q.device, block_dqk + block_dqk2, block_dv, q.element_size(), dropout=dropout_p > 0)
+    cls = launch_class(q, v, window_left, window_right, heads_kv=heads_kv, dropout=dropout_p > 0,
+                       sink=softmax_offset is not None, max_logit=return_max_logit,
+                       keep=q_pack.keep is not None or k_pack.keep is not None)
+    cfg = fwd_config(q.device, block_dqk + block_dqk2, block_dv, q.element_size(), dropout=dropout_p > 0, cls=cls)
     n_tiles = tile_bound(batch, seqlen_q_total, cfg.block_m, q_pack.fmt == "thd")
     max_logit = torch.full((heads_q, max(n_tiles, 1)), float("-inf"), device=q.device) if return_max_logit else None
     if q.numel() > 0 and batch > 0 and n_tiles > 0:
@@ -331,8 +402,12 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
         tile_map, _ = tile_maps(q_pack, k_pack, seqlen_q_total, seqlen_k_total, target,
                                 q_tiles=(cfg.block_m, n_tiles))
         grid, persistent = launch_grid(q.device, target, n_tiles, heads_q)
+        loop = loop_flags(cfg, target, cfg.tma and usable((q_pack, k_pack), ((k, block_dqk + block_dqk2),
+                                                                              (v, block_dv))))
+        k_desc, k2_desc = row_descriptors(k, cfg.block_n, block_dqk, block_dqk2) if loop["TMA"] else (None, None)
         _varlen_attn_fwd_kernel[grid](
-            q, k, v, out, lse, tile_map, keep_args(q_pack)[0], keep_args(k_pack)[0],
+            q, k, v, out, lse, tile_map, keep_args(q_pack)[0], keep_args(k_pack)[0], k_desc=k_desc, k2_desc=k2_desc,
+            v_desc=row_descriptor(v, cfg.block_n, block_dv) if loop["TMA"] else None,
             sink_ptr=softmax_offset if softmax_offset is not None else q_pack.seq,
             max_ptr=max_logit if return_max_logit else lse,
             batch=batch, heads=heads_q, n_tiles=n_tiles, seqlen_q_total=seqlen_q_total, seqlen_k_total=seqlen_k_total,
@@ -350,7 +425,7 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
             HAS_SINK=softmax_offset is not None, RETURN_MAX=return_max_logit, PERSISTENT=persistent,
             **dropout_args(dropout_p, rng_state, q_pack, k_pack),
             **mask_flags(window_left, window_right, bottom_right, q_pack, k_pack),
-            **cfg.launch(),
+            **loop, **cfg.launch(),
         )
     if not return_max_logit:
         return out, lse

@@ -65,10 +65,19 @@ gfx942 and gfx950 at the main dims):
   spill-free; gfx90a needs more in the forward (narrower key steps at 128 and 256).
 - None of these tiles has been timed: no AMD GPU was available. The tuner may search the rest.
 
-TMA tensor descriptors (issue 14, item 1) are not used. The pointer kernels above are already
-spill-free with wgmma on sm90; descriptors built per sequence on the device need a
-``triton.set_allocator`` scratch buffer, and whether they help cannot be verified without
-hardware, which this team does not have. Left as future work, to be measured on a GPU.
+None of these tables has been timed: they come from compiler output alone. Which config a launch
+uses (``pick_config``): one the tuner forces (``forced_configs``), else on a CUDA device the tuned
+cache's entry for the launch's class (kernels/tuned_cache.py: files ``python -m coreattn.tune``
+writes on the user's GPU, or shipped in the package for named GPUs), else the table above, the
+shipped default. ``candidates`` lists what the tuner may try per target and kernel: the shipped
+entry first, tiles from ``_SPACES`` and the loop variants of ``_VARIANTS``, which are kernel
+constexprs (``loop_flags``): TMA descriptor loads in the key (dK/dV: query) loops on sm90 and
+sm100 (kernels/descriptors.py: host-side descriptors over the packed tensors, no
+``triton.set_allocator``; launches whose tensors do not allow them take the pointer loads), and a
+warp-specialized loop over those descriptor loads. The defaults (TMA and WARP_SPEC off) compile to
+the same PTX instructions as before the variants existed. A tuned config that fails to compile at
+launch is dropped with a warning and the launch reruns on the table (``tuned_fallback``). Every
+CUDA launch sets ``enable_fp_fusion`` explicitly (``FP_FUSION``).
 
 Ascend runs a persistent grid: as many programs as the device has AI cores (``num_aicore`` for
 kernels with ``tl.dot``, ``num_vectorcore`` for element-wise ones), each looping over
@@ -92,6 +101,7 @@ over-count.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import NamedTuple
@@ -114,17 +124,20 @@ MAX_PERSISTENT_GRID = 65535
 
 class AttnConfig(NamedTuple):
     block_m: int
-    block_n: int
+    block_n: int  # 0 for the backward preprocess kernel, which has rows only
     num_warps: int
-    num_stages: int
+    num_stages: int | None  # None: Triton's default (the preprocess kernel has no loop to pipeline)
     maxnreg: int | None = None  # CUDA: ptxas's register ceiling per thread (.maxnreg); None: ptxas's choice
     matrix_instr_nonkdim: int | None = None  # AMD: the MFMA instruction's M = N (16, 32); None: Triton's choice
+    warp_specialize: bool = False  # the key (dK/dV: query) loop as tl.range(..., warp_specialize=True)
+    tma: bool = False  # that loop's q/k/v/dO loads through TMA descriptors where allowed (kernels/descriptors.py)
+    fp_fusion: bool | None = None  # the enable_fp_fusion launch option; None: not passed (interpreter, Ascend)
 
     def launch(self) -> dict:
-        """The kernel launch options of this config (each backend's own: the HIP backend rejects
-        ``maxnreg``, the CUDA backend the AMD ones)."""
+        """The kernel launch options of this config, each backend's own (the HIP backend rejects
+        ``maxnreg``, the CUDA backend the AMD ones); warp_specialize and tma are constexprs, not options."""
         opts = dict(num_warps=self.num_warps, num_stages=self.num_stages, maxnreg=self.maxnreg,
-                    matrix_instr_nonkdim=self.matrix_instr_nonkdim)
+                    matrix_instr_nonkdim=self.matrix_instr_nonkdim, enable_fp_fusion=self.fp_fusion)
         return {k: v for k, v in opts.items() if v is not None}
 
 
@@ -311,6 +324,12 @@ _FP32_CDNA = ((128, _W(32, 32, 2, 1)), (256, _W(16, 16, 1, 1)))
 # at 64: 128 registers and 4 B spilled, 184 and none with the ceiling at 255; sm80's fp32 forward
 # at 64: 48 registers and a spill): every CUDA launch sets the ceiling to the file's 255.
 MAXNREG = 255
+# Floating-point fusion (a * b + c as one FMA), set explicitly on every CUDA launch: Triton 3.9
+# fuses by default and warns that 3.10 will not. Fusion keeps the numerics every test and the
+# compile report were checked with (the softmax's s * scale - m is one FMA) and saves the separate
+# multiplies and adds. The interpreter ignores launch options and triton-ascend 3.2 does not know
+# this one, so their configs leave it unset.
+FP_FUSION = True
 
 
 def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, elem: int,
@@ -324,20 +343,34 @@ def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, elem: 
         if widest <= width:
             if elem != 4:
                 cfg = dict((override or {}).get(target, ())).get(width, cfg)
-            return cfg if cdna else cfg._replace(maxnreg=MAXNREG)
+            return cfg._replace(fp_fusion=FP_FUSION) if cdna else cfg._replace(maxnreg=MAXNREG, fp_fusion=FP_FUSION)
     raise ValueError(f"head dims up to 256 are supported, got blocks {block_dqk}/{block_dv}")
 
 
-def fwd_config(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2,
-               dropout: bool = False) -> AttnConfig:
-    """``block_dqk``: the q/k blocks' total width (192 for 128 + 64); ``elem``: bytes per input
-    element (2 for fp16/bf16, 4 for fp32); ``dropout``: the dropout kernel."""
-    target = target_of(device)
+def shipped_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem: int = 2,
+                   dropout: bool = False) -> AttnConfig:
+    """The table's config of ``kernel`` ("fwd", "dkdv", "dq" or "preprocess") on ``target``:
+    ``block_dqk`` the q/k blocks' total width (192 for 128 + 64), ``elem`` bytes per input element
+    (2 for fp16/bf16, 4 for fp32), ``dropout`` the dropout kernels."""
+    if kernel == "preprocess":  # the dQ tile's rows and warps: 4 warps on 128 x 256 rows of out and dO would spill
+        dq = shipped_config(target, "dq", block_dqk, block_dv, elem, dropout)
+        return AttnConfig(dq.block_m, 0, dq.num_warps, None, fp_fusion=dq.fp_fusion)
     if target == "ascend":
-        return _ascend_blocks(fwd_step_bytes, block_dqk, block_dv, elem)
+        step = fwd_step_bytes if kernel == "fwd" else bwd_step_bytes
+        return _ascend_blocks(step, block_dqk, block_dv, elem)
     if target == "interpreter":
         return _INTERPRETER
-    return _cuda_config(_FWD, target, block_dqk, block_dv, elem, _FWD_DROPOUT if dropout else None)
+    table, override = {"fwd": (_FWD, _FWD_DROPOUT), "dkdv": (_DKDV, None), "dq": (_DQ, _DQ_DROPOUT)}[kernel]
+    return _cuda_config(table, target, block_dqk, block_dv, elem, override if dropout else None)
+
+
+def fwd_config(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2,
+               dropout: bool = False, cls=None) -> AttnConfig:
+    """The forward's config: the table's (``shipped_config``), unless the tuner forces one or, on a
+    CUDA device, the tuned cache has an entry for the launch's class ``cls`` (kernels/tuned_cache.py
+    ``KernelClass``; None: no cache lookup)."""
+    target = target_of(device)
+    return pick_config("fwd", device, target, cls, shipped_config(target, "fwd", block_dqk, block_dv, elem, dropout))
 
 
 def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False) -> bool:
@@ -350,13 +383,209 @@ def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False
 
 
 def bwd_configs(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2,
-                dropout: bool = False) -> tuple[AttnConfig, AttnConfig]:
+                dropout: bool = False, cls=None) -> tuple[AttnConfig, AttnConfig]:
     """(dK/dV config, dQ config); arguments as for fwd_config."""
     target = target_of(device)
-    if target == "ascend":
-        cfg = _ascend_blocks(bwd_step_bytes, block_dqk, block_dv, elem)
-        return cfg, cfg
-    if target == "interpreter":
-        return _INTERPRETER, _INTERPRETER
-    return (_cuda_config(_DKDV, target, block_dqk, block_dv, elem),
-            _cuda_config(_DQ, target, block_dqk, block_dv, elem, _DQ_DROPOUT if dropout else None))
+    return tuple(pick_config(kernel, device, target, cls,
+                             shipped_config(target, kernel, block_dqk, block_dv, elem, dropout))
+                 for kernel in ("dkdv", "dq"))
+
+
+def preprocess_config(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2,
+                      dropout: bool = False, cls=None) -> AttnConfig:
+    """The backward preprocess kernel's rows per program (block_m) and warps; arguments as for fwd_config."""
+    target = target_of(device)
+    return pick_config("preprocess", device, target, cls,
+                       shipped_config(target, "preprocess", block_dqk, block_dv, elem, dropout))
+
+
+# ---- the tuner's candidate spaces (python -m coreattn.tune)
+#
+# Tiles per kernel and width class (block_m, block_n, num_warps, num_stages; the preprocess kernel:
+# rows, 0, warps, None), by MMA family; ``candidates`` puts the shipped entry first and adds each
+# target's loop variants. Which candidates compile spill-free and fit shared memory is the dry run's
+# answer (python -m coreattn.tune --dry-run --arch ...), not assumed here: the tuner times only those.
+# New targets (e.g. AMD's gfx*) join with a _SPACES entry (and _VARIANTS where they have any).
+KERNELS = ("fwd", "dkdv", "dq", "preprocess")
+_PREPROCESS_SPACE = {256: ((32, 0, 4, None), (64, 0, 4, None), (128, 0, 8, None), (64, 0, 8, None))}
+_WGMMA_SPACE = {  # sm90, sm100: 227 KB per block; a warpgroup (4 warps) per 64 rows of a dot
+    "fwd": {64: ((128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3), (64, 128, 4, 2)),
+            128: ((128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)),
+            192: ((128, 32, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3)),
+            256: ((128, 32, 8, 2), (128, 16, 8, 3), (64, 32, 4, 2), (64, 16, 4, 3))},
+    # the dK/dV dots have the key tile's rows: 64 per warpgroup; at 192 and 256 its accumulators fill
+    # the registers, so the space there is mostly pipeline depth
+    "dkdv": {64: ((64, 128, 8, 2), (32, 64, 4, 3), (16, 128, 8, 3), (64, 64, 4, 2)),
+             128: ((32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 2), (16, 64, 4, 3)),
+             192: ((16, 128, 8, 4), (16, 128, 8, 5), (32, 128, 8, 2), (16, 64, 4, 3), (32, 64, 4, 2)),
+             256: ((16, 128, 8, 3), (16, 128, 8, 4), (32, 128, 8, 2), (16, 64, 4, 2))},
+    "dq": {64: ((128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3), (64, 128, 4, 2)),
+           128: ((128, 32, 8, 2), (64, 64, 4, 2), (128, 128, 8, 2), (64, 32, 4, 3)),
+           192: ((128, 64, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2)),
+           256: ((128, 16, 8, 2), (128, 16, 8, 3), (64, 16, 4, 3), (64, 32, 4, 2))},
+    "preprocess": _PREPROCESS_SPACE,
+}
+_MMA_SYNC_SPACE = {  # sm80 (163 KB) and the 99 KB parts: accumulators in registers, smaller tiles
+    "fwd": {64: ((64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3)),
+            128: ((64, 32, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2), (32, 32, 4, 3)),
+            256: ((32, 16, 4, 2), (16, 32, 4, 2), (32, 32, 4, 3), (64, 64, 8, 2))},
+    "dkdv": {64: ((32, 128, 8, 2), (16, 64, 4, 2), (32, 64, 4, 3)),
+             128: ((32, 64, 4, 2), (64, 64, 8, 2), (16, 64, 4, 2)),
+             192: ((16, 32, 4, 2), (32, 32, 4, 2), (32, 16, 4, 1)),
+             256: ((16, 32, 4, 1), (32, 64, 8, 1), (16, 64, 4, 1))},
+    "dq": {64: ((128, 64, 8, 2), (64, 32, 4, 3), (32, 64, 4, 2)),
+           128: ((64, 64, 4, 2), (32, 32, 4, 2), (64, 32, 4, 3)),
+           192: ((16, 32, 4, 1), (32, 16, 4, 1), (32, 32, 4, 2), (16, 64, 4, 1)),
+           256: ((16, 32, 4, 1), (32, 16, 4, 1), (32, 32, 4, 2), (64, 32, 8, 1))},
+    "preprocess": _PREPROCESS_SPACE,
+}
+_SPACES = {"sm80": _MMA_SYNC_SPACE, "sm86": _MMA_SYNC_SPACE, "sm89": _MMA_SYNC_SPACE, "sm120": _MMA_SYNC_SPACE,
+           "sm90": _WGMMA_SPACE, "sm100": _WGMMA_SPACE}
+# Loop variants, as (warp_specialize, tma), where Triton 3.9 compiles them for these kernels:
+# - TMA descriptors on every tile of sm90 and sm100 (sm80 and the 99 KB parts: not offered; Triton
+#   rewrites descriptors into pointer loads below sm90);
+# - warp specialization only on TMA loops: with pointer loads the loop compiled without a
+#   warp-specialized region on sm90 and sm100 (Hopper's pass also rejects pointer loads in its
+#   producer). With TMA, sm100 compiles one region per key loop, but every tile tried spilled
+#   (20 B to 3.5 KB of stores, with or without the 255-register ceiling), so it is offered on the
+#   shipped tile only, for the dry run to show; sm90 compiled no region at all (8 warps, or 4 warps
+#   with 64-row tiles), so it has none. Warp-specializing only the unmasked middle loop crashed
+#   Triton 3.9's TritonGPUHoistTMEMAlloc pass on sm100.
+_VARIANTS = {
+    "sm90": {kernel: (((False, True), ()),) for kernel in ("fwd", "dkdv", "dq")},
+    "sm100": {kernel: (((False, True), ()), ((True, True), ("shipped",))) for kernel in ("fwd", "dkdv", "dq")},
+}
+TMA_TARGETS = ("sm90", "sm100", "interpreter")  # where a config's tma is honoured (the interpreter emulates TMA)
+
+
+def _width_entry(classes: dict, widest: int):
+    for width in sorted(classes):
+        if widest <= width:
+            return classes[width]
+    return ()
+
+
+def candidates(target: str, kernel: str, block_dqk: int, block_dv: int, elem: int = 2,
+               dropout: bool = False) -> list[AttnConfig]:
+    """The configs the tuner may try for ``kernel`` on ``target``, the shipped one first (always a
+    candidate); fp32 and targets without a space have the shipped one only."""
+    shipped = shipped_config(target, kernel, block_dqk, block_dv, elem, dropout)
+    if elem == 4 or target not in _SPACES:
+        return [shipped]
+    opts = dict(maxnreg=None if kernel == "preprocess" else MAXNREG, fp_fusion=FP_FUSION)
+    tiles = [shipped] + [AttnConfig(*tile, **opts) for tile in _width_entry(_SPACES[target][kernel],
+                                                                            max(block_dqk, block_dv))]
+    out = []
+    for i, tile in enumerate(tiles):
+        for (ws, tma), only in (((False, False), ()), *_VARIANTS.get(target, {}).get(kernel, ())):
+            cfg = tile._replace(warp_specialize=ws, tma=tma)
+            if (not only or i == 0) and cfg not in out:  # only: ("shipped",) = on the shipped tile alone
+                out.append(cfg)
+    return out
+
+
+def loop_flags(cfg: AttnConfig, target: str, tma_possible: bool) -> dict:
+    """The kernels' TMA and WARP_SPEC constexprs for ``cfg``: TMA where the config asks for it, the
+    target has it and the launch's tensors allow it (``tma_possible``: kernels/descriptors.py);
+    warp specialization only on a TMA loop (see _VARIANTS)."""
+    tma = cfg.tma and tma_possible and target in TMA_TARGETS
+    return dict(TMA=tma, WARP_SPEC=cfg.warp_specialize and tma)
+
+
+# ---- which config a launch uses: forced (the tuner) > tuned cache (CUDA) > shipped table
+
+class ConfigUse(NamedTuple):
+    kernel: str
+    cls: str | None  # the launch's class id as the kernel sees it (kernels/tuned_cache.py KernelClass.for_kernel)
+    config: AttnConfig
+    source: str  # "shipped table (sm90)", "tuned: <file>", "forced by the tuner", ...
+
+    def as_json(self) -> dict:
+        return {"kernel": self.kernel, "class": self.cls, "config": self.config._asdict(), "source": self.source}
+
+
+_FORCED: dict[str, AttnConfig] = {}
+_RECORDERS: list[dict] = []
+
+
+@contextlib.contextmanager
+def forced_configs(**configs: AttnConfig):
+    """Inside, the launchers use these configs (by kernel: fwd, dkdv, dq, preprocess) whatever the
+    target, table or cache say: how the tuner times and compiles candidates, and how tests run a
+    variant under the interpreter."""
+    unknown = set(configs) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"unknown kernels {sorted(unknown)}; expected some of {KERNELS}")
+    saved = dict(_FORCED)
+    _FORCED.update(configs)
+    try:
+        yield
+    finally:
+        _FORCED.clear()
+        _FORCED.update(saved)
+
+
+@contextlib.contextmanager
+def record_configs():
+    """Yields a dict that receives, keyed by (kernel, class id), the ConfigUse of every config the
+    launchers pick inside (the last one for each key): what the self-check and the bench report."""
+    uses: dict = {}
+    _RECORDERS.append(uses)
+    try:
+        yield uses
+    finally:  # by identity: two recorders may hold equal dicts
+        del _RECORDERS[next(i for i, r in enumerate(_RECORDERS) if r is uses)]
+
+
+def pick_config(kernel: str, device: torch.device, target: str, cls, shipped: AttnConfig) -> AttnConfig:
+    """``kernel``'s config for a launch of class ``cls`` on ``device``: forced, else tuned (CUDA
+    devices only, kernels/tuned_cache.py), else ``shipped``."""
+    if kernel in _FORCED:
+        cfg, source = _FORCED[kernel], "forced by the tuner"
+    else:
+        hit = None
+        if cls is not None and device.type == "cuda" and target not in ("interpreter", "ascend"):
+            from coreattn.kernels import tuned_cache
+
+            hit = tuned_cache.lookup(device, kernel, cls)
+        if hit is not None:
+            cfg, source = hit.config._replace(fp_fusion=FP_FUSION), f"tuned: {hit.path}"
+        else:
+            cfg, source = shipped, f"shipped table ({target})"
+    if _RECORDERS:
+        use = ConfigUse(kernel, None if cls is None else cls.for_kernel(kernel).id, cfg, source)
+        for uses in _RECORDERS:
+            uses[(kernel, use.cls)] = use
+    return cfg
+
+
+def _compile_failure(exc: BaseException) -> bool:
+    """Triton failed to compile or load a kernel (a config that does not fit this GPU or Triton)."""
+    from triton.errors import TritonError
+    from triton.runtime.errors import InterpreterError
+
+    if isinstance(exc, TritonError):
+        return not isinstance(exc, InterpreterError)
+    return isinstance(exc, RuntimeError) and "PassManager::run failed" in str(exc)
+
+
+def tuned_fallback(launcher):
+    """Wraps a launcher: when a launch that used tuned configs fails to compile, those cache entries
+    are dropped (one warning naming their file, kernels/tuned_cache.py ``reject``) and the launch runs
+    again on the shipped table. Any other failure propagates."""
+    @functools.wraps(launcher)
+    def launch(*args, **kwargs):
+        with record_configs() as uses:
+            try:
+                return launcher(*args, **kwargs)
+            except Exception as exc:
+                tuned_uses = [u for u in uses.values() if u.source.startswith("tuned: ")]
+                if not tuned_uses or not _compile_failure(exc):
+                    raise
+                from coreattn.kernels import tuned_cache
+
+                for use in tuned_uses:
+                    tuned_cache.reject(use, exc)
+        return launcher(*args, **kwargs)
+
+    return launch

@@ -6,7 +6,9 @@ applying the same mask, under flash-attention's criterion: ``err <= 2 * err_same
 where ``err_same_dtype`` is the error of the naive attention computed in the input dtype (fp32
 scores and softmax, P rounded to the input dtype before P @ V, output rounded). Outputs and
 gradients must be finite, and rows that see no key must be zero. On CUDA it also checks that new
-packed batches do not recompile the kernels.
+packed batches do not recompile the kernels. The cases run the launch configs the kernels use on
+this device, a tuned cache's (``python -m coreattn.tune``) where it has an entry for the case, else
+the shipped table, and the report names each config and its source.
 
 On ROCm's PyTorch an AMD GPU is a ``cuda`` device: everything above runs there alike, and the
 report prints the HIP version and the gcnArchName.
@@ -37,6 +39,7 @@ import torch
 
 import coreattn
 from coreattn.kernels import runs_in_interpreter
+from coreattn.kernels.config import KERNELS, record_configs
 
 EPS = 1e-5
 CPU_MESSAGE = "CPU run under the Triton interpreter: checks the kernels' logic, not your GPU"
@@ -100,10 +103,11 @@ def band_mask(len_q: int, len_k: int, causal: bool, window: tuple[int, int]) -> 
     return mask
 
 
-def naive_attention(q, k, v, mask, offset=None, exact=True):
+def naive_attention(q, k, v, mask, offset=None, exact=True, keep=None, dropout_p=0.0):
     """q [Lq, Hq, Dqk], k [Lk, Hkv, Dqk], v [Lk, Hkv, Dv], mask [Lq, Lk] bool, offset [Hq] sink logits.
     exact: float64 throughout; else the same-dtype baseline (fp32 scores and softmax, P rounded to
-    q's dtype before P @ V, output rounded). Rows that see nothing output zeros. Differentiable."""
+    q's dtype before P @ V, output rounded). Rows that see nothing output zeros. ``keep``: dropout's
+    [Hq, Lq, Lk] keep mask (kept probabilities scaled by 1 / (1 - dropout_p)). Differentiable."""
     work = torch.float64 if exact else torch.float32
     group = q.shape[1] // k.shape[1]
     qw, kw, vw = q.to(work), k.to(work).repeat_interleave(group, 1), v.to(work).repeat_interleave(group, 1)
@@ -113,6 +117,8 @@ def naive_attention(q, k, v, mask, offset=None, exact=True):
     seen = torch.isfinite(s).any(-1, keepdim=True)  # [Hq, Lq, 1]
     p = torch.softmax(torch.where(seen, s, 0.0), -1) * seen
     p = p[..., :k.shape[0]]
+    if keep is not None:
+        p = p * keep.to(p.device) / (1.0 - dropout_p)
     if not exact:
         p = p.to(q.dtype).to(work)
     out = torch.einsum("hij,jhd->ihd", p, vw)  # [Lq, Hq, Dv]
@@ -260,6 +266,19 @@ def check_recompiles(device: torch.device, dtype: torch.dtype) -> Check:
 
 # ---- the report
 
+def configs_report(uses) -> str:
+    """The launch configs the cases ran, per kernel and launch class, and their source: the shipped
+    table of this device's config family, or a tuned cache file (python -m coreattn.tune)."""
+    lines = ["launch configs the kernels used (tile, warps, stages; source):"]
+    for use in sorted(uses, key=lambda u: (u.cls or "", KERNELS.index(u.kernel))):
+        cfg = use.config
+        tile = f"{cfg.block_m}x{cfg.block_n}" if cfg.block_n else f"{cfg.block_m} rows"
+        extra = (" tma" if cfg.tma else "") + (" warp-specialized" if cfg.warp_specialize else "")
+        lines.append(f"  {use.kernel:<10} {use.cls or '-':<32} {tile} w{cfg.num_warps} s{cfg.num_stages or '-'}{extra}"
+                     f"  ({use.source})")
+    return "\n".join(lines)
+
+
 def environment(device: torch.device) -> dict:
     """Device and versions; on ROCm's PyTorch (AMD GPUs are ``cuda`` devices there) the HIP version
     and the device's gcnArchName too."""
@@ -313,20 +332,25 @@ def run(quick: bool = False, out=sys.stdout) -> dict:
     say()
     say(head)
     say("-" * len(head))
-    results = []
+    results, used = [], {}
     for case, dtype in rows:
         dname = str(dtype).replace("torch.", "")
         try:
-            checks = run_case(case, dtype, device)
+            with record_configs() as uses:
+                checks = run_case(case, dtype, device)
         except Exception as exc:  # report and go on: one broken case should not hide the others
             checks = [Check("run", math.inf, 0.0, False, f"{type(exc).__name__}: {exc}")]
+        used.update(uses)
         by_name = {c.name: c for c in checks}
         ok = all(c.passed for c in checks)
         cells = [_cell(by_name[n]) if n in by_name else "-" for n in ("out", "dq", "dk", "dv", "d_offset")]
         zero = [c for c in checks if c.name.startswith("zero")]
         cells.append(("ok" if all(c.passed for c in zero) else "FAIL") if zero else "-")
         say(f"{case.name:<32} {dname:<8} " + " ".join(f"{x:>5}" for x in cells) + f"  {'PASS' if ok else 'FAIL'}")
-        results.append({"case": asdict(case), "dtype": dname, "passed": ok, "checks": [c.as_json() for c in checks]})
+        results.append({"case": asdict(case), "dtype": dname, "passed": ok, "checks": [c.as_json() for c in checks],
+                        "configs": [u.as_json() for u in uses.values()]})
+    say()
+    say(configs_report(used.values()))
     recompile = check_recompiles(device, dtypes[0])
     say()
     status = "FAIL" if not recompile.passed else "SKIPPED" if recompile.note.startswith("skipped") else "PASS"

@@ -148,6 +148,14 @@ class _EmulatedDriver:
         return importlib.import_module(f"triton.backends.{backend}.driver").ty_to_cpp(ty)
 
 
+def arch_target(arch: str) -> str:
+    """The launch-config target (kernels/config.py) of an emulated arch: a CDNA arch is its own
+    target, a CUDA arch maps through its compute capability."""
+    from coreattn.kernels import config
+
+    return arch if arch in CDNA_ARCHS else config.cuda_target(*divmod(ARCHS[arch].capability, 10))
+
+
 @contextlib.contextmanager
 def emulate(arch: str):
     """Inside: Triton compiles for ``arch``, the project's launchers choose its configs, and every
@@ -160,7 +168,7 @@ def emulate(arch: str):
     import coreattn.kernels as kernels
     from coreattn.kernels import config
 
-    target = arch if arch in CDNA_ARCHS else config.cuda_target(*divmod(ARCHS[arch].capability, 10))
+    target = arch_target(arch)
     real_target_of = config.target_of
     patched = [importlib.import_module(f"coreattn.kernels.{m.name}") for m in pkgutil.iter_modules(kernels.__path__)]
     patched = [m for m in patched if getattr(m, "target_of", None) is real_target_of]
@@ -189,6 +197,28 @@ def emulate(arch: str):
         jit.JITFunction.run = real_run
         knobs.nvidia.dump_ptxas_log = saved_dump
         driver._active = saved_driver
+
+
+@contextlib.contextmanager
+def captured_launches():
+    """Inside, every kernel launch (a real one, on any device) is recorded: yields the list of
+    dicts (fn: the kernel's name, kernel: the compiled kernel, whose n_regs and n_spills a GPU
+    launch has filled in)."""
+    import triton.runtime.jit as jit
+
+    launches: list[dict] = []
+    real_run = jit.JITFunction.run
+
+    def run(self, *args, **kwargs):
+        kernel = real_run(self, *args, **kwargs)
+        launches.append(dict(fn=self.__name__, kernel=kernel))
+        return kernel
+
+    jit.JITFunction.run = run
+    try:
+        yield launches
+    finally:
+        jit.JITFunction.run = real_run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,7 +362,8 @@ def describe(launch: dict, arch: str) -> dict:
     limits = ARCHS[arch]
     row.update(**ptxas_stats(launch["ptxas_log"], kernel, limits.capability),
                mma=mma_counts(kernel.asm["ptx"]), mma_dup=mma_duplication(ttgir),
-               dots=dot_ops(ttgir),
+               dots=dot_ops(ttgir), tma_loads=ttgir.count("ttng.async_tma_copy_global_to_local"),
+               ws_regions=ttgir.count("ttg.warp_specialize"),
                smem_fits=md.shared <= limits.smem_per_block, hash=kernel.hash)
     if row["regs"] is not None:
         row.update(occupancy(row["regs"], md.num_warps, md.shared, limits))
@@ -343,9 +374,10 @@ def describe(launch: dict, arch: str) -> dict:
 # Driving the launchers
 
 
-def compile_problem(problem: Problem, launches: list[dict], arch: str) -> list[dict]:
+def compile_problem(problem: Problem, launches: list[dict], arch: str, kernels=None) -> list[dict]:
     """Forward and backward of ``problem`` through the real launchers (inside ``emulate``); one
-    row per kernel launch, the preprocess kernel included."""
+    row per kernel launch, the preprocess kernel included. ``kernels`` (names as in KERNEL_NAMES'
+    values): run only the launchers these need and describe only their launches."""
     from coreattn.kernels import varlen_attn_bwd, varlen_attn_fwd
     from coreattn.kernels.packing import packed
     from coreattn.kernels.dropout import rng_state
@@ -363,12 +395,17 @@ def compile_problem(problem: Problem, launches: list[dict], arch: str) -> list[d
     dropout = dict(dropout_p=0.1, rng_state=rng_state(torch.device("cpu"))) if problem.feature == "dropout" else {}
     offset = torch.zeros(HEADS_Q, dtype=torch.float32) if problem.feature == "sink" else None
     start = len(launches)
-    out, lse, *_ = varlen_attn_fwd(q, k, v, pack, pack, longest, scale, -1, window_right, True, **dropout,
-                                   softmax_offset=offset, return_max_logit=problem.feature == "max_logit")
-    sink_rowsum = torch.zeros_like(lse) if offset is not None else None
-    varlen_attn_bwd(torch.empty_like(out), q, k, v, out, lse, pack, pack, longest, longest, scale, -1, window_right,
-                    True, **dropout, sink_rowsum=sink_rowsum)
-    return [dict(describe(launch, arch), problem=problem.id, **problem._asdict()) for launch in launches[start:]]
+    if kernels is None or "fwd" in kernels:
+        out, lse, *_ = varlen_attn_fwd(q, k, v, pack, pack, longest, scale, -1, window_right, True, **dropout,
+                                       softmax_offset=offset, return_max_logit=problem.feature == "max_logit")
+    else:  # compile-only launches never write: the backward needs out and lse only as arguments
+        out, lse = torch.empty(total, HEADS_Q, problem.dim_v, dtype=dtype), torch.empty(HEADS_Q, total)
+    if kernels is None or set(kernels) - {"fwd"}:
+        sink_rowsum = torch.zeros_like(lse) if offset is not None else None
+        varlen_attn_bwd(torch.empty_like(out), q, k, v, out, lse, pack, pack, longest, longest, scale, -1,
+                        window_right, True, **dropout, sink_rowsum=sink_rowsum)
+    return [dict(describe(launch, arch), problem=problem.id, **problem._asdict()) for launch in launches[start:]
+            if kernels is None or KERNEL_NAMES.get(launch["fn"]) in kernels]
 
 
 def compile_report(archs, problems) -> list[dict]:
