@@ -332,6 +332,12 @@ MAXNREG = 255
 FP_FUSION = True
 
 
+def fp_fusion_option(target: str) -> dict:
+    """The ``enable_fp_fusion`` launch option for a kernel without an AttnConfig (the tile map, the
+    mask kernels): set on GPU targets, left out where the launch does not take it."""
+    return {} if target in ("interpreter", "ascend") else {"enable_fp_fusion": FP_FUSION}
+
+
 def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, elem: int,
                  override: dict | None = None) -> AttnConfig:
     """The entry of the first width class that holds the widest block (``override``'s entry for
