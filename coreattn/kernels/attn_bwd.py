@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from coreattn.kernels.attn_common import (LENGTH_STRIDES, _dropout_keep, _first_gid, _key_range, _load_keep, _load_rows,
-                                          _poison, _query_range, _store_rows, _visible)
+                                          _poison, _query_range, _store_rows, _tile_visible, _visible)
 from coreattn.kernels.attn_fwd import (LOG2E, RUNTIME_INTS, dot_precision, dropout_args, kernel_window, launch_grid,
                                        mask_flags)
 from coreattn.kernels.config import (bwd_configs, head_blocks, loop_flags, preprocess_config, split_dkdv, target_of,
@@ -169,8 +169,7 @@ def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_s
         for step in tl.range(0, n_blocks * group, warp_specialize=True):
             dk, dk2, dv = _dkdv_q_step(
                 dk, dk2, dv, head0 + step // n_blocks, m_lo + (step % n_blocks) * BLOCK_M, offs_m, k, k2, v, k_keep,
-                                                               q_seq,
-                do_seq, lse_seq, delta_seq, q_keep_base, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
+                q_seq, do_seq, lse_seq, delta_seq, q_keep_base, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
                 stride_qks, cols, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
                 rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale, q_desc, q2_desc, do_desc, q_row0,
                 HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP,
@@ -179,8 +178,7 @@ def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_s
         for step in range(0, n_blocks * group):
             dk, dk2, dv = _dkdv_q_step(
                 dk, dk2, dv, head0 + step // n_blocks, m_lo + (step % n_blocks) * BLOCK_M, offs_m, k, k2, v, k_keep,
-                                                               q_seq,
-                do_seq, lse_seq, delta_seq, q_keep_base, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
+                q_seq, do_seq, lse_seq, delta_seq, q_keep_base, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
                 stride_qks, cols, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
                 rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale, q_desc, q2_desc, do_desc, q_row0,
                 HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP,
@@ -375,12 +373,8 @@ def _dq_kv_step(dq, dq2, delta_exact, n0, offs_n, q, q2, do, lse, delta, q_keep,
         s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
     p = tl.math.exp2(s * sm_scale_log2 - lse[:, None])
     if MASKED:
-        vis = _visible(rows[:, None], cols[None, :], seqlen_k, shift, window_left, window_right, HAS_LEFT,
-                       HAS_RIGHT, True)
-        if HAS_Q_KEEP:
-            vis = vis & q_keep[:, None]
-        if HAS_K_KEEP:
-            vis = vis & _load_keep(k_keep_base, stride_kks, cols, seqlen_k)[None, :]
+        vis = _tile_visible(rows, cols, q_keep, k_keep_base, stride_kks, seqlen_k, shift, window_left, window_right,
+                            HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP)
         p = tl.where(vis, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
     if DROPOUT:

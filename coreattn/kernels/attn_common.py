@@ -40,6 +40,21 @@ def _load_keep(keep_base, stride_s, idx, length):
 
 
 @triton.jit
+def _tile_visible(rows, cols, q_keep, k_keep_base, stride_kks, seqlen_k, shift, window_left, window_right,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
+                  HAS_K_KEEP: tl.constexpr):
+    """[M, N] visibility of a masked (edge) tile, queries as rows: the band, the key bound and the
+    keep masks (q_keep is the tile's [M] loaded once; the keys' entries are loaded here)."""
+    vis = _visible(rows[:, None], cols[None, :], seqlen_k, shift, window_left, window_right, HAS_LEFT, HAS_RIGHT,
+                   True)
+    if HAS_Q_KEEP:
+        vis = vis & q_keep[:, None]
+    if HAS_K_KEEP:
+        vis = vis & _load_keep(k_keep_base, stride_kks, cols, seqlen_k)[None, :]
+    return vis
+
+
+@triton.jit
 def _key_range(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ALL_MASKED: tl.constexpr):

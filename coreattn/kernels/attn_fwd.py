@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from coreattn.kernels.attn_common import (LENGTH_STRIDES, _dropout_keep, _first_gid, _key_range, _load_keep, _load_rows,
-                                          _poison, _visible)
+                                          _poison, _tile_visible)
 from coreattn.kernels.config import (CDNA_TARGETS, fwd_config, head_blocks, loop_flags, persistent_grid, target_of,
                                      tuned_fallback)
 from coreattn.kernels.descriptors import row_descriptor, row_descriptors, usable
@@ -97,12 +97,8 @@ def _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_ba
         else:
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
     if MASKED:
-        vis = _visible(rows[:, None], cols[None, :], seqlen_k, shift, window_left, window_right, HAS_LEFT,
-                       HAS_RIGHT, True)
-        if HAS_Q_KEEP:
-            vis = vis & q_keep[:, None]
-        if HAS_K_KEEP:
-            vis = vis & _load_keep(k_keep_base, stride_kks, cols, seqlen_k)[None, :]
+        vis = _tile_visible(rows, cols, q_keep, k_keep_base, stride_kks, seqlen_k, shift, window_left, window_right,
+                            HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP)
         s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row that has seen no key yet keeps m = -inf; subtract 0 instead so p and alpha are 0, not NaN
