@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA
+from oracle import attention_ref
 
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
 # every kernel case runs in these; without CUDA, bf16 runs on chosen cases only (BF16_CPU_CASES, and
@@ -154,3 +155,14 @@ def assert_grad_criterion(out: torch.Tensor, ref: torch.Tensor, naive: torch.Ten
     naives = torch.autograd.grad(naive, leaves, g.cpu().to(naive.dtype))
     for name, got, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
         assert_flash_criterion(name, got.cpu(), n, r)
+
+
+def assert_matches_oracle(out: torch.Tensor, q, k, v, cu_q, cu_k, case: Case):
+    """out = attention(q, k, v) of a varlen case on CPU tensors: out, then dq/dk/dv under a fixed
+    incoming gradient, against the float64 oracle with the flash criterion."""
+    opts = dict(causal=case.causal, window=case.window, bottom_right=case.bottom_right)
+    ref, _ = attention_ref(q, k, v, cu_q, cu_k, **opts)
+    naive, _ = attention_ref(q, k, v, cu_q, cu_k, upcast=False, **opts)
+    assert_flash_criterion("out", out, naive, ref)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.dtype)
+    assert_grad_criterion(out, ref, naive, (q, k, v), g)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import coreattn
-from attn_cases import CASES, LENS_K, Case, assert_flash_criterion, assert_grad_criterion, make_inputs
+from attn_cases import (CASES, LENS_K, Case, assert_flash_criterion, assert_grad_criterion, assert_matches_oracle,
+                        make_inputs)
 from coreattn.layers import backends
 from coreattn.kernels import npu
 from coreattn.layers.backends import Backend, is_available, select_backend
@@ -127,12 +128,7 @@ def test_packed_matches_oracle_and_passes_tnd(fake_npu, case, dtype):
     assert all(type(x) is int for x in call["actual_seq_qlen"] + call["actual_seq_kvlen"])
     _check_call(call, params, case.hq, max(max(pair) for pair in used))
 
-    opts = dict(causal=case.causal, window=case.window, bottom_right=case.bottom_right)
-    ref, _ = attention_ref(q, k, v, cu_q, cu_k, **opts)
-    naive, _ = attention_ref(q, k, v, cu_q, cu_k, upcast=False, **opts)
-    assert_flash_criterion("out", out, naive, ref)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
-    assert_grad_criterion(out, ref, naive, (q, k, v), g)
+    assert_matches_oracle(out, q, k, v, cu_q, cu_k, case)
 
 
 def test_rows_without_keys_are_zeroed_with_invalid_row_handling(fake_npu):

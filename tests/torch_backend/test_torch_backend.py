@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import coreattn
-from attn_cases import LENS_K, Case, assert_flash_criterion, assert_grad_criterion, make_inputs
+from attn_cases import LENS_K, Case, assert_matches_oracle, make_inputs
 from oracle import attention_ref
 
 TORCH_CASES = [
@@ -21,12 +21,7 @@ def test_torch_backend_matches_oracle(case, dtype):
     align = "bottom_right" if case.bottom_right else "top_left"
     out = coreattn.varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal=case.causal, window_size=case.window,
                                causal_alignment=align, backend="torch")
-    opts = dict(causal=case.causal, window=case.window, bottom_right=case.bottom_right)
-    ref, _ = attention_ref(q, k, v, cu_q, cu_k, **opts)
-    naive, _ = attention_ref(q, k, v, cu_q, cu_k, upcast=False, **opts)
-    assert_flash_criterion("out", out, naive, ref)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
-    assert_grad_criterion(out, ref, naive, (q, k, v), g)
+    assert_matches_oracle(out, q, k, v, cu_q, cu_k, case)
 
 
 @pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (1, 2))])
