@@ -109,9 +109,19 @@ def _merge(path: Path, key, results) -> list[dict]:
     return list(entries.values())
 
 
+def check_numbers(args) -> None:
+    """--limit counts candidates (>= 1); --min-speedup is a factor over the shipped config's time
+    (>= 1: a smaller one would accept a slower config)."""
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit: at least 1 candidate per kernel and class, got {args.limit}")
+    if args.min_speedup is not None and not args.min_speedup >= 1.0:
+        raise ValueError(f"--min-speedup: a factor >= 1 over the shipped config, got {args.min_speedup}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        check_numbers(args)
         classes = space.classes(space.parse_dims(args.dims), args.dtype, args.features, args.gqa)
     except ValueError as exc:
         print(exc, file=sys.stderr)

@@ -163,6 +163,17 @@ def test_without_a_gpu_the_tuner_exits_nonzero_with_a_clear_message(capsys):
     assert cli.main(["--dims", "1000"]) == 2
 
 
+@pytest.mark.parametrize("argv, name", [(["--dry-run", "--limit", "0"], "--limit"),
+                                        (["--dry-run", "--limit", "-1"], "--limit"),
+                                        (["--min-speedup", "0"], "--min-speedup"),
+                                        (["--min-speedup", "0.9"], "--min-speedup"),
+                                        (["--min-speedup", "nan"], "--min-speedup")])
+def test_bad_numbers_exit_nonzero_naming_the_option(argv, name, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(name) and "CUDA GPU" not in err
+
+
 def test_the_whole_run_writes_the_cache_the_launchers_read(tmp_path, monkeypatch, capsys):
     """``python -m coreattn.tune``'s run after its GPU checks, on the CPU: two tiny batches, the
     interpreter's shipped config against one candidate, a scripted timer; then the launchers' lookup
