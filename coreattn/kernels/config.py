@@ -316,8 +316,13 @@ _FWD["gfx950"] = ((64, _W(128, 128, 8, 1)), (128, _W(128, 128, 8, 1)), (192, _W(
 _FWD_DROPOUT["gfx950"] = ((64, _W(128, 64, 8, 1)), (128, _W(128, 64, 8, 1)))
 _DKDV["gfx950"] = ((64, _W(64, 128, 8, 1)), (128, _W(32, 128, 8, 1)), (192, _W(16, 128, 8, 1)), (256, _W(16, 128, 8, 1)))
 _DQ_DROPOUT["gfx950"] = ()
-# gfx90a's forward needs more registers than gfx942's for the same tile (at 128 and 256 it spilled)
-_FWD["gfx90a"] = ((64, _W(128, 128, 8, 1)), (128, _W(128, 32, 8, 1)), (192, _W(128, 64, 8, 1)), (256, _W(128, 16, 8, 1)))
+# gfx90a's forward needs more registers than gfx942's for the same tile (at 128 and 256 it spilled;
+# at 64 the 128-key step took all 256 VGPRs and spilled 6 with max_logit, 182 without: 64-key steps,
+# 113-122 VGPRs and 4 waves per SIMD in every variant)
+_FWD["gfx90a"] = ((64, _W(128, 64, 8, 1)), (128, _W(128, 32, 8, 1)), (192, _W(128, 64, 8, 1)), (256, _W(128, 16, 8, 1)))
+# and its dK pass at 256 took 256 VGPRs + 1-4 AGPRs on gfx942's 16 x 64 x 4 waves (1 wave per SIMD):
+# 16 x 32 on 2 waves keeps each wave's 16 keys, 252-254 VGPRs, 2 waves per SIMD, no MFMA duplicated
+_DKDV["gfx90a"] = _DKDV["gfx942"][:3] + ((256, _W(16, 32, 2, 1)),)
 # fp32 takes CDNA's IEEE fp32 MFMAs; one small tile for every kernel (see the module docstring)
 _FP32_CDNA = ((128, _W(32, 32, 2, 1)), (256, _W(16, 16, 1, 1)))
 # Left to itself, ptxas often capped registers well below the register file and spilled (sm120's dQ

@@ -1,9 +1,10 @@
 """Compile the kernels of the given problems for CUDA or AMD CDNA architectures, without a device, and print
 coreattn.tune.compiler's rows as JSON (run as a script; TRITON_INTERPRET must be unset).
 
-``python tests/kernels/kernel_structure.py sm90:64,128,192/128 sm86:256,128@fp32``: arch, then head dims
-(q/k[/v], ``@fp32`` for fp32 inputs), each compiled causal, in bf16 unless told (the causal kernels
-hold both the masked and unmasked key loops).
+``python tests/kernels/kernel_structure.py sm90:64,128,192/128 sm86:256,128@fp32 gfx90a:64+max_logit``:
+arch, then head dims (q/k[/v], ``@fp32`` for fp32 inputs, ``+FEATURE`` for one of compiler.FEATURES),
+each compiled causal, in bf16 unless told (the causal kernels hold both the masked and unmasked key
+loops).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ def main(specs: list[str]) -> None:
         arch, _, dims = spec.partition(":")
         problems = []
         for dim in dims.split(","):
+            dim, _, feature = dim.partition("+")
             dim, _, dtype = dim.partition("@")
             qk, _, v = dim.partition("/")
-            problems.append(Problem(int(qk), int(v or qk), dtype or "bf16", True))
+            problems.append(Problem(int(qk), int(v or qk), dtype or "bf16", True, feature=feature))
         rows += compile_report([arch], problems)
     json.dump(rows, sys.stdout, default=str)
 

@@ -2,15 +2,17 @@
 (coreattn/tune/compiler.py): every kernel's shared memory fits its arch's per-block limit; on sm90
 at head dims 64, 128 and 192/128 no kernel spills, every dot is a wgmma, no MMA is duplicated
 across warps and the loops are pipelined (num_stages >= 2); elsewhere no spills where config.py's
-tables achieve that. On gfx942 and gfx950 (AMD MI300, MI350) at 64, 128, 192/128 and 256: no VGPR
-spills and no scratch, LDS within the arch's limit, every dot an MFMA of the input type, none
+tables achieve that. On gfx942 and gfx950 (AMD MI300, MI350) at 64, 128, 192/128 and 256, and on
+gfx90a (MI250X) where its forward table differs from gfx942's: no VGPR spills and no scratch, LDS within the arch's limit, every dot an MFMA of the input type, none
 duplicated across waves, at least 2 waves per SIMD.
 
 One subprocess (TRITON_INTERPRET unset) compiles the CUDA archs once, bf16 causal (and fp32, whose one
 small tile serves every arch, on sm90 and the 99 KB sm86); the tests read its rows. sm90 is compiled
 at the dims it guarantees, the other archs at 256 and (see DIMS) 128. A second subprocess compiles
-the CDNA archs, bf16 causal at the main dims (gfx90a shares gfx942's tables and limits and is left
-to the full report: ``python -m bench --what kernels --arch gfx90a gfx942 gfx950``).
+the CDNA archs, bf16 causal at the main dims; gfx90a (gfx942's tables and limits but for the
+forward's) at 64, 128 and 256, and at 64 with max_logit, whose 128-key forward tile once spilled
+there (the features at every dim are in the full report: ``python -m bench --what kernels --arch
+gfx90a gfx942 gfx950``).
 """
 
 import json
@@ -34,6 +36,7 @@ DIMS["sm86"] += ("128/128@fp32",)
 # (arch, dims) whose kernels config.py's tables keep spill-free (see its docstring for the rest)
 SPILL_FREE = {(arch, dims) for arch in ARCHS for dims in DIMS[arch]}
 CDNA_DIMS = {arch: ("64/64", "128/128", "192/128", "256/256") for arch in ("gfx942", "gfx950")}
+CDNA_DIMS["gfx90a"] = ("64/64", "64/64+max_logit", "128/128", "256/256")
 
 
 def _has_backend(name: str) -> bool:
@@ -56,6 +59,7 @@ def _compile(dims: dict) -> list[dict]:
     out = json.loads(proc.stdout)
     for r in out:
         r["dims"] = f"{r['dim_qk']}/{r['dim_v']}" + ("@fp32" if r["dtype"] == "fp32" else "")
+        r["dims"] += f"+{r['feature']}" if r.get("feature") else ""
     return out
 
 
