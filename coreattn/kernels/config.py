@@ -35,14 +35,13 @@ softmax offset and max logit at every head dim; tests/kernels/test_kernel_struct
 CDNA tables (ROCm's PyTorch reports AMD GPUs as ``cuda`` devices; ``target_of`` reads the
 device's gcnArchName), checked the same way (``python -m bench --what kernels --arch gfx90a gfx942
 gfx950``: the AMDGCN LLVM emits, no GPU or ROCm needed; tests/kernels/test_kernel_structure.py keeps
-gfx942 and gfx950 at the main dims):
+gfx942 and gfx950 at the main dims, gfx90a where its tables differ; figures from
+bench/results/compile-report_2026-11-26/):
 
 - Every bf16 and fp16 kernel at 64, 128, 192/128 and 256, the feature variants included, spills no
   VGPR and uses no scratch, keeps its LDS within the arch's limit (at most 64 KB of 64 or 160), and
-  every tl.dot is an MFMA of the input type that no two waves duplicate. All but three keep 2 waves
-  per SIMD; the three (gfx942's dropout dK pass and gfx90a's GQA dK pass and sink dQ at 256) are
-  1-3 registers over 256 and run one wave per SIMD instead of spilling. SGPRs spill in some
-  forwards (up to 33, into VGPR lanes: no memory traffic).
+  every tl.dot is an MFMA of the input type that no two waves duplicate, and keeps 2 waves per
+  SIMD. SGPRs spill in some forwards (up to 33, into VGPR lanes: no memory traffic).
 - Registers shape the tiles, not LDS. A SIMD has 512 registers per lane (VGPRs and AGPRs), a wave
   addresses at most 256 VGPRs and LLVM keeps only MFMA accumulators in AGPRs; an 8-wave workgroup
   (2 waves per SIMD) caps each wave at 256. The tiles are the largest whose long side is at most
@@ -62,7 +61,8 @@ gfx942 and gfx950 at the main dims):
   SIMD, spill-free at 128. At 256 fp32's dK and dQ kernels spill on CDNA: a 16-row fp32 tile of q,
   dO and dQ plus the k and v tiles is more than 256 VGPRs however it is cut.
 - gfx950 (16x16x32 MFMAs) needs fewer registers than gfx942 and takes wider tiles where they stay
-  spill-free; gfx90a needs more in the forward (narrower key steps at 128 and 256).
+  spill-free; gfx90a needs more in the forward (narrower key steps at 64, 128 and 256) and in the
+  dK/dV kernel at 256 (2 waves on 16 x 32).
 - None of these tiles has been timed: no AMD GPU was available. The tuner may search the rest.
 
 None of these tables has been timed: they come from compiler output alone. Which config a launch
