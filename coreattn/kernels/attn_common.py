@@ -2,6 +2,15 @@
 
 Masks are computed in registers from sequence-local indices and lengths. Sequence-local
 indices are int32 vectors; sequence and block base offsets are scalar int64.
+
+Addresses stay inside their tensors for every lane, masked or not. Compiled with num_stages >= 2,
+Triton's software pipeliner issues a loop's loads ahead of time (cp.async on NVIDIA): for the
+first iterations before it knows whether the loop runs at all, and for iterations past its last;
+the load's mask turns the value off, but a masked-off asynchronous copy whose address is wild
+still faults on the GPU (an H100 did, 2026-11-27). So every row index is clamped to the last row
+of its tensor before the pointer is formed (``last_row``: that row counted from the sequence's
+first, see ``_last_row``), columns past a padded head dim wrap into the row (``_cols``), and the
+mask keeps the values right. No address depends on a division by a value that can be zero.
 """
 
 import triton
@@ -34,23 +43,43 @@ def _visible(q_idx, k_idx, seqlen_k, shift, window_left, window_right,
 
 
 @triton.jit
-def _load_keep(keep_base, stride_s, idx, length):
-    """Keep-mask entries (uint8 -> bool) at sequence positions idx (only under HAS_*_KEEP)."""
-    return tl.load(keep_base + idx * stride_s, mask=idx < length, other=0) != 0
+def _last_row(seqlen_total, start):
+    """The last row of a side's tensor (T rows packed, S per sample padded) counted from a
+    sequence's first row ``start``: row indices clamped to it stay inside the tensor. A side
+    without rows is given a one-row stand-in by the launchers (``packing.with_rows``), so row 0
+    is always there."""
+    return tl.maximum(seqlen_total, 1) - 1 - start
 
 
 @triton.jit
-def _tile_visible(rows, cols, q_keep, k_keep_base, stride_kks, seqlen_k, shift, window_left, window_right,
+def _cols(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Column indices of a block that may pass the real head dim: those past it wrap into the row
+    (masked off by the caller), so the address stays in the tensor; a constant modulus keeps the
+    columns' contiguity, so loads stay vectorized."""
+    if BLOCK_D > HEAD_DIM:
+        return offs_d % HEAD_DIM
+    return offs_d
+
+
+@triton.jit
+def _load_keep(keep_base, stride_s, idx, length, last_row):
+    """Keep-mask entries (uint8 -> bool) at sequence positions idx (only under HAS_*_KEEP)."""
+    return tl.load(keep_base + tl.minimum(idx, last_row) * stride_s, mask=idx < length, other=0) != 0
+
+
+@triton.jit
+def _tile_visible(rows, cols, q_keep, k_keep_base, stride_kks, seqlen_k, k_last, shift, window_left, window_right,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
                   HAS_K_KEEP: tl.constexpr):
     """[M, N] visibility of a masked (edge) tile, queries as rows: the band, the key bound and the
-    keep masks (q_keep is the tile's [M] loaded once; the keys' entries are loaded here)."""
+    keep masks (q_keep is the tile's [M] loaded once; the keys' entries are loaded here; k_last:
+    the keys' ``_last_row``)."""
     vis = _visible(rows[:, None], cols[None, :], seqlen_k, shift, window_left, window_right, HAS_LEFT, HAS_RIGHT,
                    True)
     if HAS_Q_KEEP:
         vis = vis & q_keep[:, None]
     if HAS_K_KEEP:
-        vis = vis & _load_keep(k_keep_base, stride_kks, cols, seqlen_k)[None, :]
+        vis = vis & _load_keep(k_keep_base, stride_kks, cols, seqlen_k, k_last)[None, :]
     return vis
 
 
@@ -144,47 +173,53 @@ def _poison(base, program, num_programs, n_rows, rows_per_batch, stride_b, strid
     nan = tl.full([BLOCK_M, BLOCK_W], float("nan"), tl.float32)
     for r0 in range(program * BLOCK_M, n_rows, num_programs * BLOCK_M):
         rows = r0 + offs_m
-        b = rows // rows_per_batch
-        pos = rows - b * rows_per_batch
+        row = tl.minimum(rows, n_rows - 1)  # addresses inside the tensor for every lane
+        b = row // rows_per_batch  # rows_per_batch >= 1 wherever n_rows > 0
+        pos = row - b * rows_per_batch
         ptrs = base + b.to(tl.int64)[:, None] * stride_b + pos.to(tl.int64)[:, None] * stride_t
         for c0 in tl.static_range(0, WIDTH, BLOCK_W):
             cols = c0 + offs_w
-            tl.store(ptrs + cols[None, :], nan.to(base.dtype.element_ty),
+            tl.store(ptrs + tl.minimum(cols, WIDTH - 1)[None, :], nan.to(base.dtype.element_ty),
                      mask=(rows[:, None] < n_rows) & (cols[None, :] < WIDTH))
 
 
 @triton.jit
-def _load_rows(base, stride_t, r0, row_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
-               BLOCK_R: tl.constexpr):
+def _load_rows(base, stride_t, r0, row_ok, last_row, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_D2: tl.constexpr, BLOCK_R: tl.constexpr):
     """Rows [r0, r0 + R) of a [rows, HEAD_DIM] view as one [R, BLOCK_D] block, or two column blocks
     ([R, BLOCK_D] and [R, BLOCK_D2]) when the head dim is split (BLOCK_D2 > 0; else the second is
-    the first again)."""
-    offs_r = tl.arange(0, BLOCK_R)
+    the first again). Rows past ``last_row`` (``_last_row``) are read from it and masked by
+    ``row_ok``."""
+    offs_r = tl.minimum(tl.arange(0, BLOCK_R), last_row - r0)
     offs_d = tl.arange(0, BLOCK_D)
     ptrs = base + tl.cast(r0, tl.int64) * stride_t + offs_r[:, None] * stride_t
     if BLOCK_D <= HEAD_DIM:  # a whole column block: only the rows need a mask
         x = tl.load(ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     else:
-        x = tl.load(ptrs + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        x = tl.load(ptrs + _cols(offs_d, HEAD_DIM, BLOCK_D)[None, :],
+                    mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     x2 = x
     if BLOCK_D2 > 0:
         offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        x2 = tl.load(ptrs + offs_d2[None, :], mask=row_ok[:, None] & (offs_d2[None, :] < HEAD_DIM), other=0.0)
+        x2 = tl.load(ptrs + _cols(offs_d2, HEAD_DIM, BLOCK_D + BLOCK_D2)[None, :],
+                     mask=row_ok[:, None] & (offs_d2[None, :] < HEAD_DIM), other=0.0)
     return x, x2
 
 
 @triton.jit
-def _store_rows(base, stride_t, r0, row_ok, x, x2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def _store_rows(base, stride_t, r0, row_ok, last_row, x, x2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_D2: tl.constexpr, BLOCK_R: tl.constexpr):
     """The inverse of _load_rows (x, x2 fp32 accumulators, cast to the destination's dtype)."""
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = tl.minimum(tl.arange(0, BLOCK_R), last_row - r0)
     offs_d = tl.arange(0, BLOCK_D)
     ptrs = base + tl.cast(r0, tl.int64) * stride_t + offs_r[:, None] * stride_t
     dtype = base.dtype.element_ty
     if BLOCK_D <= HEAD_DIM:
         tl.store(ptrs + offs_d[None, :], x.to(dtype), mask=row_ok[:, None])
     else:
-        tl.store(ptrs + offs_d[None, :], x.to(dtype), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+        tl.store(ptrs + _cols(offs_d, HEAD_DIM, BLOCK_D)[None, :], x.to(dtype),
+                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
     if BLOCK_D2 > 0:
         offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        tl.store(ptrs + offs_d2[None, :], x2.to(dtype), mask=row_ok[:, None] & (offs_d2[None, :] < HEAD_DIM))
+        tl.store(ptrs + _cols(offs_d2, HEAD_DIM, BLOCK_D + BLOCK_D2)[None, :], x2.to(dtype),
+                 mask=row_ok[:, None] & (offs_d2[None, :] < HEAD_DIM))

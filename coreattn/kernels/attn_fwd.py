@@ -21,13 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import (LENGTH_STRIDES, _dropout_keep, _first_gid, _key_range, _load_keep, _load_rows,
-                                          _poison, _tile_visible)
+from coreattn.kernels.attn_common import (LENGTH_STRIDES, _cols, _dropout_keep, _first_gid, _key_range, _last_row,
+                                          _load_keep, _load_rows, _poison, _tile_visible)
 from coreattn.kernels.config import (CDNA_TARGETS, fwd_config, head_blocks, loop_flags, persistent_grid, target_of,
                                      tuned_fallback)
 from coreattn.kernels.descriptors import row_descriptor, row_descriptors, usable
 from coreattn.kernels.packing import (Packing, keep_args, kernel_flags, new_like, new_rowstat, rowstat_strides, seq_len_dim,
-                                      seq_strides)
+                                      seq_strides, side_stand_ins)
 from coreattn.kernels.tile_map import _tile_rows, _tile_seq, tile_bound, tile_maps
 from coreattn.kernels.tuned_cache import launch_class
 
@@ -47,7 +47,7 @@ def _qk_scores(q, q2, k_base, stride_kt, n0, offs_n, col_ok, k_desc, k2_desc, k_
     second, is [M, BLOCK_DQK2] when BLOCK_DQK2 > 0), so a non-power-of-two dim is not padded.
     TMA: k's rows come through descriptors over the packed [T, H * D] tensor (row ``k_row0 + n0``,
     column ``k_col``); rows past the sequence hold another sequence's keys, whose scores the
-    caller's mask replaces."""
+    caller's mask replaces. ``offs_n``: the block's key offsets, clamped to the last row of k."""
     if TMA:
         s = tl.dot(q, tl.trans(k_desc.load([k_row0 + n0, k_col])), input_precision=DOT_PRECISION)
         if BLOCK_DQK2 > 0:
@@ -55,14 +55,16 @@ def _qk_scores(q, q2, k_base, stride_kt, n0, offs_n, col_ok, k_desc, k2_desc, k_
                        input_precision=DOT_PRECISION)
         return s
     offs_d = tl.arange(0, BLOCK_DQK)
-    k_ptrs = k_base + tl.cast(n0, tl.int64) * stride_kt + offs_n[None, :] * stride_kt + offs_d[:, None]
+    k_ptrs = k_base + tl.cast(n0, tl.int64) * stride_kt + offs_n[None, :] * stride_kt + _cols(offs_d, HEAD_DIM_QK,
+                                                                                              BLOCK_DQK)[:, None]
     kd_mask = offs_d[:, None] < HEAD_DIM_QK
     if MASKED:
         kd_mask = kd_mask & col_ok[None, :]
     s = tl.dot(q, tl.load(k_ptrs, mask=kd_mask, other=0.0), input_precision=DOT_PRECISION)
     if BLOCK_DQK2 > 0:
         offs_d2 = BLOCK_DQK + tl.arange(0, BLOCK_DQK2)
-        k2_ptrs = k_base + tl.cast(n0, tl.int64) * stride_kt + offs_n[None, :] * stride_kt + offs_d2[:, None]
+        k2_ptrs = (k_base + tl.cast(n0, tl.int64) * stride_kt + offs_n[None, :] * stride_kt
+                   + _cols(offs_d2, HEAD_DIM_QK, BLOCK_DQK + BLOCK_DQK2)[:, None])
         kd2_mask = offs_d2[:, None] < HEAD_DIM_QK
         if MASKED:
             kd2_mask = kd2_mask & col_ok[None, :]
@@ -72,7 +74,7 @@ def _qk_scores(q, q2, k_base, stride_kt, n0, offs_n, col_ok, k_desc, k2_desc, k_
 
 @triton.jit
 def _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
-                 stride_kks, rows, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
+                 stride_kks, rows, seqlen_q, seqlen_k, k_last, shift, window_left, window_right, sm_scale_log2, seed,
                  rng_offset, head, q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col,
                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                  BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
@@ -81,24 +83,27 @@ def _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_ba
     """Key block [n0, n0 + BLOCK_N). TMA: k and v through descriptors; in the MASKED (edge) blocks
     the rows past the sequence are another sequence's (or zeros past T), so v's are zeroed there: a
     probability of 0 times a non-finite value would be NaN. The unmasked blocks lie inside the
-    sequence."""
+    sequence. ``k_last``: k's ``_last_row``; the key rows are clamped to it for every iteration
+    (the pipeliner loads ahead, also past the loop's last)."""
     cols = n0 + offs_n
     col_ok = cols < seqlen_k
-    s = _qk_scores(q, q2, k_base, stride_kt, n0, offs_n, col_ok, k_desc, k2_desc, k_row0, k_col, HEAD_DIM_QK,
+    offs_k = tl.minimum(offs_n, k_last - n0)  # [N] rows from n0, inside k
+    s = _qk_scores(q, q2, k_base, stride_kt, n0, offs_k, col_ok, k_desc, k2_desc, k_row0, k_col, HEAD_DIM_QK,
                    BLOCK_DQK, BLOCK_DQK2, MASKED, DOT_PRECISION, TMA) * sm_scale_log2  # [M, N], log2 domain
     if TMA:
         v = v_desc.load([k_row0 + n0, v_col])  # [N, DV]
         if MASKED:
             v = tl.where(col_ok[:, None], v, 0.0)
     else:
-        v_ptrs = v_base + tl.cast(n0, tl.int64) * stride_vt + offs_n[:, None] * stride_vt + offs_dv[None, :]
+        v_ptrs = (v_base + tl.cast(n0, tl.int64) * stride_vt + offs_k[:, None] * stride_vt
+                  + _cols(offs_dv, HEAD_DIM_V, BLOCK_DV)[None, :])
         if MASKED:
             v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
         else:
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
     if MASKED:
-        vis = _tile_visible(rows, cols, q_keep, k_keep_base, stride_kks, seqlen_k, shift, window_left, window_right,
-                            HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP)
+        vis = _tile_visible(rows, cols, q_keep, k_keep_base, stride_kks, seqlen_k, k_last, shift, window_left,
+                            window_right, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP)
         s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row that has seen no key yet keeps m = -inf; subtract 0 instead so p and alpha are 0, not NaN
@@ -115,7 +120,7 @@ def _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_ba
 
 @triton.jit
 def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt, stride_kks,
-                  rows, n_lo, n_hi, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+                  rows, n_lo, n_hi, seqlen_q, seqlen_k, k_last, shift, window_left, window_right, sm_scale_log2,
                   seed, rng_offset, head, q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col,
                   HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                   BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -131,7 +136,7 @@ def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, str
         for n0 in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=True):
             acc, m_i, l_i = _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_base,
                                          k_keep_base, stride_kt,
-                                         stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
+                                         stride_vt, stride_kks, rows, seqlen_q, seqlen_k, k_last, shift, window_left,
                                          window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
                                          drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col, HEAD_DIM_QK,
                                          HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
@@ -140,7 +145,7 @@ def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, str
         for n0 in range(n_lo, n_hi, BLOCK_N):
             acc, m_i, l_i = _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_base,
                                          k_keep_base, stride_kt,
-                                         stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
+                                         stride_vt, stride_kks, rows, seqlen_q, seqlen_k, k_last, shift, window_left,
                                          window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
                                          drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col, HEAD_DIM_QK,
                                          HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
@@ -186,10 +191,12 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
             offs_dv = tl.arange(0, BLOCK_DV)
             rows = m0 + offs_m
             row_ok = rows < seqlen_q
-            q, q2 = _load_rows(q_base, stride_qt, m0, row_ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, BLOCK_M)
+            q_last = _last_row(seqlen_q_total, q_start)
+            k_last = _last_row(seqlen_k_total, k_start)
+            q, q2 = _load_rows(q_base, stride_qt, m0, row_ok, q_last, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, BLOCK_M)
             q_keep = row_ok
             if HAS_Q_KEEP:
-                q_keep = _load_keep(q_keep_base, stride_qks, rows, seqlen_q)  # [M]
+                q_keep = _load_keep(q_keep_base, stride_qks, rows, seqlen_q, q_last)  # [M]
             seed = 0
             rng_offset = 0
             drop_head = head  # the q head as dropout counts it: plus the call's head offset
@@ -213,21 +220,22 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
                 k_col = (kv_head * stride_kh).to(tl.int32)
                 v_col = (kv_head * stride_vh).to(tl.int32)
             acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                                          stride_vt, stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift,
+                                          stride_vt, stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, k_last, shift,
                                           window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
                                           q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
                                           v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
                                           HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION,
                                           TMA, WARP_SPEC)
             acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                                          stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift,
+                                          stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, k_last,
+                                          shift,
                                           window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
                                           q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
                                           v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
                                           HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, False, DOT_PRECISION,
                                           TMA, WARP_SPEC)
             acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                                          stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift,
+                                          stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, k_last, shift,
                                           window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
                                           q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
                                           v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
@@ -248,10 +256,12 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
             out = acc * (drop_scale / l_safe)[:, None]
             lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
             o_base = o_head + seq64 * stride_ob + q_start.to(tl.int64) * stride_ot
-            o_ptrs = o_base + tl.cast(m0, tl.int64) * stride_ot + offs_m[:, None] * stride_ot + offs_dv[None, :]
+            o_rows = tl.minimum(offs_m, q_last - m0)  # [M] rows from m0, inside the output
+            o_ptrs = (o_base + tl.cast(m0, tl.int64) * stride_ot + o_rows[:, None] * stride_ot
+                      + _cols(offs_dv, HEAD_DIM_V, BLOCK_DV)[None, :])
             tl.store(o_ptrs, out.to(o_base.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
             lse_base = lse_head + seq64 * stride_lb + q_start.to(tl.int64)
-            tl.store(lse_base + tl.cast(m0, tl.int64) + offs_m, lse, mask=row_ok)
+            tl.store(lse_base + tl.cast(m0, tl.int64) + o_rows, lse, mask=row_ok)
     else:
         # malformed cu_seqlens or spans (the map tells every program): NaN rather than silently wrong numbers
         n_rows_q = seqlen_q_total
@@ -283,7 +293,8 @@ def _varlen_attn_fwd_kernel(
     # or the padded length S (bshd/sbhd); see kernels/packing.py.
     if PERSISTENT:
         for task in range(tl.program_id(0), n_tiles * heads, tl.num_programs(0)):
-            _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr,
+            t = tl.minimum(task, n_tiles * heads - 1)  # addresses inside for any task (see attn_common)
+            _fwd_tile(t, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr,
                       q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr, max_ptr, k_desc, k2_desc, v_desc,
                       batch, heads, n_tiles,
                       seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
@@ -395,6 +406,7 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
     if q.numel() > 0 and batch > 0 and n_tiles > 0:
         limit = max(seqlen_q_total, seqlen_k_total)
         window_left, window_right = kernel_window(window_left, limit), kernel_window(window_right, limit)
+        k_pack, k, v = side_stand_ins(k_pack, k, v)  # no keys: still a row 0 to clamp addresses to
         tile_map, _ = tile_maps(q_pack, k_pack, seqlen_q_total, seqlen_k_total, target,
                                 q_tiles=(cfg.block_m, n_tiles))
         grid, persistent = launch_grid(q.device, target, n_tiles, heads_q)

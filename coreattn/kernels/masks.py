@@ -3,7 +3,8 @@
 Rows are addressed with scalar int64 bases (an index times a row stride can pass 2**31) and
 int32 vector offsets inside a row. Row and token counts are runtime ints that never
 specialize, so a new packed batch never recompiles. Each program strides over its rows or
-token blocks, so the grid can be capped (a persistent grid, as Ascend prefers).
+token blocks, so the grid can be capped (a persistent grid, as Ascend prefers). Every address a
+loop forms is clamped inside its tensor, masked lane or not (kernels/attn_common.py says why).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _copy_rows_kernel(src_ptr, dst_ptr, idx_ptr, n_rows, row_len, stride_src, st
     nprog = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_D)
     for r in range(pid, n_rows, nprog):
-        j = tl.load(idx_ptr + r).to(tl.int64)
+        j = tl.load(idx_ptr + tl.minimum(r, n_rows - 1)).to(tl.int64)  # r < n_rows; clamped for any r
         if GATHER:
             src_row = src_ptr + j * stride_src
             dst_row = dst_ptr + tl.cast(r, tl.int64) * stride_dst
@@ -48,9 +49,11 @@ def _copy_rows_kernel(src_ptr, dst_ptr, idx_ptr, n_rows, row_len, stride_src, st
             src_row = src_ptr + tl.cast(r, tl.int64) * stride_src
             dst_row = dst_ptr + j * stride_dst
         for d0 in range(0, row_len, BLOCK_D):
-            m = d0 + offs < row_len
-            vals = tl.load(src_row + d0 + offs, mask=m)
-            tl.store(dst_row + d0 + offs, vals, mask=m)
+            cols = d0 + offs
+            m = cols < row_len
+            at = tl.minimum(cols, row_len - 1)  # inside the row for every lane, masked or not
+            vals = tl.load(src_row + at, mask=m)
+            tl.store(dst_row + at, vals, mask=m)
 
 
 @triton.jit(do_not_specialize=["batch", "total", "n_steps"])
@@ -61,8 +64,8 @@ def _token_ids_kernel(cu_ptr, pos_ptr, seq_ptr, batch, total, n_steps,
     nprog = tl.num_programs(0)
     offs = tl.arange(0, BLOCK_T)
     for t0 in range(pid * BLOCK_T, total, nprog * BLOCK_T):
-        t = t0 + offs  # [T] int32: token counts come from int32 cu_seqlens
-        ok = t < total
+        t = tl.minimum(t0 + offs, total - 1)  # [T] int32 (from int32 cu_seqlens), inside the outputs
+        ok = t0 + offs < total
         lo = tl.zeros([BLOCK_T], dtype=tl.int32)
         hi = lo + batch
         # binary search, invariant cu[lo] <= t; mid stays in [0, batch] even for malformed cu

@@ -83,15 +83,16 @@ def _seq_span(seq_ptr, len_ptr, seq, SPANS: tl.constexpr):
 
 
 @triton.jit
-def _side_chunk(seq_ptr, len_ptr, idx, valid, total, BLOCK: tl.constexpr, SPANS: tl.constexpr):
+def _side_chunk(seq_ptr, len_ptr, idx, at, valid, total, BLOCK: tl.constexpr, SPANS: tl.constexpr):
     """Tile counts of entries ``idx`` of a side's layout (0 where not ``valid``) and which are
-    malformed (a negative length; with spans, one outside [0, total))."""
-    start = tl.load(seq_ptr + idx, mask=valid, other=0)
+    malformed (a negative length; with spans, one outside [0, total)); read at ``at``, ``idx``
+    clamped to the last entry (every address inside the layout, masked or not)."""
+    start = tl.load(seq_ptr + at, mask=valid, other=0)
     if SPANS:
-        length = tl.load(len_ptr + idx, mask=valid, other=0)
+        length = tl.load(len_ptr + at, mask=valid, other=0)
         bad = (start < 0) | (length < 0) | (start > total - length)
     else:
-        length = tl.load(seq_ptr + idx + 1, mask=valid, other=0) - start
+        length = tl.load(seq_ptr + at + 1, mask=valid, other=0) - start
         bad = length < 0
     length = tl.maximum(length, 0)
     count = length // BLOCK + (length % BLOCK != 0).to(tl.int32)  # cdiv without overflowing int32
@@ -116,14 +117,15 @@ def _tile_scan_kernel(q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, first_q_ptr, f
     for b0 in range(0, batch, CHUNK):
         idx = b0 + offs
         valid = idx < batch
-        count_q, bad_q = _side_chunk(q_seq_ptr, q_len_ptr, idx, valid, seqlen_q_total, BLOCK_Q, SPANS)
-        count_k, bad_k = _side_chunk(k_seq_ptr, k_len_ptr, idx, valid, seqlen_k_total, BLOCK_K, SPANS)
+        at = tl.minimum(idx, batch - 1)  # the launchers never call with batch 0
+        count_q, bad_q = _side_chunk(q_seq_ptr, q_len_ptr, idx, at, valid, seqlen_q_total, BLOCK_Q, SPANS)
+        count_k, bad_k = _side_chunk(k_seq_ptr, k_len_ptr, idx, at, valid, seqlen_k_total, BLOCK_K, SPANS)
         ok = ok & (tl.max((bad_q | bad_k).to(tl.int32), axis=0) == 0)
         if MAP_Q:
-            tl.store(first_q_ptr + idx, tiles_q.to(tl.int32) + tl.cumsum(count_q, axis=0) - count_q, mask=valid)
+            tl.store(first_q_ptr + at, tiles_q.to(tl.int32) + tl.cumsum(count_q, axis=0) - count_q, mask=valid)
             tiles_q += tl.sum(count_q.to(tl.int64), axis=0)
         if MAP_K:
-            tl.store(first_k_ptr + idx, tiles_k.to(tl.int32) + tl.cumsum(count_k, axis=0) - count_k, mask=valid)
+            tl.store(first_k_ptr + at, tiles_k.to(tl.int32) + tl.cumsum(count_k, axis=0) - count_k, mask=valid)
             tiles_k += tl.sum(count_k.to(tl.int64), axis=0)
     if MAP_Q:
         tl.store(first_q_ptr + batch, tiles_q.to(tl.int32))
@@ -160,7 +162,8 @@ def _map_tiles(task, q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, first_ptr, stat
     k_start, k_len = _seq_span(k_seq_ptr, k_len_ptr, lo, SPANS)
     seq = tl.where(tiles < n_real, lo, batch)
     seq = tl.where(ok, seq, -1)
-    entry = map_ptr + tl.cast(task, tl.int64) * (TILES * 8) + offs * 8
+    # entries of the program's tiles, lanes past the last tile clamped to it (inside the map for every lane)
+    entry = map_ptr + tl.cast(task, tl.int64) * (TILES * 8) + tl.minimum(offs, n_tiles - 1 - task * TILES) * 8
     tl.store(entry + 0, seq, mask=live)
     tl.store(entry + 1, local * BLOCK, mask=live)
     tl.store(entry + 2, q_start, mask=live)
