@@ -179,7 +179,7 @@ def _poison(base, program, num_programs, n_rows, rows_per_batch, stride_b, strid
         ptrs = base + b.to(tl.int64)[:, None] * stride_b + pos.to(tl.int64)[:, None] * stride_t
         for c0 in tl.static_range(0, WIDTH, BLOCK_W):
             cols = c0 + offs_w
-            tl.store(ptrs + tl.minimum(cols, WIDTH - 1)[None, :], nan.to(base.dtype.element_ty),
+            tl.store(ptrs + _cols(cols, WIDTH, c0 + BLOCK_W)[None, :], nan.to(base.dtype.element_ty),
                      mask=(rows[:, None] < n_rows) & (cols[None, :] < WIDTH))
 
 
