@@ -433,7 +433,7 @@ def summarize(results: list[dict], recompile: dict, env: dict, skipped, quick: b
                 + "; ".join(c["note"] for c in r["checks"] if not c["passed"]))
     faults = [r["fault"] for r in results if r.get("fault")] + list(faults)
     for fault in faults:
-        say(f"{STATUS[fault['status']]} {fault['row']}: {fault['how']}\n  in {fault['where']}\n"
+        say(f"{STATUS[fault['status']]} {fault['row']}: {fault['how']}\n  kernel launch: {fault['where']}\n"
             f"  rerun it alone: {fault['rerun']}\n  under compute-sanitizer: {fault['sanitizer']}")
     passed = all(r["status"] == "pass" for r in results) and recompile["passed"]
     say(f"{'PASSED' if passed else 'FAILED'}: {sum(r['status'] == 'pass' for r in results)}/{len(results)} case rows "

@@ -295,6 +295,20 @@ def last_launch(events: list[dict]) -> dict | None:
     return launches[-1] if launches else None
 
 
+def where(events: list[dict], untraced: str = "") -> tuple[dict | None, str]:
+    """The launch a failed child was in (``culprit``) and, in words, which kernel launch that was:
+    ``dkdv (...): BLOCK_M=...``, or that none was in flight (and the last one traced, if any).
+    ``untraced`` says what ran untraced, if anything did (the bench's timed runs)."""
+    launch = culprit(events)
+    if launch:
+        return launch, describe_launch(launch)
+    last = last_launch(events)
+    note = f" ({untraced})" if untraced else ""
+    if last:
+        return None, f"none in flight{note}; the last one traced: {describe_launch(last)}"
+    return None, f"none traced yet{note}"
+
+
 def describe_launch(launch: dict | None) -> str:
     """``dkdv (_attn_bwd_dkdv_kernel) hdim192x128-bf16-causal-gqa: BLOCK_M=32 BLOCK_N=64 num_warps=4
     num_stages=2 ..., grid [132, 2, 1]; shipped table (sm90)``."""

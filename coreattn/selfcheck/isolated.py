@@ -33,9 +33,8 @@ from coreattn.kernels.config import record_configs
 from coreattn.selfcheck import (CASES, STATUS, Check, case_dtypes, check_from_json, check_recompiles,
                                 configs_report, dtype_arg, dtype_name, environment, preamble, recompile_line,
                                 row_line, run_case, summarize, table_header)
-from coreattn.selfcheck.faults import (Child, EventLog, child_env, culprit, describe_launch, device_healthy,
-                                       is_device_fault, launch_trace, last_launch, sanitizer_hint, short_error,
-                                       traceback_tail)
+from coreattn.selfcheck.faults import (Child, EventLog, child_env, device_healthy, is_device_fault, launch_trace,
+                                       sanitizer_hint, short_error, traceback_tail, where)
 
 RECOMPILE = "recompile"
 DEFAULT_TIMEOUT = {"cuda": 300.0, "cpu": 1800.0}
@@ -117,21 +116,18 @@ def _outcome(child: Child | None, case_name: str, dtype: torch.dtype) -> dict:
     if result and result["status"] in ("pass", "wrong"):
         return {"status": result["status"], "checks": result["checks"], "configs": configs, "fault": None,
                 "wall_s": wall}
-    launch = culprit(events)
+    launch, at = where(events)
     if result:  # an exception the child caught: a device fault or an ordinary error
         status, how = result["status"], result["error"]
     elif child.timed_out:
         status, how = "timeout", child.reason()
     else:
         status, how = "fault", f"the process died ({child.reason()})"
-    where = describe_launch(launch) if launch else (
-        f"outside a kernel launch; last launch: {describe_launch(last_launch(events))}" if last_launch(events)
-        else "before any kernel launch")
     rerun = rerun_command(case_name, dtype) if case_name != RECOMPILE else "python -m coreattn.selfcheck"
-    fault = {"row": row_id(case_name, dtype), "status": status, "how": how, "launch": launch, "where": where,
+    fault = {"row": row_id(case_name, dtype), "status": status, "how": how, "launch": launch, "where": at,
              "rerun": rerun, "sanitizer": sanitizer_hint(rerun), "output_tail": child.output_tail(1500),
              "traceback": result.get("traceback") if result else None}
-    note = f"{how}; in {where}"
+    note = f"{how}; kernel launch: {at}"
     return {"status": status, "checks": [Check("run", math.inf, 0.0, False, note).as_json()], "configs": configs,
             "fault": fault, "wall_s": wall}
 
