@@ -13,10 +13,17 @@ the shipped table, and the report names each config and its source.
 On ROCm's PyTorch an AMD GPU is a ``cuda`` device: everything above runs there alike, and the
 report prints the HIP version and the gcnArchName.
 
+``python -m coreattn.selfcheck`` runs each (case, dtype) row in its own child process
+(``isolated.py``): a CUDA fault poisons its process, and one bad kernel must not hide the other
+rows; a row that faults, dies or hangs is reported with the kernel launch it was in. ``faults.py``
+holds what the self-check, the benchmark suite and the tuner share for that: the launch trace, the
+child processes and their events, and the test-only fault injection. ``--in-process`` runs the
+rows here (``run``), for compute-sanitizer or a debugger.
+
 Without a GPU the kernels run under Triton's CPU interpreter. ``TRITON_INTERPRET=1`` must be set
 before the kernels are defined, and ``python -m coreattn.selfcheck`` has imported coreattn (and
-its kernels) before this module runs, so ``main`` re-runs itself in a child process with the
-variable set.
+its kernels) before this module runs, so the children get the variable (and ``--in-process``
+re-runs itself in a child process with it set).
 
 May import: anything in coreattn (it sits above the public API and tests it through it); nothing
 in coreattn imports it.

@@ -100,12 +100,16 @@ def describe(fn_name: str, grid, kwargs: dict, uses: dict) -> dict:
 
 
 class Trace:
-    """What ``launch_trace`` yields: the launch in flight (``current``) and the last one begun."""
+    """What ``launch_trace`` yields: the launch in flight (``current``), the last one begun, and
+    two settings its owner may change as it goes: ``site`` (the place in words, for ``inject``) and
+    ``enabled`` (False: launches pass untraced and unsynced, e.g. while the tuner times them)."""
 
-    def __init__(self):
+    def __init__(self, site: str = ""):
         self.current: dict | None = None
         self.last: dict | None = None
         self.count = 0
+        self.site = site
+        self.enabled = True
 
 
 def _kernel_classes():
@@ -125,15 +129,15 @@ def launch_trace(log: EventLog | None = None, sync: bool = True, site: str = "")
     ``launch-error`` with the exception; ``sync`` synchronizes the device after each CUDA launch,
     so a fault raises at the launch that caused it (never on hot paths: only the self-check's,
     bench's and tuner's children trace). ``site`` words the place for ``inject`` (``<site> launch
-    <kernel>``). Yields a ``Trace``."""
+    <kernel>``; the yielded ``Trace``'s ``site`` may change it later)."""
     from coreattn.kernels.config import record_configs
 
-    trace = Trace()
+    trace = Trace(site)
     saved = [(cls, cls.__dict__.get("run")) for cls in _kernel_classes()]
 
     def wrap(real):
         def run(self, *args, grid, warmup, **kwargs):
-            if warmup:
+            if warmup or not trace.enabled:
                 return real(self, *args, grid=grid, warmup=warmup, **kwargs)
             launch = describe(self.__name__, grid, kwargs, uses)
             trace.count += 1
@@ -142,7 +146,7 @@ def launch_trace(log: EventLog | None = None, sync: bool = True, site: str = "")
             if log is not None:
                 log.write(event="launch", **launch)
             try:
-                inject(f"{site} launch {launch['kernel']}")
+                inject(f"{trace.site} launch {launch['kernel']}")
                 result = real(self, *args, grid=grid, warmup=warmup, **kwargs)
                 if sync:
                     _synchronize(args, kwargs)
@@ -224,8 +228,8 @@ def traceback_tail(exc: BaseException, lines: int = 12) -> str:
 
 def inject(site: str) -> None:
     """Test-only: fault here if ``COREATTN_INJECT_FAULT`` says so: ``KIND@WHERE``, several separated
-    by ``;``. WHERE's words must all be words of ``site`` (e.g. ``abort@hdim64-causal-qk-lens-differ
-    launch dkdv``); KIND is ``abort`` (SIGABRT, as a driver abort), ``segfault`` (SIGSEGV),
+    by ``;``. WHERE's words must be words of ``site``, in the same order (e.g.
+    ``abort@hdim64-causal-qk-lens-differ launch dkdv``); KIND is ``abort`` (SIGABRT, as a driver abort), ``segfault`` (SIGSEGV),
     ``cuda-error`` (raises InjectedDeviceFault and poisons the process for ``device_healthy``) or
     ``hang``."""
     spec = os.environ.get(INJECT_ENV)
@@ -236,8 +240,14 @@ def inject(site: str) -> None:
         kind, _, where = one.partition("@")
         if kind not in INJECT_KINDS:
             raise ValueError(f"{INJECT_ENV}: kind {kind!r} is not one of {INJECT_KINDS}")
-        if all(w in words for w in where.split()):
+        if _in_order(where.split(), words):
             _fault(kind, site)
+
+
+def _in_order(wanted: list[str], words: list[str]) -> bool:
+    """Are ``wanted`` words of ``words``, in this order (not necessarily adjacent)?"""
+    it = iter(words)
+    return all(any(w == x for x in it) for w in wanted)
 
 
 def _fault(kind: str, site: str) -> None:
