@@ -126,6 +126,8 @@ def _selfcheck(tmp_path, *args, inject=None, timeout=900):
     return proc, json.loads(report.read_text())
 
 
+@pytest.mark.interpreter_only("a CPU test of the isolation: the interpreter's configs, and a --timeout that a "
+                              "GPU's first compile could exceed")
 def test_a_faulting_or_hanging_case_is_reported_and_the_others_still_run(tmp_path):
     """Each row runs in its own process: one hangs at its forward launch (killed at --timeout), one
     aborts in its dK/dV kernel, one raises a CUDA-like error in its dQ kernel (all injected, test-only:
