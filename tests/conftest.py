@@ -101,7 +101,8 @@ def _write(record: dict) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
-    if not HAS_CUDA or call.excinfo is None or call.excinfo.errisinstance(pytest.skip.Exception):
+    injected = os.environ.get("COREATTN_INJECT_FAULT")  # test-only faults stand for CUDA ones (faults.py)
+    if not (HAS_CUDA or injected) or call.excinfo is None or call.excinfo.errisinstance(pytest.skip.Exception):
         return
     report = outcome.get_result()
     if _POISONED:
@@ -111,7 +112,8 @@ def pytest_runtest_makereport(item, call):
     from coreattn.selfcheck.faults import describe_launch, device_healthy, is_device_fault, short_error
 
     exc = call.excinfo.value
-    if not (is_device_fault(exc) or (torch.cuda.is_initialized() and not device_healthy(torch.device("cuda")))):
+    poisoned = HAS_CUDA and torch.cuda.is_initialized() and not device_healthy(torch.device("cuda"))
+    if not (is_device_fault(exc) or poisoned):
         return
     trace = _TRACE.get("trace")
     last = trace.last if trace is not None else None

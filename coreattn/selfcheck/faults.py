@@ -229,9 +229,9 @@ def traceback_tail(exc: BaseException, lines: int = 12) -> str:
 def inject(site: str) -> None:
     """Test-only: fault here if ``COREATTN_INJECT_FAULT`` says so: ``KIND@WHERE``, several separated
     by ``;``. WHERE's words must be words of ``site``, in the same order (e.g.
-    ``abort@hdim64-causal-qk-lens-differ launch dkdv``); KIND is ``abort`` (SIGABRT, as a driver abort), ``segfault`` (SIGSEGV),
-    ``cuda-error`` (raises InjectedDeviceFault and poisons the process for ``device_healthy``) or
-    ``hang``."""
+    ``abort@hdim64-causal-qk-lens-differ launch dkdv``); KIND is ``abort`` (SIGABRT, as a driver
+    abort), ``segfault`` (SIGSEGV), ``cuda-error`` (raises InjectedDeviceFault and poisons the
+    process for ``device_healthy``) or ``hang``."""
     spec = os.environ.get(INJECT_ENV)
     if not spec:
         return
