@@ -47,7 +47,7 @@ from coreattn.selfcheck.faults import Child, child_env, sanitizer_hint
 
 PARTS = ("selfcheck", "gpu-tests", "cuda-tests", "bench")
 DEFAULT_BUDGET = 450.0  # seconds; 8 minutes minus what starting Python and writing the summary take
-SHARES = {"selfcheck": 0.25, "tests": 0.5, "bench": 0.15}  # gpu-tests and cuda-tests run together
+SHARES = {"selfcheck": 0.3, "tests": 0.45, "bench": 0.15}  # gpu-tests and cuda-tests run together
 GPU_TEST_FILES = ("tests/test_gpu.py", "tests/tune/test_tuner_gpu.py", "tests/megatron/test_gpu_megatron.py",
                   "tests/masks/test_masks.py")
 CUDA_TEST_FILES = ("tests/test_varlen_fwd.py", "tests/test_varlen_bwd.py", "tests/test_attn_features.py",
@@ -55,7 +55,8 @@ CUDA_TEST_FILES = ("tests/test_varlen_fwd.py", "tests/test_varlen_bwd.py", "test
                    "tests/megatron/test_core_attention.py", "tests/test_bad_input.py")
 CPU_TESTS = ("tests/kernels/test_dropout_rng.py", "-k", "philox")  # a Triton kernel under the interpreter
 CPU_SELFCHECK = ("--case", "hdim64-causal-qk-lens-differ", "--dtype", "fp16")
-GPU_BENCH = ("--quick", "--what", "attention", "--providers", "coreattn", "torch-varlen", "sdpa-padded")
+GPU_BENCH = ("--quick", "--what", "attention", "--configs", "hdim128x128", "--providers", "coreattn", "torch-varlen",
+             "sdpa-padded")
 CPU_BENCH = ("--quick", "--what", "attention", "--device", "cpu", "--isolation", "process", "--configs",
              "hdim128x128-gqa4-causal-short-256-sink", "--providers", "coreattn", "--modes", "fwd")
 INTERRUPT_GRACE_S = 20.0  # a part is interrupted (SIGINT) this long (at most a quarter of it) before its limit
@@ -81,13 +82,14 @@ def _positive(text: str) -> float:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.acceptance", description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=_positive, default=DEFAULT_BUDGET, metavar="SECONDS",
-                   help="wall time of all parts together (shares: selfcheck 25%%, the two test parts together 50%%, "
-                        "bench 15%%; the rest is headroom)")
+                   help="wall time of all parts together (shares: " + ", ".join(
+                       f"{name} {int(100 * share)}%%" for name, share in SHARES.items()) + "; gpu-tests and cuda-tests "
+                        "run side by side in theirs; the rest is headroom)")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="run only these parts")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="pytest-xdist workers of cuda-tests (default: the CPU count, at most 12; gpu-tests get 4)")
-    p.add_argument("--out", type=Path, help="the summary file (default: bench/results/acceptance_<device>_<date>.json "
-                                           "on a GPU, bench/local/ without one)")
+    p.add_argument("--out", type=Path, help="the summary file, or a directory for it (default: bench/results/ on a "
+                                           "GPU, bench/local/ without one; named acceptance_<device>_<date>.json)")
     args = p.parse_args(argv)
     if args.workers is not None and args.workers < 1:
         p.error(f"argument --workers: at least 1, got {args.workers}")
@@ -102,7 +104,8 @@ def has(module: str) -> bool:
 
 def selfcheck_part(on_gpu: bool, limit: float, tmp: Path) -> Part:
     out = tmp / "selfcheck.json"
-    extra = ["--jobs", "8", "--timeout", str(int(min(120, limit)))] if on_gpu else list(CPU_SELFCHECK)
+    # on a GPU every row at once: their first compiles (minutes of CPU in all) then share the cores
+    extra = ["--jobs", "16", "--timeout", str(int(limit))] if on_gpu else list(CPU_SELFCHECK)
     argv = [sys.executable, "-m", "coreattn.selfcheck", "--json", str(out), "--time-limit",
             str(int(max(1, limit - INTERRUPT_GRACE_S))), *extra]
     return Part("selfcheck", argv, limit, out)
@@ -119,8 +122,9 @@ def pytest_part(name: str, on_gpu: bool, limit: float, tmp: Path, workers: int |
         n = workers or min(12, os.cpu_count() or 1)
     if has("xdist") and on_gpu:
         argv += ["-n", str(n), "--max-worker-restart", "1000"]
-    if has("pytest_timeout"):
-        argv += ["--timeout", str(int(min(150, limit))), "--timeout-method", "thread"]
+    if has("pytest_timeout"):  # thread: a hung CUDA call never returns to Python; the worker exits instead
+        per_test = max(10, limit - INTERRUPT_GRACE_S - 10) if name == "gpu-tests" else min(120, limit)
+        argv += ["--timeout", str(int(per_test)), "--timeout-method", "thread"]
     return Part(name, argv, limit, out)
 
 
@@ -249,7 +253,10 @@ def tests_summary(part: Part, raw: dict) -> dict:
     for nodeid, kind in outcome.items():
         if kind in ("passed", "skipped"):
             continue
-        failure = {"part": part.name, "what": nodeid, "status": kind, "how": _tail(messages.get(nodeid, ""))}
+        how = _tail(messages.get(nodeid, ""))
+        if kind == "crashed":
+            how += " (its xdist worker died: a device fault, a signal, or pytest-timeout's --timeout; see output_tail)"
+        failure = {"part": part.name, "what": nodeid, "status": kind, "how": how}
         fault = faults.get(nodeid)
         if fault:
             failure.update(how=fault["error"], kernel_launch=fault.get("last_launch_text"),
@@ -301,8 +308,8 @@ SUMMARIES = {"selfcheck": selfcheck_summary, "gpu-tests": tests_summary, "cuda-t
 
 # ---- the command
 
-def default_out(device: torch.device) -> Path:
-    parent = REPO_ROOT / "bench" / ("results" if device.type == "cuda" else "local")
+def default_out(device: torch.device, parent: Path | None = None) -> Path:
+    parent = parent or REPO_ROOT / "bench" / ("results" if device.type == "cuda" else "local")
     base = parent / f"acceptance_{device_slug(device)}_{datetime.date.today().isoformat()}"
     out, n = base.with_suffix(".json"), 2
     while out.exists():
@@ -331,7 +338,9 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if on_gpu else "cpu")
     started = time.monotonic()
     meta = run_metadata(device)
-    out = args.out or default_out(device)
+    out = default_out(device, args.out) if args.out is None or args.out.is_dir() else args.out
+    if meta["git_commit"] is None:  # a copy of the checkout without .git: the commit as the caller says
+        meta["git_commit"] = os.environ.get("COREATTN_COMMIT")
     tmp = Path(tempfile.mkdtemp(prefix="coreattn-acceptance-"))
     say = lambda line="": print(line, flush=True)  # noqa: E731
     say(f"coreattn acceptance on {meta['device']}: budget {args.budget:.0f} s; "
