@@ -102,12 +102,17 @@ def has(module: str) -> bool:
 
 # ---- the parts' commands
 
+def _own_limit(limit: float) -> str:
+    """The --time-limit of a part that keeps its own: it stops (killing what runs) and writes its
+    results before the part is interrupted."""
+    return str(int(max(1, limit - INTERRUPT_GRACE_S - 10)))
+
+
 def selfcheck_part(on_gpu: bool, limit: float, tmp: Path) -> Part:
     out = tmp / "selfcheck.json"
     # on a GPU every row at once: their first compiles (minutes of CPU in all) then share the cores
     extra = ["--jobs", "16", "--timeout", str(int(limit))] if on_gpu else list(CPU_SELFCHECK)
-    argv = [sys.executable, "-m", "coreattn.selfcheck", "--json", str(out), "--time-limit",
-            str(int(max(1, limit - INTERRUPT_GRACE_S))), *extra]
+    argv = [sys.executable, "-m", "coreattn.selfcheck", "--json", str(out), "--time-limit", _own_limit(limit), *extra]
     return Part("selfcheck", argv, limit, out)
 
 
@@ -131,7 +136,7 @@ def pytest_part(name: str, on_gpu: bool, limit: float, tmp: Path, workers: int |
 def bench_part(on_gpu: bool, limit: float, tmp: Path) -> Part:
     out = tmp / "bench"
     argv = [sys.executable, "-m", "bench", *(GPU_BENCH if on_gpu else CPU_BENCH), "--no-plots", "--out", str(out),
-            "--timeout", "60", "--time-limit", str(int(max(1, limit - INTERRUPT_GRACE_S)))]
+            "--timeout", "60", "--time-limit", _own_limit(limit)]
     return Part("bench", argv, limit, out / "results.json")
 
 

@@ -221,8 +221,12 @@ def run_isolated(units: list[dict], device: torch.device, quick: bool, progress=
                 results[current] = unit_rows(units[current], status, f"{how}; kernel launch: {fault['where']}", fault)
                 print(f"bench: {status} in {words(units[current])}: {how}; kernel launch: {fault['where']}; "
                       "going on in a fresh process", file=out, flush=True)
+            elif child.timed_out:  # killed at the --time-limit between units: the rest are skipped
+                break
             elif not ready:
                 raise RuntimeError(f"the bench worker did not start ({child.reason()}):\n{child.output_tail()}")
+            elif rc != 0 and not done:  # died between units without finishing one: no progress to build on
+                raise RuntimeError(f"the bench worker stopped ({child.reason()}):\n{child.output_tail()}")
             start = max([start - 1, *done, *([current] if current is not None else [])]) + 1
             if rc == 0 and start < len(units) and current is None:
                 raise RuntimeError(f"the bench worker stopped early ({child.reason()}):\n{child.output_tail()}")
