@@ -326,13 +326,13 @@ def test_timed_rows_record_the_kernel_configs_that_ran():
 
 def test_a_faulting_provider_is_recorded_and_the_run_goes_on_in_a_fresh_process(tmp_path, monkeypatch, capsys):
     """--isolation process (the default on a GPU) on CPU, with faults injected (test-only: COREATTN_INJECT_FAULT)
-    into three units: one worker aborts, one raises a CUDA-like error (its process is then poisoned), one hangs
-    past --timeout; each is recorded in results.json and the table, and the units after it still run."""
+    into two units: one worker aborts, one raises a CUDA-like error (its process is then poisoned); each is
+    recorded in results.json and the table, and the units after it run in a fresh worker. (A unit that hangs
+    is killed at --timeout by the same child-process code the self-check's hang test exercises.)"""
     base = "hdim128x128-gqa4-causal-short-256"
     monkeypatch.setenv(INJECT_ENV, f"abort@bench attention {base} sdpa-padded fwd;"
-                                   f"hang@bench attention {base}-dropout0.1 coreattn fwd;"
-                                   f"cuda-error@bench attention {base}-sink coreattn fwd")
-    argv = ["--quick", "--device", "cpu", "--isolation", "process", "--timeout", "10", "--what", "attention",
+                                   f"cuda-error@bench attention {base}-dropout0.1 coreattn fwd")
+    argv = ["--quick", "--device", "cpu", "--isolation", "process", "--timeout", "300", "--what", "attention",
             "--configs", base, "--providers", "coreattn", "sdpa-padded", "--modes", "fwd", "--no-plots",
             "--out", str(tmp_path)]
     assert cli.main(argv) == 0
@@ -342,13 +342,12 @@ def test_a_faulting_provider_is_recorded_and_the_run_goes_on_in_a_fresh_process(
     rows = {(r["config"], r["provider"]): r for r in doc["results"]}
     assert len(rows) == 6 == len(doc["results"])
     assert rows[(base, "coreattn")]["status"] == "ok" and rows[(f"{base}-dropout0.1", "sdpa-padded")]["status"] == "ok"
-    assert rows[(f"{base}-sink", "sdpa-padded")]["status"] == "skipped"  # after the last fault: a fresh worker
-    failed = {key: rows[key] for key in [(base, "sdpa-padded"), (f"{base}-dropout0.1", "coreattn"),
-                                         (f"{base}-sink", "coreattn")]}
-    assert [r["status"] for r in failed.values()] == ["fault", "timeout", "fault"]
-    assert "killed by SIGABRT" in failed[(base, "sdpa-padded")]["reason"]
-    assert "timed out after 10 s" in failed[(f"{base}-dropout0.1", "coreattn")]["reason"]
-    assert "illegal memory access" in failed[(f"{base}-sink", "coreattn")]["reason"]
+    assert rows[(f"{base}-sink", "coreattn")]["status"] == "ok"  # after the last fault: a fresh worker
+    assert rows[(f"{base}-sink", "sdpa-padded")]["status"] == "skipped"
+    failed = {key: rows[key] for key in [(base, "sdpa-padded"), (f"{base}-dropout0.1", "coreattn")]}
+    assert [r["status"] for r in failed.values()] == ["fault", "fault"]
+    assert "the worker died (killed by SIGABRT)" in failed[(base, "sdpa-padded")]["reason"]
+    assert "illegal memory access" in failed[(f"{base}-dropout0.1", "coreattn")]["reason"]
     for r in failed.values():
         assert r["fault"]["unit"] == f"attention bf16 {r['config']} {r['provider']} fwd" and r["mode"] == "fwd"
         assert r["fault"]["unit"] in out and "kernel launch: none traced yet" in r["reason"]
