@@ -12,7 +12,7 @@ from bench.flops import attention_flops, batch_pairs
 from bench.inputs import input_set_bytes, make_inputs
 from bench.providers import PROVIDERS, Prepared, memory_budget
 from bench.seqlens import draw_seqlens
-from bench.timing import kernel_configs, rotating, time_fn
+from bench.timing import kernel_configs, rotating, time_fn, untimed
 
 MAX_INPUT_SETS = 3
 
@@ -79,8 +79,10 @@ def _measure(row: dict, provider, cfg: AttnConfig, mode: str, dtype: torch.dtype
     try:
         n_sets = num_input_sets(cfg, dtype, device)
         with kernel_configs(row):
-            sets = [provider.build(make_inputs(cfg, dtype, device, seed=i), cfg, mode) for i in range(n_sets)]
-            fn, grad_to_none = _timed_callable(sets, mode)
+            with untimed():  # in an isolated worker, these launches are traced (and a fault names its kernel)
+                sets = [provider.build(make_inputs(cfg, dtype, device, seed=i), cfg, mode) for i in range(n_sets)]
+                fn, grad_to_none = _timed_callable(sets, mode)
+                fn()
             timing = time_fn(fn, device, grad_to_none, quick)
     except Exception as exc:  # one failing provider must not end the run; the row says why
         row.update(status="error", reason=_short(exc))

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 
-from bench import attention, configs, cpu_attention, masks
+from bench import configs, cpu_attention, masks
 from bench import kernels as kernels_report
 from bench import layer as layer_bench
 from bench import context_parallel as cp_bench
 from coreattn.tune.compiler import CDNA_ARCHS
 from bench.env import REPO_ROOT, device_slug, run_metadata
+from bench.isolation import DEFAULT_TIMEOUT, plan, run_in_process, run_isolated
 from bench.flops import MODES
 from bench.providers import PRIMARY, PROVIDERS
 from bench.report import NOT_PERF, add_speedups, format_table, write_json
@@ -29,6 +30,16 @@ from bench.report import NOT_PERF, add_speedups, format_table, write_json
 WHAT = ("attention", "masks", "cp", "layer", "cpu", "kernels")
 # cpu (minutes of CPU time) and kernels (the compile report, minutes of compiling) run when asked for
 DEFAULT_WHAT = ("attention", "masks", "cp", "layer")
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,6 +68,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=MODES, help="attention modes (default: all; fwd fwdbwd with --quick)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--isolation", choices=("auto", "process", "none"), default="auto",
+                   help="process: the attention, cp, layer and mask sections run in a worker process, and a unit "
+                        "that faults (a CUDA fault poisons its process), dies or hangs is recorded and the run goes "
+                        "on in a fresh one (bench/isolation.py); none: all in this process; auto: process on a GPU")
+    p.add_argument("--timeout", type=_positive, metavar="SECONDS",
+                   help=f"with isolation, a unit running longer is killed and recorded (default {DEFAULT_TIMEOUT:g})")
+    p.add_argument("--time-limit", type=_positive, metavar="SECONDS",
+                   help="start no attention/cp/layer/mask unit after this many seconds (the rest are skipped)")
     p.add_argument("--list", action="store_true", help="print the selected configs and providers, then exit")
     return p.parse_args(argv)
 
@@ -153,19 +172,16 @@ def main(argv=None) -> int:
             (len(layer_cfgs) * len(layer_bench.IMPLS) * len(args.dtype) if run_layer else 0) + \
             (cpu_attention.count(cpu_cases, args.cpu_providers, cpu_modes) if run_cpu else 0) + \
             (len(kernels_report.problems(args.quick)) * len(args.arch) if run_kernels else 0)
+    isolate = args.isolation == "process" or (args.isolation == "auto" and on_gpu)
+    meta["isolation"] = "worker process, a fresh one after a fault" if isolate else "none (this process)"
+    units = plan(args.dtype, {"attention": run_attn, "cp": run_cp, "layer": run_layer, "masks": run_masks},
+                 attn_cfgs, modes, args.providers, cp_cfgs, layer_cfgs, mask_cfgs, args.mask_providers)
     rows: list[dict] = []
     with _progress(total) as bar:
-        for dtype_name in args.dtype:
-            dtype = getattr(torch, configs.DTYPES[dtype_name])
-            if run_attn:
-                rows += attention.run_attention(attn_cfgs, modes, args.providers, dtype, device, args.quick, bar)
-            if run_cp:
-                rows += cp_bench.run_cp(cp_cfgs, dtype, device, args.quick, bar)
-            if run_layer:
-                rows += layer_bench.run_layer(layer_cfgs, dtype, device, args.quick, bar)
-        if run_masks:
-            dtype = getattr(torch, configs.DTYPES[args.dtype[0]])
-            rows += masks.run_masks(mask_cfgs, args.mask_providers, dtype, device, args.quick, bar)
+        if isolate:
+            rows += run_isolated(units, device, args.quick, bar, args.time_limit, args.timeout)
+        else:
+            rows += run_in_process(units, device, args.quick, bar, args.time_limit)
         if run_cpu:
             rows += cpu_attention.run_cpu(cpu_cases, args.cpu_providers, args.quick, bar, cpu_modes, args.cpu_threads)
         if run_kernels:

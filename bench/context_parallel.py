@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from bench.flops import attention_flops, visible_pairs
-from bench.timing import kernel_configs, time_fn
+from bench.timing import kernel_configs, time_fn, untimed
 
 CP_SIZES = (1, 2, 4, 8)
 COMMS = ("p2p", "all_gather", "a2a")
@@ -160,8 +160,9 @@ def _time_rank(row: dict, cfg: CPConfig, cp: int, comm: str, dtype: torch.dtype,
                quick: bool) -> None:
     try:
         with kernel_configs(row):
-            fn, leaves = rank_compute(cfg, cp, dtype, device, backend="triton", comm=comm)
-            dout = torch.randn_like(fn())
+            with untimed():
+                fn, leaves = rank_compute(cfg, cp, dtype, device, backend="triton", comm=comm)
+                dout = torch.randn_like(fn())
             timing = time_fn(lambda: fn().backward(dout), device, leaves, quick)
     except Exception as exc:  # one failing size must not end the run; the row says why
         first = (str(exc).strip().splitlines() or [""])[0]

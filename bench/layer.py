@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from bench.seqlens import draw_seqlens
-from bench.timing import kernel_configs, time_fn
+from bench.timing import kernel_configs, time_fn, untimed
 
 IMPLS = ("coreattn", "sdpa", "flash_attention_2")
 PRIMARY = "coreattn"
@@ -146,12 +146,12 @@ def run_layer(configs, dtype: torch.dtype, device: torch.device, quick: bool, pr
 def _run_one(row: dict, cfg: LayerConfig, impl: str, dtype: torch.dtype, device: torch.device, quick: bool) -> None:
     try:
         with kernel_configs(row):
-            fn, leaves, info = build(cfg, impl, dtype, device)
-            row["info"] = info
+            with untimed():
+                fn, leaves, info = build(cfg, impl, dtype, device)
+                row["info"] = info
+                fn()  # on CPU the only call: it checks that the layer runs forward and backward
             if device.type == "cuda":
                 timing = time_fn(fn, device, leaves, quick)
-            else:
-                fn()  # CPU: check that the layer runs forward and backward; nothing is timed
     except Exception as exc:  # one failing implementation must not end the run; the row says why
         first = (str(exc).strip().splitlines() or [""])[0]
         row.update(status="error", reason=f"{type(exc).__name__}: {first[:200]}")

@@ -19,7 +19,7 @@ import torch
 
 from bench.configs import MaskConfig
 from bench.seqlens import SEED
-from bench.timing import time_fn
+from bench.timing import time_fn, untimed
 
 PROVIDERS = ("loop", "vectorized", "triton", "torch-dense")
 
@@ -202,7 +202,8 @@ def run_masks(configs: Iterable[MaskConfig], provider_names: list[str], dtype: t
                     try:
                         # patched around the warm-up and all timed calls, not inside each call
                         with torch_path() if provider == "vectorized" else contextlib.nullcontext():
-                            row["output_bytes"] = _output_bytes(fn())
+                            with untimed():
+                                row["output_bytes"] = _output_bytes(fn())
                             timing = time_fn(fn, device, quick=quick)
                     except Exception as exc:  # a signature mismatch or bug in one builder: record it
                         first = (str(exc).strip().splitlines() or [""])[0]

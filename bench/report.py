@@ -93,6 +93,10 @@ def format_table(rows: list[dict], meta: dict, primary: str = "coreattn") -> str
         from bench.kernels import format_tables
 
         parts.append("compile report, per architecture:\n" + format_tables([r for r in rows if r["kind"] == "kernels"]))
+    faults = fault_lines(rows)
+    if faults:
+        parts.append("faults and timeouts (the units after each ran in a fresh process; bench/isolation.py):\n"
+                     + "\n".join(faults))
     skipped = Counter((r["kind"], r["provider"], r["reason"]) for r in rows if r["status"] == "skipped")
     if skipped:
         parts.append("skipped:\n" + "\n".join(f"  {kind} {provider}: {reason} ({n} case{'s' if n > 1 else ''})"
@@ -100,6 +104,18 @@ def format_table(rows: list[dict], meta: dict, primary: str = "coreattn") -> str
     if not meta["performance_data"]:
         parts.append(not_perf_note(rows))
     return "\n\n".join(parts)
+
+
+def fault_lines(rows: list[dict]) -> list[str]:
+    """One entry per unit that faulted, died or hung: what happened and the kernel launch it was in."""
+    lines, seen = [], set()
+    for r in rows:
+        fault = r.get("fault")
+        if r["status"] not in ("fault", "timeout") or not fault or fault["unit"] in seen:
+            continue
+        seen.add(fault["unit"])
+        lines.append(f"  {r['status'].upper()} {fault['unit']}: {fault['how']}\n    kernel launch: {fault['where']}")
+    return lines
 
 
 def not_perf_note(rows: list[dict]) -> str:

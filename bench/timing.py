@@ -16,6 +16,8 @@ import torch
 
 from coreattn.kernels.config import record_configs
 
+_UNTIMED = [contextlib.nullcontext]  # what wraps an ``untimed`` block (bench/isolation.py's worker: a launch trace)
+
 
 class Timing(NamedTuple):
     ms: float  # median
@@ -67,3 +69,18 @@ def kernel_configs(row: dict):
             yield
         finally:
             row["kernel_configs"] = [use.as_json() for use in uses.values()]
+
+
+def trace_untimed(factory: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """From now on ``factory()`` wraps every ``untimed`` block (bench/isolation.py's worker passes a
+    launch trace; contextlib.nullcontext restores the default)."""
+    _UNTIMED[0] = factory
+
+
+@contextlib.contextmanager
+def untimed():
+    """Around building a row's inputs and one untimed call of what is then timed: in an isolated
+    worker (bench/isolation.py) every kernel launch in here is recorded before it runs and synced
+    after it, so that a fault names its kernel and config. Timed calls are never traced."""
+    with _UNTIMED[0]():
+        yield

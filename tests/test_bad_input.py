@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import coreattn
+from attn_cases import KERNEL_DEVICE
 
 T, H, D = 10, 4, 16
 
@@ -89,6 +90,7 @@ def test_device_mismatch_raises():
 def test_float64_only_on_torch_backend():
     a = _args(q=torch.randn(T, H, D, dtype=torch.float64), k=torch.randn(T, 2, D, dtype=torch.float64),
               v=torch.randn(T, 2, 8, dtype=torch.float64))
+    a = {name: x.to(KERNEL_DEVICE) if isinstance(x, torch.Tensor) else x for name, x in a.items()}  # Triton runs there
     coreattn.varlen_attn(**a, backend="torch")
     with pytest.raises(TypeError, match="Triton backend supports"):
         coreattn.varlen_attn(**a, backend="triton")

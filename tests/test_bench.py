@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bench import cli, configs, providers
+from coreattn.selfcheck.faults import INJECT_ENV
 from bench import context_parallel as cp_bench
 from bench import masks as mask_bench
 from bench.flops import attention_flops, batch_pairs, visible_pairs
@@ -321,3 +322,48 @@ def test_timed_rows_record_the_kernel_configs_that_ran():
     assert set(used) == {"fwd", "dkdv", "dq", "preprocess"}
     assert used["fwd"]["class"] == "hdim32x16-fp16-causal-gqa" and used["fwd"]["source"].startswith("shipped table")
     assert json.loads(json.dumps(row["kernel_configs"]))[0]["config"]["block_m"] > 0
+
+
+def test_a_faulting_provider_is_recorded_and_the_run_goes_on_in_a_fresh_process(tmp_path, monkeypatch, capsys):
+    """--isolation process (the default on a GPU) on CPU, with faults injected (test-only: COREATTN_INJECT_FAULT)
+    into two units: one worker aborts, one raises a CUDA-like error (its process is then poisoned); each is
+    recorded in results.json and the table, and the units after it run in a fresh worker. (A unit that hangs
+    is killed at --timeout by the same child-process code the self-check's hang test exercises.)"""
+    base = "hdim128x128-gqa4-causal-short-256"
+    monkeypatch.setenv(INJECT_ENV, f"abort@bench attention {base} sdpa-padded fwd;"
+                                   f"cuda-error@bench attention {base}-dropout0.1 coreattn fwd")
+    argv = ["--quick", "--device", "cpu", "--isolation", "process", "--timeout", "300", "--what", "attention",
+            "--configs", base, "--providers", "coreattn", "sdpa-padded", "--modes", "fwd", "--no-plots",
+            "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["meta"]["isolation"].startswith("worker process")
+    rows = {(r["config"], r["provider"]): r for r in doc["results"]}
+    assert len(rows) == 6 == len(doc["results"])
+    assert rows[(base, "coreattn")]["status"] == "ok" and rows[(f"{base}-dropout0.1", "sdpa-padded")]["status"] == "ok"
+    assert rows[(f"{base}-sink", "coreattn")]["status"] == "ok"  # after the last fault: a fresh worker
+    assert rows[(f"{base}-sink", "sdpa-padded")]["status"] == "skipped"
+    failed = {key: rows[key] for key in [(base, "sdpa-padded"), (f"{base}-dropout0.1", "coreattn")]}
+    assert [r["status"] for r in failed.values()] == ["fault", "fault"]
+    assert "the worker died (killed by SIGABRT)" in failed[(base, "sdpa-padded")]["reason"]
+    assert "illegal memory access" in failed[(f"{base}-dropout0.1", "coreattn")]["reason"]
+    for r in failed.values():
+        assert r["fault"]["unit"] == f"attention bf16 {r['config']} {r['provider']} fwd" and r["mode"] == "fwd"
+        assert r["fault"]["unit"] in out and "kernel launch: none traced yet" in r["reason"]
+    assert "faults and timeouts" in out and "FAULT attention bf16 hdim128x128-gqa4-causal-short-256 sdpa-padded" in out
+
+
+@pytest.mark.parametrize("argv, name", [(["--timeout", "0"], "--timeout"), (["--time-limit", "-5"], "--time-limit"),
+                                        (["--isolation", "maybe"], "--isolation")])
+def test_bad_isolation_options_exit_2_naming_the_option(argv, name, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2 and name in capsys.readouterr().err
+
+
+def test_units_past_the_time_limit_are_skipped(tmp_path):
+    assert cli.main(["--quick", "--device", "cpu", "--what", "attention", "masks", "--time-limit", "1e-9",
+                     "--no-plots", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert rows and all(r["status"] == "skipped" and "--time-limit" in r["reason"] for r in rows)

@@ -134,6 +134,8 @@ def test_inductor_matches_eager_with_dropout_and_sinks():
         torch.testing.assert_close(c, e)  # Inductor may fuse the offset's gradient reduction differently
 
 
+@pytest.mark.interpreter_only("the Triton kernels on CPU tensors (tests/test_gpu.py and the GPU run of the suite "
+                              "compile the kernels for real)")
 def test_triton_interpreter_compiled_matches_eager():
     torch._dynamo.reset()
 
@@ -191,6 +193,8 @@ def test_value_checks_run_in_the_op_when_compiled():
         compiled(q, k, v, bad, max_len)
 
 
+@pytest.mark.interpreter_only("the CPU default backend is Triton only under the interpreter (else torch, which "
+                              "takes float64)")
 def test_backend_choice_and_override_apply_when_the_compiled_graph_runs(monkeypatch):
     """The op resolves the backend when it runs: COREATTN_BACKEND set after compiling still applies
     (float64 runs only on the torch backend), and an impossible override raises."""
@@ -244,7 +248,8 @@ def test_opcheck_rng_state():
     torch.library.opcheck(torch.ops.coreattn.rng_state.default, (torch.zeros(3),))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter_only(
+    "the Triton kernels on CPU tensors"))])
 def test_fake_shapes_match_the_op(backend):
     """The fake implementations give the real outputs' shapes, dtypes and strides on each backend
     (also max_logit's empty placeholder); opcheck above runs the torch backend (the interpreter
@@ -300,6 +305,8 @@ def test_core_attention_compiles_without_graph_breaks(kind):
     _assert_same(_grads(got, args[:3]), _grads(want, args[:3]))
 
 
+@pytest.mark.interpreter_only("the CPU default backend is Triton only under the interpreter (else torch, which "
+                              "takes float64)")
 def test_core_attention_follows_the_backend_environment_when_compiled(monkeypatch):
     """CoreAttention passes its override (None here) to the ops, which resolve it when they run."""
     monkeypatch.delenv("COREATTN_BACKEND", raising=False)

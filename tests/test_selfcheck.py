@@ -6,10 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from coreattn.selfcheck import (CPU_MESSAGE, band_mask, compare, environment, environment_keys, naive_attention,
                                 zero_rows)
+from coreattn.selfcheck.faults import INJECT_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,6 +30,8 @@ def test_quick_selfcheck_passes_on_this_machine(tmp_path):
     assert "hdim192x128-causal-gqa4" in out and "PASSED" in out and "FAIL" not in out
     results = json.loads(report.read_text())
     assert results["passed"] and all(row["passed"] for row in results["rows"])
+    assert all(r["status"] == "pass" and r["fault"] is None for r in results["rows"]) and not results["faults"]
+    assert "each row in its own process" in out and results["isolation"].startswith("each row in its own process")
     # the launch configs the cases ran, and where each came from
     assert "launch configs the kernels used" in out
     sources = {use["source"] for row in results["rows"] for use in row["configs"]}
@@ -109,3 +113,72 @@ def test_cpu_selfcheck_without_numpy_says_what_to_install(monkeypatch, capsys):
     assert selfcheck.main(["--quick"]) == 2
     err = capsys.readouterr().err
     assert "numpy" in err and selfcheck.NUMPY_HINT in err
+
+
+def _selfcheck(tmp_path, *args, inject=None, timeout=900):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", INJECT_ENV)}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    if inject:
+        env[INJECT_ENV] = inject
+    report = tmp_path / "selfcheck.json"
+    proc = subprocess.run([sys.executable, "-m", "coreattn.selfcheck", *args, "--json", str(report)], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+    return proc, json.loads(report.read_text())
+
+
+@pytest.mark.interpreter_only("a CPU test of the isolation: the interpreter's configs, and a --timeout that a "
+                              "GPU's first compile could exceed")
+def test_a_faulting_or_hanging_case_is_reported_and_the_others_still_run(tmp_path):
+    """Each row runs in its own process: one hangs at its forward launch (killed at --timeout) while the
+    others run beside it, one aborts in its dK/dV kernel, one raises a CUDA-like error in its dQ kernel
+    after its other kernels ran (all injected, test-only: COREATTN_INJECT_FAULT); each failure names
+    the kernel launch it happened in, with its config and source, and how to rerun it alone under
+    compute-sanitizer."""
+    inject = ("hang@hdim64-causal-qk-lens-differ launch fwd;abort@hdim192x128-causal-gqa4 launch dkdv;"
+              "cuda-error@hdim128-padded-keepmask-causal launch dq")
+    cases = ["hdim64-causal-qk-lens-differ", "hdim192x128-causal-gqa4", "hdim128-padded-keepmask-causal"]
+    proc, doc = _selfcheck(tmp_path, "--case", *cases, "--dtype", "fp16", "--jobs", "2", "--timeout", "20",
+                           inject=inject)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    rows = {r["case"]["name"]: r for r in doc["rows"]}
+    assert {name: r["status"] for name, r in rows.items()} == {
+        "hdim64-causal-qk-lens-differ": "timeout", "hdim192x128-causal-gqa4": "fault",
+        "hdim128-padded-keepmask-causal": "fault"}
+    expected = {"hdim64-causal-qk-lens-differ": ("fwd", "timed out after 20 s"),
+                "hdim192x128-causal-gqa4": ("dkdv", "killed by SIGABRT"),
+                "hdim128-padded-keepmask-causal": ("dq", "illegal memory access")}
+    for name, (kernel, how) in expected.items():
+        fault = rows[name]["fault"]
+        assert how in fault["how"] and fault["launch"]["kernel"] == kernel, fault
+        assert fault["launch"]["config"]["BLOCK_M"] == 16 and fault["launch"]["config"]["num_warps"] == 1
+        assert fault["launch"]["source"] == "shipped table (interpreter)"
+        rerun = f"python -m coreattn.selfcheck --case {name} --dtype fp16 --in-process"
+        assert fault["rerun"] == rerun and fault["sanitizer"] == f"compute-sanitizer --tool memcheck {rerun}"
+        assert f"{fault['status'].upper()} {name}/float16" in proc.stdout and rerun in proc.stdout
+    assert not doc["passed"] and len(doc["faults"]) == 3
+    dkdv = "kernel launch: dkdv (_attn_bwd_dkdv_kernel) hdim192x128-fp16-causal-gqa: BLOCK_M=16 BLOCK_N=32"
+    assert dkdv in proc.stdout
+    launched = {u["kernel"] for u in rows["hdim128-padded-keepmask-causal"]["configs"]}
+    assert launched == {"fwd", "preprocess", "dkdv", "dq"}  # its other kernels ran before dQ faulted
+
+
+def test_rows_not_started_before_the_time_limit_are_reported(tmp_path, capsys):
+    import coreattn.selfcheck as selfcheck
+
+    report = tmp_path / "selfcheck.json"
+    assert selfcheck.main(["--quick", "--time-limit", "1e-9", "--json", str(report)]) == 1
+    doc = json.loads(report.read_text())
+    assert doc["rows"] and {r["status"] for r in doc["rows"]} == {"not-run"} and not doc["passed"]
+    assert "NOT RUN" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, name", [(["--case", "hdim999"], "--case"), (["--timeout", "0"], "--timeout"),
+                                        (["--jobs", "-1"], "--jobs"), (["--time-limit", "x"], "--time-limit")])
+def test_bad_options_exit_2_naming_the_option(argv, name, capsys):
+    import coreattn.selfcheck as selfcheck
+
+    try:
+        code = selfcheck.main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    assert code == 2 and name in capsys.readouterr().err

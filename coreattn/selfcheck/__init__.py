@@ -13,10 +13,17 @@ the shipped table, and the report names each config and its source.
 On ROCm's PyTorch an AMD GPU is a ``cuda`` device: everything above runs there alike, and the
 report prints the HIP version and the gcnArchName.
 
+``python -m coreattn.selfcheck`` runs each (case, dtype) row in its own child process
+(``isolated.py``): a CUDA fault poisons its process, and one bad kernel must not hide the other
+rows; a row that faults, dies or hangs is reported with the kernel launch it was in. ``faults.py``
+holds what the self-check, the benchmark suite and the tuner share for that: the launch trace, the
+child processes and their events, and the test-only fault injection. ``--in-process`` runs the
+rows here (``run``), for compute-sanitizer or a debugger.
+
 Without a GPU the kernels run under Triton's CPU interpreter. ``TRITON_INTERPRET=1`` must be set
 before the kernels are defined, and ``python -m coreattn.selfcheck`` has imported coreattn (and
-its kernels) before this module runs, so ``main`` re-runs itself in a child process with the
-variable set.
+its kernels) before this module runs, so the children get the variable (and ``--in-process``
+re-runs itself in a child process with it set).
 
 May import: anything in coreattn (it sits above the public API and tests it through it); nothing
 in coreattn imports it.
@@ -268,14 +275,16 @@ def check_recompiles(device: torch.device, dtype: torch.dtype) -> Check:
 
 def configs_report(uses) -> str:
     """The launch configs the cases ran, per kernel and launch class, and their source: the shipped
-    table of this device's config family, or a tuned cache file (python -m coreattn.tune)."""
+    table of this device's config family, or a tuned cache file (python -m coreattn.tune). ``uses``:
+    ConfigUse.as_json() dicts (each row's ``configs``)."""
     lines = ["launch configs the kernels used (tile, warps, stages; source):"]
-    for use in sorted(uses, key=lambda u: (u.cls or "", KERNELS.index(u.kernel))):
-        cfg = use.config
-        tile = f"{cfg.block_m}x{cfg.block_n}" if cfg.block_n else f"{cfg.block_m} rows"
-        extra = (" tma" if cfg.tma else "") + (" warp-specialized" if cfg.warp_specialize else "")
-        lines.append(f"  {use.kernel:<10} {use.cls or '-':<32} {tile} w{cfg.num_warps} s{cfg.num_stages or '-'}{extra}"
-                     f"  ({use.source})")
+    unique = {(u["kernel"], u["class"]): u for u in uses}.values()
+    for use in sorted(unique, key=lambda u: (u["class"] or "", KERNELS.index(u["kernel"]))):
+        cfg = use["config"]
+        tile = f"{cfg['block_m']}x{cfg['block_n']}" if cfg["block_n"] else f"{cfg['block_m']} rows"
+        extra = (" tma" if cfg["tma"] else "") + (" warp-specialized" if cfg["warp_specialize"] else "")
+        lines.append(f"  {use['kernel']:<10} {use['class'] or '-':<32} {tile} w{cfg['num_warps']} "
+                     f"s{cfg['num_stages'] or '-'}{extra}  ({use['source']})")
     return "\n".join(lines)
 
 
@@ -308,70 +317,183 @@ def _cell(check: Check) -> str:
     return f"{check.err / check.bound:.2f}" if check.bound else "ok"
 
 
-def run(quick: bool = False, out=sys.stdout) -> dict:
-    """Runs the cases on this machine's device (CUDA, else the interpreter on CPU), prints the table
-    and returns the results as a dict (``passed`` says whether everything passed)."""
+# ---- which rows run, and how a row is printed
+
+DTYPE_ARGS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+STATUS = {"pass": "PASS", "wrong": "WRONG", "fault": "FAULT", "timeout": "TIMEOUT", "error": "ERROR",
+          "not-run": "NOT RUN"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def dtype_arg(dtype: torch.dtype) -> str:
+    return next(k for k, v in DTYPE_ARGS.items() if v == dtype)
+
+
+def select_rows(device: torch.device, quick: bool = False, names=None, dtypes=None) -> list[tuple[Case, torch.dtype]]:
+    """The (case, dtype) rows to run: every case (``quick``: the quick ones) in the device's dtypes
+    and FP32_CASE in fp32; ``names`` (--case) and ``dtypes`` (--dtype, of DTYPE_ARGS) narrow it.
+    ValueError naming the option for an unknown case or a dtype this device does not run."""
+    known = [c.name for c in CASES]
+    unknown = [n for n in names or () if n not in known]
+    if unknown:
+        raise ValueError(f"--case: unknown {unknown}; choose from {known}")
+    cases = [c for c in CASES if c.name in names] if names else [c for c in CASES if c.quick or not quick]
+    device_dtypes, skipped = case_dtypes(device)
+    if dtypes:
+        for name in dtypes:
+            if DTYPE_ARGS[name] not in device_dtypes + [torch.float32]:
+                raise ValueError(f"--dtype {name}: {skipped}")
+        return [(c, DTYPE_ARGS[name]) for name in dict.fromkeys(dtypes) for c in cases]
+    return [(c, d) for d in device_dtypes for c in cases] + ([(FP32_CASE, torch.float32)] if FP32_CASE in cases else [])
+
+
+def table_header() -> str:
+    return f"{'case':<32} {'dtype':<8} {'out':>5} {'dq':>5} {'dk':>5} {'dv':>5} {'dsink':>5} {'zero':>5}  result"
+
+
+def row_line(name: str, dname: str, checks: list[Check], status: str) -> str:
+    """One table row: max error / allowed per output and gradient, the zero-rows check, the status."""
+    by_name = {c.name: c for c in checks}
+    cells = [_cell(by_name[n]) if n in by_name else "-" for n in ("out", "dq", "dk", "dv", "d_offset")]
+    zero = [c for c in checks if c.name.startswith("zero")]
+    cells.append(("ok" if all(c.passed for c in zero) else "FAIL") if zero else "-")
+    return f"{name:<32} {dname:<8} " + " ".join(f"{x:>5}" for x in cells) + f"  {STATUS[status]}"
+
+
+def preamble(env: dict, quick: bool, skipped: str | None, isolation: str | None = None) -> list[str]:
+    lines = [f"coreattn self-check{' (--quick)' if quick else ''}"]
+    if env["interpreter"]:
+        lines.append(CPU_MESSAGE)
+    lines += [f"  {key:<19} {env[key]}" for key in environment_keys(env)]
+    if isolation:
+        lines.append(isolation)
+    if skipped:
+        lines.append(skipped)
+    lines.append("cells: max error / allowed (2 * same-dtype error + 1e-5), pass <= 1; zero: rows that see no key are 0")
+    return lines
+
+
+def recompile_line(recompile: dict) -> str:
+    status = "FAIL" if not recompile["passed"] else "SKIPPED" if recompile["note"].startswith("skipped") else "PASS"
+    note = recompile["note"].removeprefix("skipped: ")
+    return f"no recompiles across packed batches: {status}" + (f" ({note})" if note else "")
+
+
+def run(quick: bool = False, out=sys.stdout, rows=None, recompile: bool = True) -> dict:
+    """Runs the cases in this process on this machine's device (CUDA, else the interpreter on CPU),
+    prints the table and returns the results as a dict (``passed`` says whether everything passed).
+    ``rows``: the (case, dtype) rows (default: ``select_rows``); ``recompile``: also check that new
+    packed batches do not recompile (CUDA only). A fault here ends the process's use of the device:
+    ``python -m coreattn.selfcheck`` runs each row in its own process instead (selfcheck/isolated.py)."""
     if not (runs_in_interpreter() or torch.cuda.is_available()):
         raise RuntimeError("no CUDA device and coreattn's kernels were not built for the interpreter: "
                            "run `python -m coreattn.selfcheck`, which sets TRITON_INTERPRET=1")
     device = torch.device("cpu" if runs_in_interpreter() else "cuda")
     dtypes, skipped = case_dtypes(device)
-    cases = [c for c in CASES if c.quick or not quick]
-    rows = [(c, d) for d in dtypes for c in cases] + [(FP32_CASE, torch.float32)]
+    rows = select_rows(device, quick) if rows is None else rows
     env = environment(device)
     say = lambda line="": print(line, file=out, flush=True)  # noqa: E731
-    say(f"coreattn self-check{' (--quick)' if quick else ''}")
-    if device.type == "cpu":
-        say(CPU_MESSAGE)
-    for key in environment_keys(env):
-        say(f"  {key:<19} {env[key]}")
-    if skipped:
-        say(skipped)
-    say("cells: max error / allowed (2 * same-dtype error + 1e-5), pass <= 1; zero: rows that see no key are 0")
-    head = f"{'case':<32} {'dtype':<8} {'out':>5} {'dq':>5} {'dk':>5} {'dv':>5} {'dsink':>5} {'zero':>5}  result"
+    for line in preamble(env, quick, skipped, "all rows in this process (--in-process)"):
+        say(line)
     say()
-    say(head)
-    say("-" * len(head))
+    say(table_header())
+    say("-" * len(table_header()))
     results, used = [], {}
     for case, dtype in rows:
-        dname = str(dtype).replace("torch.", "")
+        dname = dtype_name(dtype)
         try:
             with record_configs() as uses:
                 checks = run_case(case, dtype, device)
+            status = "pass" if all(c.passed for c in checks) else "wrong"
         except Exception as exc:  # report and go on: one broken case should not hide the others
             checks = [Check("run", math.inf, 0.0, False, f"{type(exc).__name__}: {exc}")]
+            status = "error"
         used.update(uses)
-        by_name = {c.name: c for c in checks}
-        ok = all(c.passed for c in checks)
-        cells = [_cell(by_name[n]) if n in by_name else "-" for n in ("out", "dq", "dk", "dv", "d_offset")]
-        zero = [c for c in checks if c.name.startswith("zero")]
-        cells.append(("ok" if all(c.passed for c in zero) else "FAIL") if zero else "-")
-        say(f"{case.name:<32} {dname:<8} " + " ".join(f"{x:>5}" for x in cells) + f"  {'PASS' if ok else 'FAIL'}")
-        results.append({"case": asdict(case), "dtype": dname, "passed": ok, "checks": [c.as_json() for c in checks],
-                        "configs": [u.as_json() for u in uses.values()]})
+        say(row_line(case.name, dname, checks, status))
+        results.append({"case": asdict(case), "dtype": dname, "status": status, "passed": status == "pass",
+                        "checks": [c.as_json() for c in checks], "configs": [u.as_json() for u in uses.values()],
+                        "fault": None})
     say()
-    say(configs_report(used.values()))
-    recompile = check_recompiles(device, dtypes[0])
+    say(configs_report([u.as_json() for u in used.values()]))
+    check = check_recompiles(device, dtypes[0]) if recompile else Check(
+        "no recompiles", 0.0, 0.0, True, "skipped: --case runs the named cases only")
     say()
-    status = "FAIL" if not recompile.passed else "SKIPPED" if recompile.note.startswith("skipped") else "PASS"
-    note = recompile.note.removeprefix("skipped: ")
-    say(f"no recompiles across packed batches: {status}" + (f" ({note})" if note else ""))
-    failures = [(r["case"]["name"], r["dtype"], c) for r in results for c in r["checks"] if not c["passed"]]
-    for name, dname, c in failures:
-        say(f"FAILED {name} {dname} {c['name']}: {c['note']}")
-    passed = not failures and recompile.passed
-    say(f"{'PASSED' if passed else 'FAILED'}: {sum(r['passed'] for r in results)}/{len(results)} case rows passed"
-        + ("" if device.type == "cuda" else f" ({CPU_MESSAGE})"))
-    return {"passed": passed, "environment": env, "skipped": skipped, "quick": quick, "rows": results,
-            "recompile": recompile.as_json(), "message": CPU_MESSAGE if device.type == "cpu" else None}
+    say(recompile_line(check.as_json()))
+    return summarize(results, check.as_json(), env, skipped, quick, out, "in-process")
 
 
-def main(argv: list[str] | None = None) -> int:
+def summarize(results: list[dict], recompile: dict, env: dict, skipped, quick: bool, out, isolation: str,
+              faults: list[dict] = ()) -> dict:
+    """Prints what failed (the faults with their kernel launch and how to rerun them alone) and
+    the last line; returns the results document (``--json``)."""
+    say = lambda line="": print(line, file=out, flush=True)  # noqa: E731
+    for r in results:
+        if r["status"] == "wrong":
+            for c in r["checks"]:
+                if not c["passed"]:
+                    say(f"FAILED {r['case']['name']} {r['dtype']} {c['name']}: {c['note']}")
+        elif r["status"] != "pass" and not r.get("fault"):
+            say(f"{STATUS[r['status']]} {r['case']['name']} {r['dtype']}: "
+                + "; ".join(c["note"] for c in r["checks"] if not c["passed"]))
+    faults = [r["fault"] for r in results if r.get("fault")] + list(faults)
+    for fault in faults:
+        say(f"{STATUS[fault['status']]} {fault['row']}: {fault['how']}\n  kernel launch: {fault['where']}\n"
+            f"  rerun it alone: {fault['rerun']}\n  under compute-sanitizer: {fault['sanitizer']}")
+    passed = all(r["status"] == "pass" for r in results) and recompile["passed"]
+    say(f"{'PASSED' if passed else 'FAILED'}: {sum(r['status'] == 'pass' for r in results)}/{len(results)} case rows "
+        "passed" + ("" if not env["interpreter"] else f" ({CPU_MESSAGE})"))
+    return {"passed": passed, "environment": env, "skipped": skipped, "quick": quick, "isolation": isolation,
+            "rows": results, "recompile": recompile, "faults": faults,
+            "message": CPU_MESSAGE if env["interpreter"] else None}
+
+
+def check_from_json(c: dict) -> Check:
+    return Check(c["name"], math.inf if c["err"] is None else c["err"], c["bound"], c["passed"], c.get("note", ""))
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m coreattn.selfcheck", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available() and not runs_in_interpreter():
+    parser.add_argument("--case", nargs="+", metavar="NAME", help="run only these cases (names as in the table)")
+    parser.add_argument("--dtype", nargs="+", choices=list(DTYPE_ARGS), help="run the cases in these dtypes only")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run every row in this process (for compute-sanitizer or a debugger); by default each "
+                             "row runs in its own process, so a fault in one cannot hide the others")
+    parser.add_argument("--timeout", type=_positive(float), metavar="SECONDS",
+                        help="kill a row's process after this long (default 300 on a GPU, 1800 on CPU)")
+    parser.add_argument("--jobs", type=_positive(int), metavar="N",
+                        help="rows run at once, each in its own process (default 4 on a GPU, 2 on CPU)")
+    parser.add_argument("--time-limit", type=_positive(float), metavar="SECONDS",
+                        help="start no row after this long; a row still running then is killed (timeout)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # one row, in a child of the run above
+    parser.add_argument("--events", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        from coreattn.selfcheck.isolated import child_main
+
+        return child_main(args.child, args.events)
+    interpreted = runs_in_interpreter() or not torch.cuda.is_available()
+    if interpreted and not runs_in_interpreter():
         if os.environ.get("TRITON_INTERPRET") == "1":  # set, yet the kernels were not interpreted: don't loop
             print("TRITON_INTERPRET=1 is set but coreattn's kernels were not built for the interpreter", file=sys.stderr)
             return 2
@@ -379,10 +501,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"No GPU here: the self-check would run the kernels under Triton's CPU interpreter, which needs "
                   f"numpy ({NUMPY_HINT})", file=sys.stderr)
             return 2
-        argv = sys.argv[1:] if argv is None else argv
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        return subprocess.call([sys.executable, "-m", "coreattn.selfcheck", *argv], env=env)
-    results = run(quick=args.quick)
+        if args.in_process:  # the kernels must be defined under the interpreter: this process is too late
+            argv = sys.argv[1:] if argv is None else argv
+            env = dict(os.environ, TRITON_INTERPRET="1")
+            return subprocess.call([sys.executable, "-m", "coreattn.selfcheck", *argv], env=env)
+    device = torch.device("cpu" if interpreted else "cuda")
+    try:
+        rows = select_rows(device, args.quick, args.case, args.dtype)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.in_process:
+        results = run(quick=args.quick, rows=rows, recompile=not args.case)
+    else:
+        from coreattn.selfcheck.isolated import run_isolated
+
+        results = run_isolated(rows, device, quick=args.quick, recompile=not args.case, timeout=args.timeout,
+                               jobs=args.jobs, time_limit=args.time_limit)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)

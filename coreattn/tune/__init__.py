@@ -8,7 +8,9 @@ use it) and the tuner, ``python -m coreattn.tune`` (``__main__.py``): ``space.py
 candidates to tune), ``dryrun.py`` (every candidate compiled for an arch, no GPU), ``batches.py``
 (the packed batches it times on), ``tuner.py`` (compile-check, time, rank, accept on the GPU),
 ``accept.py`` (the acceptance check against float64 and the shipped config), ``report.py`` (the
-before/after table). The tuner writes kernels/tuned_cache.py's files; the kernels read them.
+before/after table), ``isolated.py`` (the tasks in a worker process: a candidate that faults, dies
+or hangs is dropped and a fresh worker goes on). The tuner writes kernels/tuned_cache.py's files;
+the kernels read them.
 
 May import: anything in coreattn (a tool above the public API, like ``coreattn.selfcheck``);
 nothing in coreattn's kernels, layers or adapters imports it.

@@ -45,6 +45,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-speedup", type=float, default=None,
                    help="a candidate must beat the shipped config by this factor (default 1.02)")
     p.add_argument("--out", type=Path, help="the cache file to write (default: the user cache file for this GPU)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds a tuning step (a candidate's compile check, a timing, its acceptance) may take "
+                        "before the worker is killed and that candidate dropped (default 600)")
+    p.add_argument("--in-process", action="store_true",
+                   help="tune in this process: a candidate that faults ends the run (by default the tasks run in a "
+                        "worker process, and a faulting candidate is dropped: coreattn/tune/isolated.py)")
     p.add_argument("--dry-run", action="store_true", help="no GPU: compile every candidate for --arch and report")
     p.add_argument("--arch", nargs="+", default=["sm90"], help="--dry-run: CUDA architectures (sm80 ... sm120)")
     p.add_argument("--limit", type=int, help="--dry-run: at most this many candidates per kernel and class")
@@ -103,6 +109,8 @@ def _merge(path: Path, key, results) -> list[dict]:
         if old is not None and old.key == key:
             entries = {(e["kernel"], e["class"]): e for e in old.raw["entries"]}
     for r in results:
+        if r.failed:  # not measured: an older entry stays
+            continue
         entries.pop((r.task.kernel, r.task.cls.id), None)
         if r.entry is not None:
             entries[(r.task.kernel, r.task.cls.id)] = r.entry
@@ -116,6 +124,8 @@ def check_numbers(args) -> None:
         raise ValueError(f"--limit: at least 1 candidate per kernel and class, got {args.limit}")
     if args.min_speedup is not None and not args.min_speedup >= 1.0:
         raise ValueError(f"--min-speedup: a factor >= 1 over the shipped config, got {args.min_speedup}")
+    if args.timeout is not None and not args.timeout > 0:
+        raise ValueError(f"--timeout: seconds > 0, got {args.timeout}")
 
 
 def main(argv=None) -> int:
@@ -137,12 +147,17 @@ def main(argv=None) -> int:
     from coreattn.tune.tuner import gpu_timer
 
     device = torch.device("cuda", torch.cuda.current_device())
-    return tune(args, device, tuned_cache.device_key(device), gpu_timer(args.quick), argv)
+    if args.in_process:
+        return tune(args, device, tuned_cache.device_key(device), gpu_timer(args.quick), argv)
+    return tune(args, device, tuned_cache.device_key(device), None, argv,
+                worker_timer={"kind": "gpu", "quick": args.quick})
 
 
-def tune(args, device: torch.device, key, timer, argv=None) -> int:
+def tune(args, device: torch.device, key, timer, argv=None, worker_timer: dict | None = None) -> int:
     """The tuner's run on ``device`` (a CUDA GPU; tests pass the CPU under the interpreter with an
-    injected ``timer``): plan, estimate, tune every task, write the cache file, print the tables."""
+    injected ``timer``): plan, estimate, tune every task, write the cache file, print the tables.
+    ``worker_timer``: tune in worker processes with this timer spec (coreattn/tune/isolated.py),
+    dropping candidates that fault; else in this process with ``timer``."""
     from coreattn.tune.tuner import MIN_SPEEDUP, Progress, estimate_seconds, steps, tune_task
 
     classes = space.classes(space.parse_dims(args.dims), args.dtype, args.features, args.gqa)
@@ -168,9 +183,15 @@ def tune(args, device: torch.device, key, timer, argv=None) -> int:
     progress = Progress(total)
     results = []
     try:
-        for t in tasks:
-            results.append(tune_task(t, device, plan[t], timer, candidates=cands[t], progress=progress,
-                                     min_speedup=args.min_speedup or MIN_SPEEDUP))
+        if worker_timer is not None:
+            from coreattn.tune.isolated import run_tasks
+
+            results = run_tasks(tasks, cands, plan, device, worker_timer, args.min_speedup or MIN_SPEEDUP,
+                                args.timeout, progress)
+        else:
+            for t in tasks:
+                results.append(tune_task(t, device, plan[t], timer, candidates=cands[t], progress=progress,
+                                         min_speedup=args.min_speedup or MIN_SPEEDUP))
     finally:
         progress.close()
     record = dict(created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

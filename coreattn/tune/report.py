@@ -17,7 +17,8 @@ def after_table(results, key) -> str:
         same = r.chosen == r.shipped
         notes = f"{len(r.notes)} dropped/rejected" if r.notes else ""
         lines.append([r.task.cls.id, r.task.kernel, describe_config(r.shipped), f"{sum(r.ms_shipped.values()):.3f}",
-                      "(shipped kept)" if same else describe_config(r.chosen), f"{sum(r.ms_chosen.values()):.3f}",
+                      "(not tuned: failed)" if getattr(r, "failed", None) else "(shipped kept)" if same
+                      else describe_config(r.chosen), f"{sum(r.ms_chosen.values()):.3f}",
                       f"{r.speedup:.2f}x", notes])
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)

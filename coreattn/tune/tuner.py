@@ -24,13 +24,13 @@ from coreattn.kernels import varlen_attn_bwd, varlen_attn_fwd
 from coreattn.kernels.config import AttnConfig, forced_configs, target_of
 from coreattn.kernels.dropout import rng_state
 from coreattn.kernels.tuned_cache import KernelClass, config_to_json
+from coreattn.selfcheck.faults import KERNEL_NAMES, device_healthy, is_device_fault
 from coreattn.tune import compiler
 from coreattn.tune.accept import DTYPES, accept
 from coreattn.tune.batches import GQA_GROUP, HEADS_Q, Batch, make_tensors
 from coreattn.tune.space import KernelTask, describe_config, kernel_candidates, shipped_configs
 
-KERNEL_FNS = {"fwd": "_varlen_attn_fwd_kernel", "dkdv": "_attn_bwd_dkdv_kernel", "dq": "_attn_bwd_dq_kernel",
-              "preprocess": "_attn_bwd_preprocess_kernel"}
+KERNEL_FNS = {kernel: fn for fn, kernel in KERNEL_NAMES.items()}
 MIN_SPEEDUP = 1.02  # below this a "win" is within the timing noise of a median
 
 
@@ -81,6 +81,7 @@ class TaskResult(NamedTuple):
     ms_shipped: dict
     ms_chosen: dict
     notes: list  # why candidates were dropped or rejected
+    failed: str | None = None  # why the task could not be tuned (its shipped config faulted): no entry, keep old ones
 
     @property
     def entry(self) -> dict | None:
@@ -128,6 +129,8 @@ def compile_check(kernel: str, op: Callable[[], object], configs: dict) -> str |
         with compiler.captured_launches() as launches, forced_configs(**configs):
             op()
     except Exception as exc:
+        if is_device_fault(exc) or not device_healthy(_used_device()):
+            raise  # not a compile failure: the process's device is unusable (coreattn/tune/isolated.py)
         return f"does not compile or load: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[-1][:160]}"
     spills = [getattr(launch["kernel"], "n_spills", 0) or 0 for launch in launches
               if launch["fn"] == KERNEL_FNS[kernel]]
@@ -136,12 +139,20 @@ def compile_check(kernel: str, op: Callable[[], object], configs: dict) -> str |
     return None
 
 
+def _used_device() -> torch.device:
+    """The device to check after a failed compile check: CUDA once this process has used it."""
+    used = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.device("cuda" if used else "cpu")
+
+
 def tune_task(task: KernelTask, device: torch.device, batches: list[Batch], timer: Timer, *,
               candidates: list[AttnConfig] | None = None, min_speedup: float = MIN_SPEEDUP, accept_lens=None,
-              progress=None) -> TaskResult:
+              progress=None, watch=None) -> TaskResult:
     """One (kernel, class): compile-check, time, rank and accept (see the module docstring).
     ``candidates``: the list to try (default: the target's space; the shipped config first). One
-    batch's tensors are alive at a time."""
+    batch's tensors are alive at a time. ``watch(phase, config, batch)`` is told before each step:
+    ``setup`` (the batch's inputs, at the shipped configs), ``compile``, ``time``, ``accept``
+    (coreattn/tune/isolated.py's worker reports it, so a fault drops the right candidate)."""
     target = target_of(device)
     shipped_all = shipped_configs(target, task.source)
     cands = candidates if candidates is not None else kernel_candidates(target, task.kernel, task.source)
@@ -150,11 +161,14 @@ def tune_task(task: KernelTask, device: torch.device, batches: list[Batch], time
         cands = [shipped, *cands]
     notes, times = [], {cfg: {} for cfg in cands}
     step = progress or (lambda n=1, note="": None)
+    watch = watch or (lambda phase, cfg, batch=None: None)
     for i, batch in enumerate(batches):
+        watch("setup", shipped, batch.name)
         op = make_op(task.kernel, task.source, batch, device)
         for cfg in list(times):
             configs = dict(shipped_all, **{task.kernel: cfg})
             if i == 0:
+                watch("compile", cfg, batch.name)
                 why = compile_check(task.kernel, op, configs)
                 step(1, f"{task.kernel} {task.cls.id}")
                 if why is not None:
@@ -165,6 +179,7 @@ def tune_task(task: KernelTask, device: torch.device, batches: list[Batch], time
                     del times[cfg]
                     step(len(batches))
                     continue
+            watch("time", cfg, batch.name)
             with forced_configs(**configs):
                 times[cfg][batch.name] = timer(op, TimingCase(task.kernel, task.cls.id, cfg, batch.name))
             step(1)
@@ -175,6 +190,7 @@ def tune_task(task: KernelTask, device: torch.device, batches: list[Batch], time
     for ranked in select(times, shipped):
         if ranked.config == shipped or ranked.speedup < min_speedup:
             break
+        watch("accept", ranked.config)
         verdict = accept(task.kernel, task.source, ranked.config, shipped_all, device, accept_lens)
         if verdict.passed:
             chosen, speedup = ranked.config, ranked.speedup

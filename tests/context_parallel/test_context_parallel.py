@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 import coreattn
 from attn_cases import assert_flash_criterion
+from conftest import INTERPRETED
 from coreattn import masks
 from coreattn.layers.context_parallel import attention as context_parallel
 from coreattn.kernels import dropout
@@ -109,8 +110,13 @@ CASES = [
 ]
 
 
+# the Triton cases run the kernels on CPU tensors: only under the interpreter (not on a GPU machine)
+TRITON_ON_CPU = pytest.mark.interpreter_only("the Triton kernels on CPU tensors in gloo processes")
+
+
 def runs_for(world: int) -> list[tuple[CPCase, str]]:
-    return [(c, comm) for c in CASES for comm in COMMS if c.runs(comm, world)]
+    return [(c, comm) for c in CASES for comm in COMMS
+            if c.runs(comm, world) and (c.backend != "triton" or INTERPRETED)]
 
 
 def sink_logits(case: CPCase) -> torch.Tensor:
@@ -424,8 +430,8 @@ def _check_features(case: CPCase, comm: str, world: int, ranks: list[dict], key,
                 torch.testing.assert_close(r[key]["max_logit"].double(), expect, rtol=1e-5, atol=1e-5)
 
 
-RUNS = [pytest.param(c, comm, w, id=f"{c.id}-{comm}-cp{w}") for c in CASES for w in c.worlds for comm in COMMS
-        if c.runs(comm, w)]
+RUNS = [pytest.param(c, comm, w, id=f"{c.id}-{comm}-cp{w}", marks=[TRITON_ON_CPU] if c.backend == "triton" else [])
+        for c in CASES for w in c.worlds for comm in COMMS if c.runs(comm, w)]
 
 
 @pytest.mark.parametrize("case,comm,world", RUNS)

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attn_cases import KERNEL_DEVICE
 from coreattn.kernels.dropout import check_dropout_p, keep_mask, keep_threshold, philox, rng_state, with_head_offset
 
 # Random123's known-answer vectors for philox4x32-10: counter, key (k0, k1), output
@@ -40,14 +41,15 @@ def _philox_kernel(out_ptr, seed_ptr, c0_ptr, c1_ptr, c2, c3, N: tl.constexpr):
 
 
 def test_philox_matches_triton():
+    """On the kernels' device: the interpreter on CPU, the compiled tl.philox on a GPU."""
     gen = torch.Generator().manual_seed(1)
     n = 64
     seed = torch.randint(-2**63, 2**63 - 1, (1,), dtype=torch.int64, generator=gen)
     c0 = torch.randint(0, 2**31 - 1, (n,), dtype=torch.int32, generator=gen)
     c1 = torch.randint(0, 2**31 - 1, (n,), dtype=torch.int32, generator=gen)
-    out = torch.empty(n, dtype=torch.int32)
-    _philox_kernel[(1,)](out, seed, c0, c1, 7, 12345, N=n)
-    assert torch.equal(out.long() & 0xFFFFFFFF, philox(seed[0], c0.long(), c1.long(), 7, 12345)[0])
+    out = torch.empty(n, dtype=torch.int32, device=KERNEL_DEVICE)
+    _philox_kernel[(1,)](out, seed.to(KERNEL_DEVICE), c0.to(KERNEL_DEVICE), c1.to(KERNEL_DEVICE), 7, 12345, N=n)
+    assert torch.equal(out.cpu().long() & 0xFFFFFFFF, philox(seed[0], c0.long(), c1.long(), 7, 12345)[0])
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])

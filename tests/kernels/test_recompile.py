@@ -79,6 +79,8 @@ BATCHES = {
 }
 
 
+@pytest.mark.interpreter_only("records the launchers on CPU tensors, whose launch target is the interpreter "
+                              "(tests/test_gpu.py checks the compile caches on a GPU)")
 @pytest.mark.parametrize("layout", list(BATCHES))
 def test_new_lengths_keep_every_specialized_argument_class(monkeypatch, layout):
     runs = [_record(monkeypatch, make()) for make in BATCHES[layout]]

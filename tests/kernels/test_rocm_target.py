@@ -129,6 +129,7 @@ def _has_backends() -> bool:
     return {"amd", "nvidia"} <= set(triton_backends)
 
 
+@pytest.mark.interpreter_only("calls the launchers on CPU tensors, and their tile-map kernels launch for real")
 @pytest.mark.skipif(not _has_backends(), reason="upstream Triton's amd and nvidia backends are not installed")
 @pytest.mark.parametrize("dims", [(64, 64), (192, 128), (256, 256)], ids=lambda d: f"hdim{d[0]}x{d[1]}")
 @pytest.mark.parametrize("dtype,feature", [(torch.bfloat16, ""), (torch.float32, ""), (torch.float16, "dropout")],

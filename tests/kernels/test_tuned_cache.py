@@ -211,11 +211,15 @@ def test_forced_configs_that_fail_propagate(cache):
 
 
 def test_launch_options_set_fp_fusion_on_cuda_only():
-    dev = torch.device("cpu")
     assert config.shipped_config("sm90", "fwd", 128, 128).launch()["enable_fp_fusion"] is True
     assert config.shipped_config("sm90", "preprocess", 128, 128).launch() == dict(num_warps=8, enable_fp_fusion=True)
     assert "enable_fp_fusion" not in config.shipped_config("ascend", "fwd", 128, 128).launch()
     assert "enable_fp_fusion" not in config.shipped_config("interpreter", "dq", 128, 128).launch()
+
+
+@pytest.mark.interpreter_only("a CPU device's launch target is the interpreter only under TRITON_INTERPRET=1")
+def test_interpreter_launches_pass_no_cuda_option():
+    dev = torch.device("cpu")
     assert config.preprocess_config(dev, 128, 128).launch() == {"num_warps": config._INTERPRETER.num_warps}
 
 

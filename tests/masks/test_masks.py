@@ -39,6 +39,11 @@ def keep_masks(seed, batch, seqlen):
             ("holes", holey_mask(seed, batch, seqlen))]
 
 
+# these launch the Triton mask kernels on CPU tensors; on a GPU test_builders_do_not_sync_on_cuda runs them on CUDA
+MASK_KERNELS_ON_CPU = pytest.mark.interpreter_only("the Triton mask kernels on CPU tensors (on a GPU, "
+                                                   "test_builders_do_not_sync_on_cuda runs them on CUDA)")
+
+
 def use_triton_everywhere(monkeypatch):
     """Route the public functions through the Triton launchers (the interpreter on the CPU)."""
     monkeypatch.setattr(padding_function, "use_triton", lambda device: True)
@@ -160,6 +165,7 @@ def test_unpad_pad_gradcheck_float64():
 # ---- Triton launchers under the interpreter
 
 
+@MASK_KERNELS_ON_CPU
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.bool], ids=str)
 @pytest.mark.parametrize("tail", [(), (5,), (3, 4)], ids=["w1", "w5", "w12"])
 def test_gather_scatter_kernels_match_naive(dtype, tail):
@@ -175,6 +181,7 @@ def test_gather_scatter_kernels_match_naive(dtype, tail):
                            naive.pad(ref_packed, ref_idx.tolist(), batch, seqlen))
 
 
+@MASK_KERNELS_ON_CPU
 def test_gather_kernel_strided_rows():
     base = make_x(3, 9, 4, (6,))  # [9, 4, 6]
     src = base[::2, 1]  # [5, 6] rows with stride 48
@@ -183,6 +190,7 @@ def test_gather_kernel_strided_rows():
     assert gather_rows(src, idx[:0]).shape == (0, 6)
 
 
+@MASK_KERNELS_ON_CPU
 @pytest.mark.parametrize("seed,batch,seqlen", BATCHES, ids=BATCH_IDS)
 def test_unpad_pad_through_triton_autograd(monkeypatch, seed, batch, seqlen):
     keep = holey_mask(seed, batch, seqlen)
@@ -212,6 +220,7 @@ TOKEN_CASES = [([0], 0), ([0], 3), ([0, 5], 5), ([0, 0, 3, 3, 9, 10], 10), ([0, 
                ([0, 1, 9, 9, 30, 31, 40], 40), ([0, 0], 0)]
 
 
+@MASK_KERNELS_ON_CPU
 @pytest.mark.parametrize("cu,total", TOKEN_CASES, ids=[f"cu{len(c) - 1}-t{t}" for c, t in TOKEN_CASES])
 def test_token_ids_kernel_and_public(monkeypatch, cu, total):
     ref_pos, ref_seq = naive.token_ids(cu, total)
@@ -230,6 +239,7 @@ def test_token_ids_kernel_and_public(monkeypatch, cu, total):
             assert torch.equal(masks.sequence_ids_from_cu_seqlens(cu_t, dtype=torch.int64), ref_seq.long())
 
 
+@MASK_KERNELS_ON_CPU
 def test_triton_paths_take_strided_index_views(monkeypatch):
     """cu_seqlens and pad indices that are strided views (every other entry of a bigger tensor)."""
     use_triton_everywhere(monkeypatch)
@@ -245,6 +255,7 @@ def test_triton_paths_take_strided_index_views(monkeypatch):
     assert torch.equal(masks.pad(ref.x_packed, strided, 3, 4), x * keep[:, :, None])
 
 
+@MASK_KERNELS_ON_CPU
 @pytest.mark.parametrize("seed,batch,seqlen", BATCHES, ids=BATCH_IDS)
 def test_token_ids_random_batches(seed, batch, seqlen):
     cu = naive.cu_seqlens(random_lengths(seed, batch, seqlen))

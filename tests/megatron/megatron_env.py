@@ -28,6 +28,9 @@ from coreattn.kernels import dropout
 from oracle import attention_ref, max_logit_ref
 
 VOCAB = 96
+# the models and layers of these tests run on CPU, where the Triton kernels are the interpreter's
+CPU_BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.interpreter_only(
+    "Megatron on CPU (gloo, CPU shims): the Triton kernels on CPU tensors"))]
 
 
 @pytest.fixture(scope="module")

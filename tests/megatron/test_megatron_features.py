@@ -16,9 +16,9 @@ import coreattn  # noqa: E402
 from attn_cases import assert_flash_criterion  # noqa: E402
 from coreattn.adapters.megatron import replace_core_attention, use_coreattn  # noqa: E402
 from coreattn.layers import CoreAttention  # noqa: E402
-from megatron_env import (NaiveCoreAttention, RefCoreAttention, adam_losses, assert_model_criterion,  # noqa: E402,F401
-                          build_gpt, clone_with, gqa_config, megatron_cpu, megatron_cpu_shims, mla_config,
-                          packed_batch)
+from megatron_env import (CPU_BACKENDS, NaiveCoreAttention, RefCoreAttention, adam_losses,  # noqa: E402,F401
+                          assert_model_criterion, build_gpt, clone_with, gqa_config, megatron_cpu,
+                          megatron_cpu_shims, mla_config, packed_batch)
 
 pytestmark = pytest.mark.usefixtures("megatron_cpu", "megatron_cpu_shims")
 
@@ -61,7 +61,7 @@ def layer(backend="torch", **cfg):
 # ---------------------------------------------------------------------------------------------- layer
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_layer_dropout_in_training_only(backend):
     attn = layer(backend)  # Megatron's default attention_dropout = 0.1
     assert attn.attention_dropout == 0.1
@@ -120,7 +120,7 @@ def test_layer_unknown_softmax_type_raises():
         layer(softmax_type="bogus")
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_layer_keeps_a_running_max_logit(backend):
     attn = layer(backend, attention_dropout=0.0, qk_clip=True)
     assert attn.current_max_attn_logits is None
@@ -160,7 +160,7 @@ def test_layer_dense_mask_path_has_the_features():
 # ---------------------------------------------------------------------------------------------- models
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_gpt_with_default_attention_dropout_matches_oracle(backend):
     """A GPT config left at Megatron's attention_dropout = 0.1: a training step against the oracle model
     applying the same keep mask (logits and every gradient)."""
@@ -200,7 +200,7 @@ def test_gpt_with_default_attention_dropout_trains_reproducibly():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_gpt_oss_like_sinks_and_sliding_windows(backend):
     """Learnable sinks (gpt-oss), sliding-window layers alternating with full ones, GQA: the logits and
     every gradient, softmax_offset's included, against the oracle model."""
@@ -220,7 +220,7 @@ def test_gpt_oss_like_sinks_and_sliding_windows(backend):
                            step(ref, ids, pos, params, weight, seed=0))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_mla_qk_clip_updates_weights_as_with_oracle_max_logits(backend):
     config = mla_config(qk_clip=True, qk_clip_alpha=0.5)
     base = get_gpt_layer_local_spec(multi_latent_attention=True, normalization="RMSNorm")

@@ -19,14 +19,14 @@ from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 
 from coreattn.adapters.megatron import patch_mla_native_value_dim, replace_core_attention, use_coreattn  # noqa: E402
 from coreattn.layers import CoreAttention  # noqa: E402
-from megatron_env import (VOCAB, NaiveCoreAttention, RefCoreAttention, adam_losses, assert_model_criterion,  # noqa: E402,F401
-                          build_gpt, clone_with, gqa_config, megatron_cpu, megatron_cpu_shims, mla_config,
-                          packed_batch)
+from megatron_env import (CPU_BACKENDS, VOCAB, NaiveCoreAttention, RefCoreAttention, adam_losses,  # noqa: E402,F401
+                          assert_model_criterion, build_gpt, clone_with, gqa_config, megatron_cpu,
+                          megatron_cpu_shims, mla_config, packed_batch)
 
 pytestmark = pytest.mark.usefixtures("megatron_cpu", "megatron_cpu_shims")
 
 LENS = (5, 11, 1, 7)
-BACKENDS = ["torch", "triton"]
+BACKENDS = CPU_BACKENDS
 
 
 def run_thd(model, ids, pos, params, weight):

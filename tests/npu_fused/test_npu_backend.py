@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import coreattn
-from attn_cases import (CASES, LENS_K, Case, assert_flash_criterion, assert_grad_criterion, assert_matches_oracle,
-                        make_inputs)
+from attn_cases import (CASES, KERNEL_DEVICE, LENS_K, Case, assert_flash_criterion, assert_grad_criterion,
+                        assert_matches_oracle, make_inputs)
 from coreattn.layers import backends
 from coreattn.kernels import npu
 from coreattn.layers.backends import Backend, is_available, select_backend
@@ -526,6 +526,7 @@ def test_triton_on_npu_needs_triton_ascend(fake_npu, monkeypatch):
     assert select_backend(NPU) is Backend.NPU_FUSED  # Triton only by explicit choice
 
 
+@pytest.mark.interpreter_only("checks the refusal under TRITON_INTERPRET=1")
 def test_triton_on_npu_is_refused_under_the_interpreter(fake_npu, monkeypatch):
     monkeypatch.setattr(npu, "triton_backend", lambda: "npu")
     avail = is_available(Backend.TRITON, NPU)
@@ -577,7 +578,7 @@ def test_no_torch_npu_import_at_coreattn_import():
 def test_ascend_target_for_npu_tensors_and_the_env_hook(monkeypatch):
     monkeypatch.delenv(ENV_TRITON_TARGET, raising=False)
     assert target_of(NPU) == "ascend"
-    assert target_of(torch.device("cpu")) != "ascend"
+    assert target_of(torch.device(KERNEL_DEVICE)) != "ascend"  # the interpreter on CPU, the GPU's family on CUDA
     monkeypatch.setenv(ENV_TRITON_TARGET, "ascend")
     assert target_of(torch.device("cpu")) == "ascend"
     monkeypatch.setenv(ENV_TRITON_TARGET, "sm90")

@@ -71,6 +71,8 @@ def test_model_matches_eager(name, layout):
     _assert_criterion(hm.run(model, _batch(layout), hm.weights(hm.sequences())), name)
 
 
+@pytest.mark.interpreter_only("the models run on CPU, where the default backend is Triton only under the "
+                              "interpreter (on a GPU machine it is the torch backend there)")
 @pytest.mark.parametrize("name, layout", [("deepseek_v3", "packed"), ("gpt_oss", "left")])
 def test_model_on_the_triton_kernels(name, layout):
     """The Triton kernels (interpreter on CPU): MLA 48/32 packed, sinks + sliding window padded."""

@@ -2,6 +2,8 @@
 with an injected timer that returns scripted milliseconds (no speed is measured or claimed here:
 the kernels run under the interpreter only where a test needs their outputs)."""
 
+import json
+
 import pytest
 import torch
 
@@ -167,7 +169,8 @@ def test_without_a_gpu_the_tuner_exits_nonzero_with_a_clear_message(capsys):
                                         (["--dry-run", "--limit", "-1"], "--limit"),
                                         (["--min-speedup", "0"], "--min-speedup"),
                                         (["--min-speedup", "0.9"], "--min-speedup"),
-                                        (["--min-speedup", "nan"], "--min-speedup")])
+                                        (["--min-speedup", "nan"], "--min-speedup"),
+                                        (["--timeout", "0"], "--timeout"), (["--timeout", "-3"], "--timeout")])
 def test_bad_numbers_exit_nonzero_naming_the_option(argv, name, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -202,3 +205,45 @@ def test_the_whole_run_writes_the_cache_the_launchers_read(tmp_path, monkeypatch
         assert config.pick_config("fwd", torch.device("cuda", 0), "sm90", cls, SHIPPED) == FAST._replace(fp_fusion=True)
     finally:
         tuned_cache.reload()
+
+
+def test_a_candidate_that_faults_is_dropped_and_tuning_goes_on_in_a_fresh_worker(tmp_path, monkeypatch, capsys):
+    """The tasks run in worker processes (as on a GPU), here on the CPU under the interpreter with a
+    scripted timer and faults injected (test-only: COREATTN_INJECT_FAULT): the forward's 32x16 candidate
+    aborts at its kernel launch in the compile check, a dQ candidate raises a CUDA-like error as its
+    timing starts. Each is dropped with a note naming the step and the kernel launch, and a fresh
+    worker runs that task again without it (the other candidates are timed there). The preprocess
+    task's setup (its shipped configs) aborts: that task is recorded as not tuned and the run goes on."""
+    from coreattn.selfcheck.faults import INJECT_ENV
+    from coreattn.tune import isolated, space
+
+    faulty, slow = AttnConfig(32, 16, 1, 1), AttnConfig(16, 16, 1, 1)
+    extra = {"fwd": [faulty, slow], "dq": [slow]}
+    real = space.kernel_candidates
+    monkeypatch.setattr(space, "kernel_candidates", lambda target, kernel, cls, limit=None:
+                        real(target, kernel, cls, limit) + extra.get(kernel, []))
+    monkeypatch.setattr(cli.batch_defs, "batches", lambda quick, max_tokens: TINY[:1])
+    monkeypatch.setenv(INJECT_ENV, "abort@tune fwd 32x16 compile launch fwd;cuda-error@tune dq 16x16 time;"
+                                   "abort@tune preprocess setup")
+    ms = {c: {"tiny-a": t} for c, t in ((SHIPPED, 1.0), (faulty, 0.5), (slow, 2.0))}
+    log, out = tmp_path / "timed.jsonl", tmp_path / "cache.json"
+    args = cli.parse_args(["--dims", "32/16", "--dtype", "fp16", "--kernels", "fwd", "dq", "preprocess",
+                           "--out", str(out)])
+    timer = {"kind": "scripted", "ms": [[isolated.cfg_json(c), t] for c, t in ms.items()], "log": str(log)}
+    assert cli.tune(args, CPU, KEY, None, worker_timer=timer) == 0
+    printed = capsys.readouterr().out
+    timed = [json.loads(line) for line in log.read_text().splitlines()]
+    timed = {(t["kernel"], t["config"]["block_m"], t["config"]["block_n"]) for t in timed}
+    assert {("fwd", 16, 32), ("fwd", 16, 16), ("dq", 16, 32)} <= timed  # after the restarts
+    assert ("fwd", 32, 16) not in timed  # dropped before its timing
+    assert ("fwd 32x16 w1 s1: fault in its compile step: the worker died (killed by SIGABRT); kernel launch: fwd "
+            "(_varlen_attn_fwd_kernel) hdim32x16-fp16-causal: BLOCK_M=32 BLOCK_N=16 num_warps=1 num_stages=1") in \
+        printed.replace("hdim32x16-fp16-causal: 32x16", "32x16")
+    assert ("16x16 w1 s1: fault in its time step: InjectedDeviceFault: CUDA error: an illegal memory access was "
+            "encountered (injected by COREATTN_INJECT_FAULT); kernel launch: none traced yet (timings are not "
+            "traced)") in printed
+    assert "(not tuned: failed)" in printed and "preprocess hdim32x16-fp16-full: task not tuned: the shipped " \
+           "config 16 rows w1 (setup step) fault: the worker died (killed by SIGABRT)" in printed
+    table = printed[printed.index("Measured on"):]
+    assert table.count("(shipped kept)") == 2 and table.count("1 dropped/rejected") == 3
+    assert tuned_cache.read(out).entries == {}  # nothing beat the shipped configs
