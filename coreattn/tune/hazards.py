@@ -69,6 +69,7 @@ _FOR = re.compile(rf"^scf\.for\s+({_NAME})\s*=\s*({_NAME}(?:#\d+)?)\s+to\s+({_NA
                   rf"({_NAME}(?:#\d+)?)(.*)$")
 _BLOCK_ARG = re.compile(rf"({_NAME})\s*:")
 _LOC_ALIAS = re.compile(r"^(#loc\d*)\s*=\s*(loc\(.*\))\s*$")
+_LOC_START = re.compile(r"(?<![\w.])loc\(")
 
 
 class Hazard(NamedTuple):
@@ -328,7 +329,7 @@ def _strip_locs(text: str) -> str:
     """Text without its ``loc(...)`` parts (nested parentheses and quoted names included)."""
     out, i = [], 0
     while True:
-        m = re.compile(r"(?<![\w.])loc\(").search(text, i)
+        m = _LOC_START.search(text, i)
         if m is None:
             out.append(text[i:])
             return "".join(out)
@@ -385,10 +386,10 @@ def address_operands(node: _Node) -> list[int]:
     return node.operands[:2 if node.op.endswith(".buffer_load_to_local") else 1]
 
 
-def scan(ttgir: str) -> list[Hazard]:
+def scan(ttgir: str | Graph) -> list[Hazard]:
     """Every division on an asynchronous load's address chain whose divisor may be 0, one per
     division op (with the loads it feeds), in TTGIR order."""
-    graph = Graph(ttgir)
+    graph = ttgir if isinstance(ttgir, Graph) else Graph(ttgir)
     found: dict[int, list] = {}
     for node in graph.loads:
         stack, seen = address_operands(node), set()
@@ -409,7 +410,7 @@ def scan(ttgir: str) -> list[Hazard]:
     return hazards
 
 
-def load_counts(ttgir: str) -> dict:
+def load_counts(ttgir: str | Graph) -> dict:
     """How many asynchronous (pipelined) loads and TMA loads the TTGIR has."""
-    graph = Graph(ttgir)
+    graph = ttgir if isinstance(ttgir, Graph) else Graph(ttgir)
     return dict(async_loads=len(graph.loads), tma_loads=graph.tma_loads)
