@@ -6,7 +6,8 @@ run as a script, TRITON_INTERPRET must be unset.
 arch, then cases: head dims (q/k[/v]), ``+`` features (compiler.FEATURES, ``gqa``: 4 q heads per kv
 head, ``full``: not causal) and ``@tma`` / ``@ws`` for the tuner's TMA or warp-specialized TMA loop
 variant of each attention kernel (kernels/config.py ``candidates``), compiled through the real
-launchers in bf16; each arch also compiles the mask utilities' kernels. ``canary``: a small kernel
+launchers in bf16; each arch also compiles the mask utilities' kernels. A launch that does not
+compile is listed under ``errors``, not fatal. ``canary``: a small kernel
 with the dK/dV loop's shape, its divisor unclamped and clamped with ``tl.maximum(n, 1)``, compiled
 for sm90 with 3 stages: what the scanner must and must not find in this Triton's output.
 """
@@ -57,16 +58,28 @@ def variant_configs(arch: str, problem: compiler.Problem, variant: str) -> dict:
     return forced
 
 
-def rows_for(arch: str, cases: list[str]) -> list[dict]:
+def rows_for(arch: str, cases: list[str], errors: list[dict]) -> list[dict]:
+    """One row per distinct compiled kernel of ``cases`` on ``arch``; a launch that fails to compile
+    appends (arch, case, kernel, error) to ``errors`` (a loop variant is compiled kernel by kernel,
+    so one that this Triton cannot compile leaves the others)."""
     rows, seen = [], {}
     with compiler.emulate(arch) as launches:
         labels = []
         for case in cases:
             problem, variant = parse_case(case)
-            start = len(launches)
-            with config.forced_configs(**variant_configs(arch, problem, variant)):
-                compiler.launch_problem(problem)
-            labels += [case] * (len(launches) - start)
+            forced = variant_configs(arch, problem, variant)
+            for kernels in ([{k} for k in forced] if forced else [None]):
+                start = len(launches)
+                try:
+                    with config.forced_configs(**{k: forced[k] for k in kernels or ()}):
+                        compiler.launch_problem(problem, kernels)
+                except Exception as exc:  # reported, and asserted on by the test
+                    last = (str(exc).strip().splitlines() or [""])[-1]
+                    errors.append(dict(arch=arch, case=case, kernels=sorted(kernels or ()),
+                                       error=f"{type(exc).__name__}: {last.strip()[:300]}"))
+                    if kernels:  # the variant's other classes (features, GQA) on the table's config
+                        compiler.launch_problem(problem, kernels)
+                labels += [case] * (len(launches) - start)
         start = len(launches)
         compiler.launch_mask_kernels()
         labels += ["masks"] * (len(launches) - start)
@@ -122,14 +135,14 @@ def canary_rows() -> list[dict]:
 
 
 def main(specs: list[str]) -> None:
-    rows = []
+    rows, errors = [], []
     for spec in specs:
         if spec == "canary":
             rows += canary_rows()
             continue
         arch, _, cases = spec.partition(":")
-        rows += rows_for(arch, [c for c in cases.split(",") if c])
-    json.dump(dict(triton=triton.__version__, rows=rows), sys.stdout)
+        rows += rows_for(arch, [c for c in cases.split(",") if c], errors)
+    json.dump(dict(triton=triton.__version__, rows=rows, errors=errors), sys.stdout)
 
 
 if __name__ == "__main__":
