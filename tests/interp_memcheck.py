@@ -80,12 +80,14 @@ class _Launch:
         safe = np.maximum(idx, 0)
         return (idx >= 0) & (addr + np.uint64(size) <= self.ends[safe])
 
-    def target(self, addr: np.ndarray, ok: np.ndarray, bad_addr: int) -> tuple[str, str]:
+    def target(self, addr: np.ndarray, ok: np.ndarray, live: np.ndarray, bad_addr: int) -> tuple[str, str]:
         """(the tensor argument the access aims at, where ``bad_addr`` lies relative to it): the
-        storage most of the in-bounds lanes hit, else the one just below the address (an overrun)."""
+        storage most of the in-bounds live lanes hit (else of the in-bounds lanes), else the one
+        just below the address (an overrun)."""
         if not len(self.starts):
             return "?", "no tensor argument"
-        idx = np.searchsorted(self.starts, addr[ok], side="right") - 1
+        hits = addr[ok & live] if (ok & live).any() else addr[ok]
+        idx = np.searchsorted(self.starts, hits, side="right") - 1
         if idx.size:
             i = int(np.bincount(idx).argmax())
         else:
@@ -200,7 +202,7 @@ def _check(ptrs, mask, kind: str) -> None:
     first = int(addr[bad].flat[0])
     n_live = int((bad & live).sum())
     where = "inside a loop" if in_loop else "outside any loop"
-    tensor, position = launch.target(addr, ok, first)
+    tensor, position = launch.target(addr, ok, live, first)
     record = dict(kernel=launch.name, kind=kind, source=source, tensor=tensor, position=position, where=where,
                   bad_lanes=int(bad.sum()), lanes=int(bad.size), live_bad_lanes=n_live, which=_lanes(bad),
                   program=list(grid) if grid is not None else None, mode=mode)
