@@ -92,7 +92,8 @@ def rows_for(arch: str, cases: list[str], errors: list[dict]) -> list[dict]:
         row = dict(arch=arch, cases=[case], kernel=compiler.KERNEL_NAMES.get(launch["fn"], launch["fn"]),
                    fn=launch["fn"], num_stages=kernel.metadata.num_stages, hash=kernel.hash,
                    flags={k: v for k, v in launch["constants"].items() if k in FLAGS},
-                   hazards=[h.describe() for h in hazards.scan(graph)], **hazards.load_counts(graph))
+                   hazards=[h.describe() for h in hazards.scan(graph)], unresolved=graph.unresolved[:5],
+                   **hazards.load_counts(graph))
         seen[kernel.hash] = row
         rows.append(row)
     return rows
@@ -130,7 +131,8 @@ def canary_rows() -> list[dict]:
         graph = hazards.Graph(kernel.asm["ttgir"])
         rows.append(dict(arch="sm90", cases=[f"canary-clamp{int(clamp)}"], kernel="canary", fn="_canary_kernel",
                          num_stages=kernel.metadata.num_stages, hash=kernel.hash, flags=dict(CLAMP=clamp),
-                         hazards=[h.describe() for h in hazards.scan(graph)], **hazards.load_counts(graph)))
+                         hazards=[h.describe() for h in hazards.scan(graph)], unresolved=graph.unresolved[:5],
+                         **hazards.load_counts(graph)))
     return rows
 
 

@@ -139,6 +139,12 @@ def test_every_kernel_class_is_compiled(compiled, arch):
     assert not missing, f"{arch}: not compiled: {sorted(missing)}"
 
 
+def test_the_scanner_reads_every_name(compiled):
+    """Every operand the scanner reads resolves to a definition it parsed: a change in how this
+    Triton prints TTGIR (a new region syntax, a new name form) shows here, not as a silent pass."""
+    assert not [(_label(r), r["unresolved"]) for r in compiled["rows"] if r["unresolved"]]
+
+
 @pytest.mark.parametrize("arch", [a for a in CASES if not a.startswith("gfx")])
 def test_loops_are_pipelined_into_asynchronous_loads(compiled, arch):
     """Not a vacuous pass: every CUDA arch's forward and its pointer-loop dK/dV kernels at 2 or more
