@@ -1,7 +1,9 @@
 """Pipelined-load address hazards in a compiled kernel's TTGIR: divisions by a value that may be zero.
 
 Why: with num_stages >= 2 Triton's software pipeliner turns a loop's loads into asynchronous copies
-(``ttg.async_copy_global_to_local``: cp.async on NVIDIA, direct-to-LDS loads on AMD) and issues
+(``ttg.async_copy_global_to_local``: cp.async on NVIDIA; on AMD's gfx950 the direct-to-LDS
+``amdg.buffer_load_to_local``, ``amdgpu.`` before Triton 3.9; CDNA's tables use num_stages 1, so
+none appear there today) and issues
 them ahead: it peels the first iterations into a prologue that runs even when the loop runs zero
 times, and prefetches iterations past the loop's end, guarded only by the load masks. A masked-off
 cp.async still takes its address, and one outside the tensor faults ("Warp illegal address" on an
@@ -14,8 +16,9 @@ What: ``scan(ttgir)`` finds every asynchronous load (``ASYNC_LOADS``), walks the
 of its address operands back through every operand of every op (loads, scf.for induction
 variables and iter_args with their initial and yielded values, scf.if results, warp-specialized
 partitions' captures), and reports each integer division or remainder (``DIVISIONS``) on that
-chain whose divisor is not provably nonzero (``nonzero``): a nonzero constant, a kernel argument
-(the launchers pass no zero divisor: head counts, lengths they guard), ``arith.maxsi`` /
+chain whose divisor is not provably nonzero (``Graph.nonzero``): a nonzero constant, a kernel
+argument (assumed nonzero: the launchers divide only by head counts and lengths they guard),
+``arith.maxsi`` /
 ``arith.maxui`` with an operand >= 1 (what ``tl.maximum(x, 1)`` compiles to; ``tl.cdiv(x, C)``
 divides by the constant C), a select of two such values, or a cast, splat, broadcast or layout
 change of one. TMA copies (``ttng.async_tma_copy_global_to_local``) are left out: the hardware
