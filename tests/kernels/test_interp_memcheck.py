@@ -7,12 +7,14 @@ static_range does not; collecting writes each violation once instead of raising.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
+import conftest
 import interp_memcheck
 from conftest import INTERPRETED
 
@@ -143,3 +145,11 @@ def test_modes_and_the_environment():
         assert interp_memcheck.mode() == "off"
     with pytest.raises(ValueError, match="expected one of"):
         interp_memcheck.set_mode("everything")
+
+
+def test_the_suite_runs_under_the_memcheck():
+    """tests/conftest.py installs it for every interpreted test unless COREATTN_MEMCHECK=off; a Triton
+    whose interpreter it cannot wrap fails here, by name, rather than passing unchecked."""
+    if os.environ.get(interp_memcheck.ENV_MODE, "").strip().lower() in ("off", "0"):
+        pytest.skip(f"{interp_memcheck.ENV_MODE}=off")
+    assert interp_memcheck.installed(), conftest.MEMCHECK
