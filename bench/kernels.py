@@ -4,9 +4,10 @@ For each architecture, CUDA (``coreattn.tune.compiler.ARCHS``) and AMD CDNA (``C
 them by default), the kernels of every problem below are compiled through the real launchers with
 that arch's configs, without a GPU (coreattn/tune/compiler.py), and tabulated: tile, warps/stages,
 registers, spill bytes, shared memory (LDS on CDNA) against the arch's per-block limit, MMA kind x
-instruction count (PTX; AMDGCN for CDNA), duplicated MMA work and an occupancy estimate (CTAs per
-SM; waves per SIMD on CDNA). Static compiler output: it shows whether a config fits an arch, not
-how fast it runs.
+instruction count (PTX; AMDGCN for CDNA), duplicated MMA work, an occupancy estimate (CTAs per
+SM; waves per SIMD on CDNA) and pipelined-load hazards (divisions by a value that may be zero on
+the address of an asynchronous load: coreattn/tune/hazards.py; listed under the tables). Static
+compiler output: it shows whether a config fits an arch, not how fast it runs.
 """
 
 from __future__ import annotations
@@ -79,12 +80,33 @@ def _cdna_table(rows: list[dict], arch: str) -> str:
                       str(r["matrix_instr_nonkdim"] or "-"),
                       f"{r['vgprs']}/{r['agprs']}/{r['sgprs']}", f"{r['vgpr_spills']}/{r['sgpr_spills']}",
                       f"{r['spill_stores']}/{r['spill_loads']}", lds, mma,
-                      f"{r['waves_per_simd']} ({r['occupancy_limit']})"])
+                      f"{r['waves_per_simd']} ({r['occupancy_limit']})", _hazards(r)])
     header = ["kernel", "problem", "tile", "warps/stages", "nonkdim", "VGPR/AGPR/SGPR", "spilled v/s",
-              "spill st/ld B", "LDS", "MFMA (AMDGCN)", "waves/SIMD (limit)"]
+              "spill st/ld B", "LDS", "MFMA (AMDGCN)", "waves/SIMD (limit)", "hazards"]
     title = (f"{arch} (compiled for AMD {arch}, wave64; LDS per workgroup {limits.lds_per_workgroup // 1024} KB, "
              f"per CU {limits.lds_per_cu // 1024} KB; {limits.vgprs_per_simd} VGPRs per SIMD lane):")
     return title + "\n" + _table(header, lines)
+
+
+def _hazards(row: dict) -> str:
+    """Division sites on pipelined-load addresses over the kernel's asynchronous loads ("0/24"); "-"
+    for rows recorded before the column existed."""
+    if "pipeline_hazards" not in row:
+        return "-"
+    return f"{row['pipeline_hazards']}/{row['async_loads']}" + (" HAZARD" if row["pipeline_hazards"] else "")
+
+
+def _hazard_list(rows: list[dict]) -> str:
+    """One line per hazard of each distinct compiled kernel ("" when there is none)."""
+    lines, seen = [], set()
+    for r in rows:
+        if r["hash"] in seen or not r.get("pipeline_hazards"):
+            continue
+        seen.add(r["hash"])
+        lines += [f"{r['arch']} {_kernel(r)} {r['problem']} ({r['num_warps']}/{r['num_stages']}): {h}"
+                  for h in r["hazards"]]
+    return "PIPELINED-LOAD HAZARDS (each can fault on a GPU; see coreattn/tune/hazards.py):\n" + "\n".join(lines) \
+        if lines else ""
 
 
 def _table(header: list[str], lines: list[list[str]]) -> str:
@@ -109,9 +131,9 @@ def format_tables(rows: list[dict]) -> str:
             tile = f"{r['block_m']}x{r['block_n']}" if r["block_n"] else f"{r['block_m']} rows" if r["block_m"] else "-"
             occ = f"{r.get('ctas_per_sm', '-')} ({r.get('occupancy_limit', '-')})"
             lines.append([_kernel(r), r["problem"], tile, f"{r['num_warps']}/{r['num_stages']}", str(r["regs"]),
-                          f"{r['spill_stores']}/{r['spill_loads']}", smem, _mma(r), occ])
+                          f"{r['spill_stores']}/{r['spill_loads']}", smem, _mma(r), occ, _hazards(r)])
         header = ["kernel", "problem", "tile", "warps/stages", "regs", "spill st/ld B", "smem", "MMA (PTX)",
-                  "CTAs/SM (limit)"]
+                  "CTAs/SM (limit)", "hazards"]
         title = (f"{arch} (compiled for capability {limits.capability / 10:.1f}; smem per block "
                  f"{limits.smem_per_block // 1024} KB, per SM {limits.smem_per_sm // 1024} KB):")
         parts.append(title + "\n" + _table(header, lines))
@@ -119,9 +141,14 @@ def format_tables(rows: list[dict]) -> str:
         parts.append("STATIC COMPILER OUTPUT for emulated targets (no GPU ran): registers and spills from ptxas -v, "
                      "shared memory from Triton, MMA instructions counted in the PTX, DUP = an MMA layout wider than "
                      "its tile (the same MMA in several warps), CTAs/SM from registers, shared memory (+1 KB per "
-                     "block), warps and the block cap. Not speed.")
+                     "block), warps and the block cap, hazards = divisions by a value that may be zero on the "
+                     "addresses of the kernel's asynchronous (pipelined: cp.async) loads / those loads, from the "
+                     "TTGIR (TMA loads are bounds-checked by the hardware and not counted). Not speed.")
     if any(arch in CDNA_ARCHS for arch in archs):
         parts.append(CDNA_LEGEND)
+    hazard_list = _hazard_list(rows)
+    if hazard_list:
+        parts.append(hazard_list)
     return "\n\n".join(parts)
 
 
@@ -132,4 +159,5 @@ CDNA_LEGEND = ("STATIC COMPILER OUTPUT for AMD CDNA targets (no AMD GPU ran; Tri
                "in the code, LDS from Triton (allocated at launch), MFMA instructions counted in the AMDGCN, "
                "DUP = an MFMA layout wider than its tile, FMA dots = dots without an MFMA layout, waves/SIMD "
                "from registers (the 512-entry unified file), LDS and the 8-wave cap, a workgroup's waves spread "
-               "over 4 SIMDs. Not speed.")
+               "over 4 SIMDs, hazards = divisions by a value that may be zero on the addresses of asynchronous "
+               "(direct-to-LDS) loads / those loads (none at num_stages 1). Not speed.")

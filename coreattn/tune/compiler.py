@@ -8,8 +8,12 @@ Every kernel launch inside becomes a compile-only warmup. ``compile_problem`` th
 launchers (``varlen_attn_fwd``/``varlen_attn_bwd``) on CPU tensors laid out as a packed thd batch,
 so each kernel is compiled with the constexprs, warps, stages and argument specialization a GPU
 launch would use, and ``describe`` reads each compiled kernel: registers and spill bytes (ptxas
--v), shared memory (Triton's metadata), MMA kind and count (PTX), duplicated MMA work (TTGIR) and
-an occupancy estimate from the arch's limits (``ARCHS``). For a CDNA arch (``CDNA_ARCHS``) the
+-v), shared memory (Triton's metadata), MMA kind and count (PTX), duplicated MMA work (TTGIR), an
+occupancy estimate from the arch's limits (``ARCHS``) and pipelined-load hazards (TTGIR: divisions
+by a value that may be zero on an asynchronous load's address, coreattn/tune/hazards.py). A
+``Problem`` is head dims, dtype, mask, GQA group and features (``FEATURES``: dropout, softmax
+offset, max logit, a sliding window, a padded batch with keep masks; several may be combined);
+``launch_mask_kernels`` compiles the mask utilities' kernels. For a CDNA arch (``CDNA_ARCHS``) the
 same rows come from the AMDGCN assembly LLVM emits (no ROCm needed): VGPR/AGPR/SGPR counts, spills
 (memory spill bytes, spilled VGPRs and SGPRs), scratch, MFMA instructions by kind, LDS against the
 arch's limit and waves per SIMD. Static compiler output, not speed.
@@ -79,9 +83,13 @@ RESERVED_SMEM = 1 * KB
 
 KERNEL_NAMES = {"_varlen_attn_fwd_kernel": "fwd", "_attn_bwd_preprocess_kernel": "bwd_pre",
                 "_attn_bwd_dkdv_kernel": "dkdv", "_attn_bwd_dq_kernel": "dq", "_tile_scan_kernel": "tile_scan",
-                "_tile_map_kernel": "tile_map"}
+                "_tile_map_kernel": "tile_map", "_copy_rows_kernel": "copy_rows", "_token_ids_kernel": "token_ids"}
 ATTENTION_KERNELS = ("fwd", "dkdv", "dq")  # the kernels with tl.dot (the others: preprocess and the tile map)
-FEATURES = ("", "dropout", "sink", "max_logit")  # sink: softmax_offset, with the dQ kernel's SINK_GRAD
+# sink: softmax_offset, with the dQ kernel's SINK_GRAD; window: a 256-token left window (with causal's right
+# edge when causal, else left only); keep: a padded bshd batch with spans and [B, S] keep masks. A problem's
+# feature is one of these or several joined by "+" ("dropout+sink"): one kernel with all of their code.
+FEATURES = ("", "dropout", "sink", "max_logit", "window", "keep")
+WINDOW_LEFT = 256
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -91,13 +99,21 @@ class Problem(NamedTuple):
     dtype: str = "bf16"
     causal: bool = False
     group: int = 1  # q heads per kv head
-    feature: str = ""  # one of FEATURES
+    feature: str = ""  # one of FEATURES, or several joined by "+"
 
     @property
     def id(self) -> str:
         parts = [f"hdim{self.dim_qk}x{self.dim_v}", self.dtype, "causal" if self.causal else "full"]
         parts += [f"gqa{self.group}"] if self.group > 1 else []
         return "-".join(parts + ([self.feature] if self.feature else []))
+
+    @property
+    def features(self) -> frozenset:
+        found = frozenset(f for f in self.feature.split("+") if f)
+        unknown = found - set(FEATURES)
+        if unknown:
+            raise ValueError(f"{self.feature!r}: unknown features {sorted(unknown)}; expected some of {FEATURES[1:]}")
+        return found
 
 
 HEADS_Q = 16  # keeps every token stride a multiple of 16 elements, as real models have
@@ -342,6 +358,18 @@ def cdna_occupancy(regs: int, num_warps: int, lds: int, limits: CdnaLimits) -> d
     return dict(workgroups_per_cu=by[limit], waves_per_simd=by[limit] * per_simd, occupancy_limit=limit)
 
 
+def pipeline_hazards(ttgir: str) -> dict:
+    """The asynchronous (pipelined) loads of a kernel and the divisions by a maybe-zero value on
+    their addresses (coreattn/tune/hazards.py): ``async_loads``, ``pipeline_hazards`` (how many
+    division sites) and ``hazards`` (one line each)."""
+    from coreattn.tune import hazards
+
+    graph = hazards.Graph(ttgir)
+    found = hazards.scan(graph)
+    return dict(async_loads=hazards.load_counts(graph)["async_loads"], pipeline_hazards=len(found),
+                hazards=[h.describe() for h in found])
+
+
 def describe(launch: dict, arch: str) -> dict:
     kernel = launch["kernel"]
     md = kernel.metadata
@@ -350,7 +378,7 @@ def describe(launch: dict, arch: str) -> dict:
     row = dict(arch=arch, kernel=KERNEL_NAMES.get(launch["fn"], launch["fn"]),
                block_m=constants.get("BLOCK_M"), block_n=constants.get("BLOCK_N"),
                dk=constants.get("DK", True), dv=constants.get("DV", True),
-               num_warps=md.num_warps, num_stages=md.num_stages, smem=md.shared)
+               num_warps=md.num_warps, num_stages=md.num_stages, smem=md.shared, **pipeline_hazards(ttgir))
     if arch in CDNA_ARCHS:
         limits = CDNA_ARCHS[arch]
         asm = kernel.asm["amdgcn"]
@@ -378,34 +406,61 @@ def compile_problem(problem: Problem, launches: list[dict], arch: str, kernels=N
     """Forward and backward of ``problem`` through the real launchers (inside ``emulate``); one
     row per kernel launch, the preprocess kernel included. ``kernels`` (names as in KERNEL_NAMES'
     values): run only the launchers these need and describe only their launches."""
+    start = len(launches)
+    launch_problem(problem, kernels)
+    return [dict(describe(launch, arch), problem=problem.id, **problem._asdict()) for launch in launches[start:]
+            if kernels is None or KERNEL_NAMES.get(launch["fn"]) in kernels]
+
+
+def launch_problem(problem: Problem, kernels=None) -> None:
+    """Run the launchers of ``problem``'s forward and backward (or of ``kernels`` only, as in
+    ``compile_problem``) on CPU tensors: inside ``emulate``, compile-only launches."""
     from coreattn.kernels import varlen_attn_bwd, varlen_attn_fwd
-    from coreattn.kernels.packing import packed
+    from coreattn.kernels.packing import Packing, new_rowstat, packed
     from coreattn.kernels.dropout import rng_state
     from coreattn.masks import cu_seqlens_from_seqlens
 
     dtype = DTYPES[problem.dtype]
+    features = problem.features
     heads_kv = HEADS_Q // problem.group
-    total = sum(SEQLENS)
-    cu = cu_seqlens_from_seqlens(torch.tensor(SEQLENS, dtype=torch.int32))
-    q = torch.empty(total, HEADS_Q, problem.dim_qk, dtype=dtype)  # [T, Hq, Dqk]
-    k = torch.empty(total, heads_kv, problem.dim_qk, dtype=dtype)  # [T, Hkv, Dqk]
-    v = torch.empty(total, heads_kv, problem.dim_v, dtype=dtype)  # [T, Hkv, Dv]
-    pack, scale, longest = packed(cu), problem.dim_qk ** -0.5, max(SEQLENS)
+    lens = torch.tensor(SEQLENS, dtype=torch.int32)
+    if "keep" in features:  # padded bshd [B, S, H, D] with spans and keep masks, used in place
+        rows, longest = (len(SEQLENS), max(SEQLENS)), max(SEQLENS)
+        keep = torch.ones(*rows, dtype=torch.uint8)  # [B, S]
+        pack = Packing("bshd", torch.zeros(len(SEQLENS), dtype=torch.int32), lens, keep)
+    else:  # packed thd [T, H, D]
+        rows, longest = (sum(SEQLENS),), max(SEQLENS)
+        pack = packed(cu_seqlens_from_seqlens(lens))
+    q = torch.empty(*rows, HEADS_Q, problem.dim_qk, dtype=dtype)  # [T, Hq, Dqk] or [B, S, Hq, Dqk]
+    k = torch.empty(*rows, heads_kv, problem.dim_qk, dtype=dtype)  # [T, Hkv, Dqk]
+    v = torch.empty(*rows, heads_kv, problem.dim_v, dtype=dtype)  # [T, Hkv, Dv]
+    scale = problem.dim_qk ** -0.5
     window_right = 0 if problem.causal else -1  # what layers/checks.py passes for causal=True
-    dropout = dict(dropout_p=0.1, rng_state=rng_state(torch.device("cpu"))) if problem.feature == "dropout" else {}
-    offset = torch.zeros(HEADS_Q, dtype=torch.float32) if problem.feature == "sink" else None
-    start = len(launches)
+    window_left = WINDOW_LEFT if "window" in features else -1
+    dropout = dict(dropout_p=0.1, rng_state=rng_state(torch.device("cpu"))) if "dropout" in features else {}
+    offset = torch.zeros(HEADS_Q, dtype=torch.float32) if "sink" in features else None
     if kernels is None or "fwd" in kernels:
-        out, lse, *_ = varlen_attn_fwd(q, k, v, pack, pack, longest, scale, -1, window_right, True, **dropout,
-                                       softmax_offset=offset, return_max_logit=problem.feature == "max_logit")
+        out, lse, *_ = varlen_attn_fwd(q, k, v, pack, pack, longest, scale, window_left, window_right, True,
+                                       **dropout, softmax_offset=offset, return_max_logit="max_logit" in features)
     else:  # compile-only launches never write: the backward needs out and lse only as arguments
-        out, lse = torch.empty(total, HEADS_Q, problem.dim_v, dtype=dtype), torch.empty(HEADS_Q, total)
+        out, lse = torch.empty(*rows, HEADS_Q, problem.dim_v, dtype=dtype), new_rowstat(q, pack)
     if kernels is None or set(kernels) - {"fwd"}:
         sink_rowsum = torch.zeros_like(lse) if offset is not None else None
-        varlen_attn_bwd(torch.empty_like(out), q, k, v, out, lse, pack, pack, longest, longest, scale, -1,
+        varlen_attn_bwd(torch.empty_like(out), q, k, v, out, lse, pack, pack, longest, longest, scale, window_left,
                         window_right, True, **dropout, sink_rowsum=sink_rowsum)
-    return [dict(describe(launch, arch), problem=problem.id, **problem._asdict()) for launch in launches[start:]
-            if kernels is None or KERNEL_NAMES.get(launch["fn"]) in kernels]
+
+
+def launch_mask_kernels() -> None:
+    """The mask utilities' kernels (kernels/masks.py) through their launchers: the row gather and
+    scatter and the token ids with both outputs (inside ``emulate``: compile-only launches)."""
+    from coreattn.kernels.masks import gather_rows, scatter_rows, token_ids
+
+    rows = torch.empty(sum(SEQLENS), HEADS_Q, 128, dtype=torch.bfloat16)  # [T, H, D]
+    index = torch.arange(SEQLENS[0], dtype=torch.int32)
+    gather_rows(rows, index)
+    scatter_rows(rows[:SEQLENS[0]], index, rows.shape[0])
+    token_ids(torch.tensor([0, *SEQLENS], dtype=torch.int32).cumsum(0).to(torch.int32), sum(SEQLENS), torch.int32,
+              torch.int64)
 
 
 def compile_report(archs, problems) -> list[dict]:
