@@ -321,6 +321,8 @@ class Graph:
             return True
         if node.op in _SAME_VALUE and node.operands:
             return self._bound(node.operands[0], at_least, seen)
+        if node.op == "partition_arg" and len(node.operands) == 1:  # a warp-specialized partition's capture
+            return self._bound(node.operands[0], at_least, seen)
         if node.op in _MAX:
             return any(self._bound(o, 1, seen) for o in node.operands)
         if node.op == "arith.select" and len(node.operands) == 3:

@@ -158,6 +158,27 @@ def test_warp_specialized_partitions_read_their_captures():
     assert [(h.divisor, h.source) for h in found] == [("%n_5", "k.py:14 < k.py:30")]
 
 
+def test_a_clamped_divisor_captured_by_a_partition_stays_clamped():
+    """tl.maximum(n, 1) outside the warp-specialize op, divided by inside partition0 (the dK/dV
+    kernel's warp-specialized query loop on sm100): not a hazard."""
+    text = HEAD + (
+        "    %c1_i32 = arith.constant 1 : i32 loc(#loc1)\n"
+        "    %per = arith.maxsi %n_5, %c1_i32 : i32 loc(#loc10)\n"
+        "    ttg.warp_specialize(%hi, %per, %x_ptr) attributes {requestedRegisters = array<i32: 24>}\n"
+        "    default {\n"
+        "      ttg.warp_yield loc(#loc1)\n"
+        "    }\n"
+        "    partition0(%arg9: i32 loc(\"hi\"(#loc)), %arg10: i32 loc(\"per\"(#loc)), %arg11: !tt.ptr<f16> loc(\"x_ptr\"(#loc))) num_warps(1) {\n"
+        "      %h = arith.divsi %arg9, %arg10 : i32 loc(#loc10)\n"
+        "      %base = tt.addptr %arg11, %h : !tt.ptr<f16>, i32 loc(#loc1)\n"
+        "      %ptrs = tt.splat %base : !tt.ptr<f16> -> tensor<16x64x!tt.ptr<f16>, #blocked> loc(#loc1)\n"
+        "      %cp = ttg.async_copy_global_to_local %ptrs, %buf mask %mask other %cst_0 : tensor<16x64x!tt.ptr<f16>, #blocked> -> <16x64xf16, #shared, #smem, mutable> loc(#loc12)\n"
+        "      ttg.warp_return loc(#loc1)\n"
+        "    } : (i32, i32, !tt.ptr<f16>) -> () loc(#loc1)\n") + TAIL
+    assert scan(text) == []
+    assert len(scan(text.replace("arith.maxsi %n_5, %c1_i32", "arith.addi %n_5, %c1_i32"))) == 1
+
+
 def test_tma_copies_are_counted_not_scanned():
     """TMA coordinates are bounds-checked by the hardware: a division there is not a fault."""
     text = HEAD + (
