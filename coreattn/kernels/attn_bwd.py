@@ -21,16 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import (LENGTH_STRIDES, _cols, _dropout_keep, _first_gid, _key_range, _last_row,
-                                          _load_keep, _load_rows, _poison, _query_range, _store_rows, _tile_visible,
-                                          _visible)
+from coreattn.kernels.attn_common import (LENGTH_STRIDES, _cols, _dropout_keep, _first_gid, _key_range, _load_keep,
+                                          _load_rows, _poison, _query_range, _store_rows, _tile_visible, _visible)
 from coreattn.kernels.attn_fwd import (LOG2E, RUNTIME_INTS, dot_precision, dropout_args, kernel_window, launch_grid,
                                        mask_flags)
 from coreattn.kernels.config import (bwd_configs, head_blocks, loop_flags, preprocess_config, split_dkdv, target_of,
                                      tuned_fallback)
 from coreattn.kernels.descriptors import row_descriptor, row_descriptors, usable
 from coreattn.kernels.packing import (Packing, keep_args, new_like, new_rowstat, rowstat_strides, seq_len_dim,
-                                      seq_strides, side_stand_ins, stand_in)
+                                      seq_strides)
 from coreattn.kernels.tile_map import _tile_rows, _tile_seq, tile_bound, tile_maps
 from coreattn.kernels.tuned_cache import launch_class
 
@@ -82,7 +81,7 @@ def _attn_bwd_preprocess_kernel(out_ptr, do_ptr, delta_ptr, seqlen_total, grid_m
 @triton.jit
 def _load_row_stats(lse_base, delta_base, rows, row_mask, last_row):
     """lse in the log2 domain with -inf (rows that see no key) turned into +inf so p = 0; rows
-    past ``last_row`` (q's ``_last_row``) are read from it and masked."""
+    past ``last_row`` (the sequence's last) are read from it and masked."""
     at = tl.minimum(rows, last_row)
     lse = tl.load(lse_base + at, mask=row_mask, other=float("inf")) * 1.4426950408889634
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
@@ -92,8 +91,7 @@ def _load_row_stats(lse_base, delta_base, rows, row_mask, last_row):
 
 @triton.jit
 def _dkdv_q_step(dk, dk2, dv, head, m0, offs_m, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_seq, q_keep_base,
-                 stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, stride_qks, cols, seqlen_q, seqlen_k, q_last,
-                 shift,
+                 stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, stride_qks, cols, seqlen_q, seqlen_k, shift,
                  window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids,
                  drop_threshold, drop_scale, q_desc, q2_desc, do_desc, q_row0, HEAD_DIM_QK: tl.constexpr,
                  HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -103,7 +101,7 @@ def _dkdv_q_step(dk, dk2, dv, head, m0, offs_m, k, k2, v, k_keep, q_seq, do_seq,
     """Query block [m0, m0 + BLOCK_M) of q head ``head``. TMA: q and dO through descriptors (row
     ``q_row0 + m0``); in the MASKED blocks, which hold the partial last block (see _dkdv_tile),
     their rows past the sequence (another sequence's) are zeroed: a P of 0 times a non-finite q or
-    dO would be NaN in every key's dK/dV. ``q_last``: q's ``_last_row`` (rows are clamped to it)."""
+    dO would be NaN in every key's dK/dV. Rows are clamped to the sequence's last (seqlen_q >= 1)."""
     h64 = tl.cast(head, tl.int64)
     rows = m0 + offs_m
     row_ok = rows < seqlen_q
@@ -119,11 +117,11 @@ def _dkdv_q_step(dk, dk2, dv, head, m0, offs_m, k, k2, v, k_keep, q_seq, do_seq,
                 q2 = tl.where(row_ok[:, None], q2, 0.0)
             do = tl.where(row_ok[:, None], do, 0.0)
     else:
-        q, q2 = _load_rows(q_seq + h64 * stride_qh, stride_qt, m0, row_ok, q_last, HEAD_DIM_QK, BLOCK_DQK,
+        q, q2 = _load_rows(q_seq + h64 * stride_qh, stride_qt, m0, row_ok, seqlen_q - 1, HEAD_DIM_QK, BLOCK_DQK,
                            BLOCK_DQK2, BLOCK_M)  # [M, DQK]
-        do, _ = _load_rows(do_seq + h64 * stride_doh, stride_dot, m0, row_ok, q_last, HEAD_DIM_V, BLOCK_DV, 0,
+        do, _ = _load_rows(do_seq + h64 * stride_doh, stride_dot, m0, row_ok, seqlen_q - 1, HEAD_DIM_V, BLOCK_DV, 0,
                            BLOCK_M)  # [M, DV]
-    lse, delta = _load_row_stats(lse_seq + h64 * stride_lh, delta_seq + h64 * stride_lh, rows, row_ok, q_last)
+    lse, delta = _load_row_stats(lse_seq + h64 * stride_lh, delta_seq + h64 * stride_lh, rows, row_ok, seqlen_q - 1)
     sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
     if BLOCK_DQK2 > 0:
         sT = tl.dot(k2, tl.trans(q2), sT, input_precision=DOT_PRECISION)
@@ -134,7 +132,7 @@ def _dkdv_q_step(dk, dk2, dv, head, m0, offs_m, k, k2, v, k_keep, q_seq, do_seq,
         if HAS_K_KEEP:
             vis = vis & k_keep[:, None]
         if HAS_Q_KEEP:
-            vis = vis & _load_keep(q_keep_base, stride_qks, rows, seqlen_q, q_last)[None, :]
+            vis = vis & _load_keep(q_keep_base, stride_qks, rows, seqlen_q)[None, :]
         pT = tl.where(vis, pT, 0.0)
     keep = pT == pT
     if DROPOUT:
@@ -159,7 +157,7 @@ def _dkdv_q_step(dk, dk2, dv, head, m0, offs_m, k, k2, v, k_keep, q_seq, do_seq,
 @triton.jit
 def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_seq, q_keep_base, stride_qt,
                   stride_qh, stride_dot, stride_doh, stride_lh, stride_qks, cols, m_lo, m_hi, head0, group,
-                  seqlen_q, seqlen_k, q_last, shift, window_left, window_right,
+                  seqlen_q, seqlen_k, shift, window_left, window_right,
                   sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
                   q_desc, q2_desc, do_desc, q_row0,
                   HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
@@ -181,7 +179,7 @@ def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_s
             dk, dk2, dv = _dkdv_q_step(
                 dk, dk2, dv, head0 + tl.minimum(step // per_head, group - 1), m_lo + (step % per_head) * BLOCK_M,
                 offs_m, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_seq, q_keep_base, stride_qt, stride_qh,
-                stride_dot, stride_doh, stride_lh, stride_qks, cols, seqlen_q, seqlen_k, q_last, shift, window_left,
+                stride_dot, stride_doh, stride_lh, stride_qks, cols, seqlen_q, seqlen_k, shift, window_left,
                 window_right, sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
                 q_desc, q2_desc, do_desc, q_row0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M,
                 HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, MASKED, DOT_PRECISION, TMA)
@@ -190,7 +188,7 @@ def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_s
             dk, dk2, dv = _dkdv_q_step(
                 dk, dk2, dv, head0 + tl.minimum(step // per_head, group - 1), m_lo + (step % per_head) * BLOCK_M,
                 offs_m, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_seq, q_keep_base, stride_qt, stride_qh,
-                stride_dot, stride_doh, stride_lh, stride_qks, cols, seqlen_q, seqlen_k, q_last, shift, window_left,
+                stride_dot, stride_doh, stride_lh, stride_qks, cols, seqlen_q, seqlen_k, shift, window_left,
                 window_right, sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
                 q_desc, q2_desc, do_desc, q_row0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M,
                 HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, MASKED, DOT_PRECISION, TMA)
@@ -235,13 +233,12 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
             cols = n0 + tl.arange(0, BLOCK_N)
             col_ok = cols < seqlen_k
             k_row0 = k_start + n0
-            q_last = _last_row(seqlen_q_total, q_start)
-            k_last = _last_row(seqlen_k_total, k_start)
-            k, k2 = _load_rows(k_base, stride_kt, n0, col_ok, k_last, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, BLOCK_N)
-            v, _ = _load_rows(v_base, stride_vt, n0, col_ok, k_last, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)
+            k, k2 = _load_rows(k_base, stride_kt, n0, col_ok, seqlen_k - 1, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2,
+                               BLOCK_N)
+            v, _ = _load_rows(v_base, stride_vt, n0, col_ok, seqlen_k - 1, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)
             k_keep = col_ok
             if HAS_K_KEEP:
-                k_keep = _load_keep(k_keep_base, stride_kks, cols, seqlen_k, k_last)  # [N]
+                k_keep = _load_keep(k_keep_base, stride_kks, cols, seqlen_k)  # [N]
             seed = 0
             rng_offset = 0
             drop_head0 = 0  # the call's head offset in dropout's head ids
@@ -262,30 +259,31 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
                                                     BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP or HAS_K_KEEP)
             if TMA:  # the partial last query block into the masked tail, which zeroes its rows past seqlen_q
                 full_hi = tl.minimum(full_hi, tl.maximum(seqlen_q // BLOCK_M * BLOCK_M, full_lo))
-            dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
-                                        delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot, stride_doh,
-                                        stride_lh, stride_qks, cols, lo, full_lo, kv_head * group, group, seqlen_q,
-                                        seqlen_k, q_last, shift, window_left, window_right, sm_scale_log2, seed,
-                                        rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale, q_desc,
-                                        q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
-                                        BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV,
-                                        True, DOT_PRECISION, TMA, WARP_SPEC)
-            dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
-                                        delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot, stride_doh,
-                                        stride_lh, stride_qks, cols, full_lo, full_hi, kv_head * group, group, seqlen_q,
-                                        seqlen_k, q_last, shift, window_left, window_right, sm_scale_log2, seed,
-                                        rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale, q_desc,
-                                        q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
-                                        BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV,
-                                        False, DOT_PRECISION, TMA, WARP_SPEC)
-            dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
-                                        delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot, stride_doh,
-                                        stride_lh, stride_qks, cols, full_hi, hi, kv_head * group, group, seqlen_q,
-                                        seqlen_k, q_last, shift, window_left, window_right, sm_scale_log2, seed,
-                                        rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale, q_desc,
-                                        q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
-                                        BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV,
-                                        True, DOT_PRECISION, TMA, WARP_SPEC)
+            if seqlen_q > 0:  # no query, no row to clamp the loops' addresses to (attn_common)
+                dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
+                                            delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
+                                            stride_doh, stride_lh, stride_qks, cols, lo, full_lo, kv_head * group,
+                                            group, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+                                            seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
+                                            q_desc, q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
+                                            BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
+                                            DROPOUT, DK, DV, True, DOT_PRECISION, TMA, WARP_SPEC)
+                dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
+                                            delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
+                                            stride_doh, stride_lh, stride_qks, cols, full_lo, full_hi, kv_head * group,
+                                            group, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+                                            seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
+                                            q_desc, q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
+                                            BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
+                                            DROPOUT, DK, DV, False, DOT_PRECISION, TMA, WARP_SPEC)
+                dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
+                                            delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
+                                            stride_doh, stride_lh, stride_qks, cols, full_hi, hi, kv_head * group,
+                                            group, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+                                            seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
+                                            q_desc, q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
+                                            BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
+                                            DROPOUT, DK, DV, True, DOT_PRECISION, TMA, WARP_SPEC)
             # the head offsets are added here and the rows counted from the sample's start, so no
             # more than one row index stays live over the loops (sm90 192/128 is at 254 registers)
             dk_base = dk_ptr + kv64 * stride_dkh
@@ -293,13 +291,12 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
             if not PACKED:  # thd: one sample (batch stride 0)
                 dk_base += seq64 * stride_dkb
                 dv_base += seq64 * stride_dvb
-            k_last_sample = _last_row(seqlen_k_total, 0)  # the last row, counted from the sample's start
+            k_last = k_start + seqlen_k - 1  # the sequence's last row, counted from the sample's start
             if DK:
-                _store_rows(dk_base, stride_dkt, k_row0, col_ok, k_last_sample, dk * sm_scale, dk2 * sm_scale,
-                            HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, BLOCK_N)
+                _store_rows(dk_base, stride_dkt, k_row0, col_ok, k_last, dk * sm_scale, dk2 * sm_scale, HEAD_DIM_QK,
+                            BLOCK_DQK, BLOCK_DQK2, BLOCK_N)
             if DV:
-                _store_rows(dv_base, stride_dvt, k_row0, col_ok, k_last_sample, dv, dv, HEAD_DIM_V, BLOCK_DV, 0,
-                            BLOCK_N)
+                _store_rows(dv_base, stride_dvt, k_row0, col_ok, k_last, dv, dv, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)
     else:
         n_rows_k = seqlen_k_total
         if not PACKED:
@@ -356,7 +353,7 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_kv_step(dq, dq2, delta_exact, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                stride_vt, stride_kks, rows, seqlen_q, seqlen_k, k_last, shift, window_left, window_right,
+                stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left, window_right,
                 sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale,
                 k_desc, k2_desc, v_desc, k_row0, k_col, v_col,
                 HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
@@ -367,8 +364,8 @@ def _dq_kv_step(dq, dq2, delta_exact, n0, offs_n, q, q2, do, lse, delta, q_keep,
     """dQ over key block [n0, n0 + BLOCK_N); with SINK_GRAD also delta_exact += rowsum(P * dP) in
     fp32 (the softmax offset's gradient needs delta without the output's rounding). TMA: k and v
     through descriptors; in the MASKED (edge) blocks their rows past the sequence (another
-    sequence's) are zeroed, since dS and P are 0 there and 0 * inf would be NaN. ``k_last``: k's
-    ``_last_row`` (rows are clamped to it)."""
+    sequence's) are zeroed, since dS and P are 0 there and 0 * inf would be NaN. Rows are clamped to
+    the sequence's last (seqlen_k >= 1)."""
     cols = n0 + offs_n
     col_ok = cols < seqlen_k
     if TMA:
@@ -383,16 +380,16 @@ def _dq_kv_step(dq, dq2, delta_exact, n0, offs_n, q, q2, do, lse, delta, q_keep,
                 k2 = tl.where(col_ok[:, None], k2, 0.0)
             v = tl.where(col_ok[:, None], v, 0.0)
     else:
-        k, k2 = _load_rows(k_base, stride_kt, n0, col_ok, k_last, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2,
+        k, k2 = _load_rows(k_base, stride_kt, n0, col_ok, seqlen_k - 1, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2,
                            BLOCK_N)  # [N, DQK]
-        v, _ = _load_rows(v_base, stride_vt, n0, col_ok, k_last, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)  # [N, DV]
+        v, _ = _load_rows(v_base, stride_vt, n0, col_ok, seqlen_k - 1, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)  # [N, DV]
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
     if BLOCK_DQK2 > 0:
         s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
     p = tl.math.exp2(s * sm_scale_log2 - lse[:, None])
     if MASKED:
-        vis = _tile_visible(rows, cols, q_keep, k_keep_base, stride_kks, seqlen_k, k_last, shift, window_left,
-                            window_right, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP)
+        vis = _tile_visible(rows, cols, q_keep, k_keep_base, stride_kks, seqlen_k, shift, window_left, window_right,
+                            HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP)
         p = tl.where(vis, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
     if DROPOUT:
@@ -409,7 +406,7 @@ def _dq_kv_step(dq, dq2, delta_exact, n0, offs_n, q, q2, do, lse, delta, q_keep,
 
 @triton.jit
 def _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                 stride_vt, stride_kks, rows, n_lo, n_hi, seqlen_q, seqlen_k, k_last, shift, window_left, window_right,
+                 stride_vt, stride_kks, rows, n_lo, n_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
                  sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale,
                  k_desc, k2_desc, v_desc, k_row0, k_col, v_col,
                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
@@ -423,7 +420,7 @@ def _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_
         for n0 in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=True):
             dq, dq2, delta_exact = _dq_kv_step(
                 dq, dq2, delta_exact, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                stride_vt, stride_kks, rows, seqlen_q, seqlen_k, k_last, shift, window_left, window_right,
+                stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left, window_right,
                 sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale, k_desc, k2_desc,
                 v_desc, k_row0, k_col, v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
                 HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, MASKED, DOT_PRECISION, TMA)
@@ -431,7 +428,7 @@ def _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_
         for n0 in range(n_lo, n_hi, BLOCK_N):
             dq, dq2, delta_exact = _dq_kv_step(
                 dq, dq2, delta_exact, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                stride_vt, stride_kks, rows, seqlen_q, seqlen_k, k_last, shift, window_left, window_right,
+                stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left, window_right,
                 sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale, k_desc, k2_desc,
                 v_desc, k_row0, k_col, v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
                 HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, MASKED, DOT_PRECISION, TMA)
@@ -477,14 +474,13 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
             k_keep_base = k_keep_ptr + seq64 * stride_kkb + k_start.to(tl.int64) * stride_kks
             rows = m0 + tl.arange(0, BLOCK_M)
             row_ok = rows < seqlen_q
-            q_last = _last_row(seqlen_q_total, q_start)
-            k_last = _last_row(seqlen_k_total, k_start)
-            q, q2 = _load_rows(q_base, stride_qt, m0, row_ok, q_last, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, BLOCK_M)
-            do, _ = _load_rows(do_base, stride_dot, m0, row_ok, q_last, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_M)
-            lse, delta = _load_row_stats(lse_ptr + stat, delta_ptr + stat, rows, row_ok, q_last)
+            q, q2 = _load_rows(q_base, stride_qt, m0, row_ok, seqlen_q - 1, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2,
+                               BLOCK_M)
+            do, _ = _load_rows(do_base, stride_dot, m0, row_ok, seqlen_q - 1, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_M)
+            lse, delta = _load_row_stats(lse_ptr + stat, delta_ptr + stat, rows, row_ok, seqlen_q - 1)
             q_keep = row_ok
             if HAS_Q_KEEP:
-                q_keep = _load_keep(q_keep_base, stride_qks, rows, seqlen_q, q_last)  # [M]
+                q_keep = _load_keep(q_keep_base, stride_qks, rows, seqlen_q)  # [M]
             seed = 0
             rng_offset = 0
             drop_head = head  # the q head as dropout counts it: plus the call's head offset
@@ -508,35 +504,36 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
             if TMA:
                 k_col = (kv64 * stride_kh).to(tl.int32)
                 v_col = (kv64 * stride_vh).to(tl.int32)
-            dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
-                                                k_keep_base, stride_kt, stride_vt, stride_kks, rows, lo, full_lo,
-                                                seqlen_q, seqlen_k, k_last, shift, window_left, window_right,
-                                                sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
-                                                drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_start, k_col,
-                                                v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
-                                                BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT,
-                                                SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC)
-            dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
-                                                k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_lo, full_hi,
-                                                seqlen_q, seqlen_k, k_last, shift, window_left, window_right,
-                                                sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
-                                                drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_start, k_col,
-                                                v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
-                                                BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT,
-                                                SINK_GRAD, False, DOT_PRECISION, TMA, WARP_SPEC)
-            dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
-                                                k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_hi, hi,
-                                                seqlen_q, seqlen_k, k_last, shift, window_left, window_right,
-                                                sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
-                                                drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_start, k_col,
-                                                v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
-                                                BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT,
-                                                SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC)
+            if seqlen_k > 0:  # no key, no row to clamp the loops' addresses to (attn_common)
+                dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
+                                                    k_keep_base, stride_kt, stride_vt, stride_kks, rows, lo, full_lo,
+                                                    seqlen_q, seqlen_k, shift, window_left, window_right,
+                                                    sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
+                                                    drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_start, k_col,
+                                                    v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
+                                                    BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT,
+                                                    SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC)
+                dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
+                                                    k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_lo,
+                                                    full_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
+                                                    sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
+                                                    drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_start, k_col,
+                                                    v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
+                                                    BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT,
+                                                    SINK_GRAD, False, DOT_PRECISION, TMA, WARP_SPEC)
+                dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
+                                                    k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_hi, hi,
+                                                    seqlen_q, seqlen_k, shift, window_left, window_right,
+                                                    sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
+                                                    drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_start, k_col,
+                                                    v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
+                                                    BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT,
+                                                    SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC)
             dq_base = dq_head + seq64 * stride_dqb + q_start.to(tl.int64) * stride_dqt
-            _store_rows(dq_base, stride_dqt, m0, row_ok, q_last, dq * sm_scale, dq2 * sm_scale, HEAD_DIM_QK,
+            _store_rows(dq_base, stride_dqt, m0, row_ok, seqlen_q - 1, dq * sm_scale, dq2 * sm_scale, HEAD_DIM_QK,
                         BLOCK_DQK, BLOCK_DQK2, BLOCK_M)
             if SINK_GRAD:
-                tl.store(dsink_ptr + stat + tl.minimum(rows, q_last), delta_exact, mask=row_ok)
+                tl.store(dsink_ptr + stat + tl.minimum(rows, seqlen_q - 1), delta_exact, mask=row_ok)
     else:
         n_rows_q = seqlen_q_total
         if not PACKED:
@@ -640,11 +637,6 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
             *seq_strides(dout, q_pack.fmt), *rowstat_strides(delta, q_pack),
             HEAD_DIM_V=dim_v, BLOCK_DV=block_dv, BLOCK_M=cfg_pre.block_m, PERSISTENT=persistent, **cfg_pre.launch(),
         )
-    has_q, has_k = q.numel() > 0, k.numel() > 0
-    # a side without tokens still gets a row 0 to clamp the other kernel's addresses to (packing.stand_in)
-    q_pack, q, dout = side_stand_ins(q_pack, q, dout)
-    k_pack, k, v = side_stand_ins(k_pack, k, v)
-    lse, delta = stand_in(lse, -1), stand_in(delta, -1)
     common = dict(batch=batch, seqlen_q_total=seqlen_q_total, seqlen_k_total=seqlen_k_total,
                   group=heads_q // heads_kv, sm_scale=softmax_scale, sm_scale_log2=softmax_scale * LOG2E,
                   window_left=window_left, window_right=window_right,
@@ -662,7 +654,7 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                   **mask_flags(window_left, window_right, bottom_right, q_pack, k_pack))
     n_tiles_k = tile_bound(batch, seqlen_k_total, cfg_dkdv.block_n, k_pack.fmt == "thd")
     n_tiles_q = tile_bound(batch, seqlen_q_total, cfg_dq.block_m, q_pack.fmt == "thd")
-    run_dkdv, run_dq = has_k and n_tiles_k > 0, has_q and n_tiles_q > 0
+    run_dkdv, run_dq = k.numel() > 0 and n_tiles_k > 0, q.numel() > 0 and n_tiles_q > 0
     if run_dkdv or run_dq:  # one layout check for both kernels, a map for each
         dq_map, dkdv_map = tile_maps(q_pack, k_pack, seqlen_q_total, seqlen_k_total, target,
                                      q_tiles=(cfg_dq.block_m, n_tiles_q) if run_dq else None,

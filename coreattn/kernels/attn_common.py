@@ -8,9 +8,10 @@ Triton's software pipeliner issues a loop's loads ahead of time (cp.async on NVI
 first iterations before it knows whether the loop runs at all, and for iterations past its last;
 the load's mask turns the value off, but a masked-off asynchronous copy whose address is wild
 still faults on the GPU (an H100 did, 2026-11-27). So every row index is clamped to the last row
-of its tensor before the pointer is formed (``last_row``: that row counted from the sequence's
-first, see ``_last_row``), columns past a padded head dim wrap into the row (``_cols``), and the
-mask keeps the values right. No address depends on a division by a value that can be zero.
+of its sequence before the pointer is formed (``last_row``), columns past a padded head dim wrap
+into the row (``_cols``), and the mask keeps the values right; a loop over a side whose sequence
+is empty (no last row) is not entered at all (an ``if`` around it: a pipelined prologue inside a
+branch not taken never runs). No address depends on a division by a value that can be zero.
 """
 
 import triton
@@ -43,15 +44,6 @@ def _visible(q_idx, k_idx, seqlen_k, shift, window_left, window_right,
 
 
 @triton.jit
-def _last_row(seqlen_total, start):
-    """The last row of a side's tensor (T rows packed, S per sample padded) counted from a
-    sequence's first row ``start``: row indices clamped to it stay inside the tensor. A side
-    without rows is given a one-row stand-in by the launchers (``packing.with_rows``), so row 0
-    is always there."""
-    return tl.maximum(seqlen_total, 1) - 1 - start
-
-
-@triton.jit
 def _cols(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Column indices of a block that may pass the real head dim: those past it wrap into the row
     (masked off by the caller), so the address stays in the tensor; a constant modulus keeps the
@@ -62,24 +54,23 @@ def _cols(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _load_keep(keep_base, stride_s, idx, length, last_row):
-    """Keep-mask entries (uint8 -> bool) at sequence positions idx (only under HAS_*_KEEP)."""
-    return tl.load(keep_base + tl.minimum(idx, last_row) * stride_s, mask=idx < length, other=0) != 0
+def _load_keep(keep_base, stride_s, idx, length):
+    """Keep-mask entries (uint8 -> bool) at sequence positions idx (only under HAS_*_KEEP; length >= 1)."""
+    return tl.load(keep_base + tl.minimum(idx, length - 1) * stride_s, mask=idx < length, other=0) != 0
 
 
 @triton.jit
-def _tile_visible(rows, cols, q_keep, k_keep_base, stride_kks, seqlen_k, k_last, shift, window_left, window_right,
+def _tile_visible(rows, cols, q_keep, k_keep_base, stride_kks, seqlen_k, shift, window_left, window_right,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
                   HAS_K_KEEP: tl.constexpr):
     """[M, N] visibility of a masked (edge) tile, queries as rows: the band, the key bound and the
-    keep masks (q_keep is the tile's [M] loaded once; the keys' entries are loaded here; k_last:
-    the keys' ``_last_row``)."""
+    keep masks (q_keep is the tile's [M] loaded once; the keys' entries are loaded here)."""
     vis = _visible(rows[:, None], cols[None, :], seqlen_k, shift, window_left, window_right, HAS_LEFT, HAS_RIGHT,
                    True)
     if HAS_Q_KEEP:
         vis = vis & q_keep[:, None]
     if HAS_K_KEEP:
-        vis = vis & _load_keep(k_keep_base, stride_kks, cols, seqlen_k, k_last)[None, :]
+        vis = vis & _load_keep(k_keep_base, stride_kks, cols, seqlen_k)[None, :]
     return vis
 
 
@@ -188,8 +179,8 @@ def _load_rows(base, stride_t, r0, row_ok, last_row, HEAD_DIM: tl.constexpr, BLO
                BLOCK_D2: tl.constexpr, BLOCK_R: tl.constexpr):
     """Rows [r0, r0 + R) of a [rows, HEAD_DIM] view as one [R, BLOCK_D] block, or two column blocks
     ([R, BLOCK_D] and [R, BLOCK_D2]) when the head dim is split (BLOCK_D2 > 0; else the second is
-    the first again). Rows past ``last_row`` (``_last_row``) are read from it and masked by
-    ``row_ok``."""
+    the first again). Rows past ``last_row`` (the sequence's last, counted as r0 is) are read from
+    it and masked by ``row_ok``."""
     offs_r = tl.minimum(tl.arange(0, BLOCK_R), last_row - r0)
     offs_d = tl.arange(0, BLOCK_D)
     ptrs = base + tl.cast(r0, tl.int64) * stride_t + offs_r[:, None] * stride_t

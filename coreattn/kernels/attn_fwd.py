@@ -21,13 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import (LENGTH_STRIDES, _cols, _dropout_keep, _first_gid, _key_range, _last_row,
-                                          _load_keep, _load_rows, _poison, _tile_visible)
+from coreattn.kernels.attn_common import (LENGTH_STRIDES, _cols, _dropout_keep, _first_gid, _key_range, _load_keep,
+                                          _load_rows, _poison, _tile_visible)
 from coreattn.kernels.config import (CDNA_TARGETS, fwd_config, head_blocks, loop_flags, persistent_grid, target_of,
                                      tuned_fallback)
 from coreattn.kernels.descriptors import row_descriptor, row_descriptors, usable
 from coreattn.kernels.packing import (Packing, keep_args, kernel_flags, new_like, new_rowstat, rowstat_strides, seq_len_dim,
-                                      seq_strides, side_stand_ins)
+                                      seq_strides)
 from coreattn.kernels.tile_map import _tile_rows, _tile_seq, tile_bound, tile_maps
 from coreattn.kernels.tuned_cache import launch_class
 
@@ -74,7 +74,7 @@ def _qk_scores(q, q2, k_base, stride_kt, n0, offs_n, col_ok, k_desc, k2_desc, k_
 
 @triton.jit
 def _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
-                 stride_kks, rows, seqlen_q, seqlen_k, k_last, shift, window_left, window_right, sm_scale_log2, seed,
+                 stride_kks, rows, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
                  rng_offset, head, q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col,
                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                  BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
@@ -83,11 +83,11 @@ def _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_ba
     """Key block [n0, n0 + BLOCK_N). TMA: k and v through descriptors; in the MASKED (edge) blocks
     the rows past the sequence are another sequence's (or zeros past T), so v's are zeroed there: a
     probability of 0 times a non-finite value would be NaN. The unmasked blocks lie inside the
-    sequence. ``k_last``: k's ``_last_row``; the key rows are clamped to it for every iteration
-    (the pipeliner loads ahead, also past the loop's last)."""
+    sequence. Key rows are clamped to the sequence's last (seqlen_k >= 1) for every iteration: the
+    pipeliner loads ahead, also past the loop's last."""
     cols = n0 + offs_n
     col_ok = cols < seqlen_k
-    offs_k = tl.minimum(offs_n, k_last - n0)  # [N] rows from n0, inside k
+    offs_k = tl.minimum(offs_n, seqlen_k - 1 - n0)  # [N] rows from n0, inside the sequence
     s = _qk_scores(q, q2, k_base, stride_kt, n0, offs_k, col_ok, k_desc, k2_desc, k_row0, k_col, HEAD_DIM_QK,
                    BLOCK_DQK, BLOCK_DQK2, MASKED, DOT_PRECISION, TMA) * sm_scale_log2  # [M, N], log2 domain
     if TMA:
@@ -102,8 +102,8 @@ def _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_ba
         else:
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
     if MASKED:
-        vis = _tile_visible(rows, cols, q_keep, k_keep_base, stride_kks, seqlen_k, k_last, shift, window_left,
-                            window_right, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP)
+        vis = _tile_visible(rows, cols, q_keep, k_keep_base, stride_kks, seqlen_k, shift, window_left, window_right,
+                            HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP)
         s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row that has seen no key yet keeps m = -inf; subtract 0 instead so p and alpha are 0, not NaN
@@ -120,7 +120,7 @@ def _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_ba
 
 @triton.jit
 def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt, stride_kks,
-                  rows, n_lo, n_hi, seqlen_q, seqlen_k, k_last, shift, window_left, window_right, sm_scale_log2,
+                  rows, n_lo, n_hi, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
                   seed, rng_offset, head, q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col,
                   HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                   BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -136,7 +136,7 @@ def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, str
         for n0 in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=True):
             acc, m_i, l_i = _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_base,
                                          k_keep_base, stride_kt,
-                                         stride_vt, stride_kks, rows, seqlen_q, seqlen_k, k_last, shift, window_left,
+                                         stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
                                          window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
                                          drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col, HEAD_DIM_QK,
                                          HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
@@ -145,7 +145,7 @@ def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, str
         for n0 in range(n_lo, n_hi, BLOCK_N):
             acc, m_i, l_i = _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_base,
                                          k_keep_base, stride_kt,
-                                         stride_vt, stride_kks, rows, seqlen_q, seqlen_k, k_last, shift, window_left,
+                                         stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
                                          window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
                                          drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col, HEAD_DIM_QK,
                                          HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
@@ -191,12 +191,11 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
             offs_dv = tl.arange(0, BLOCK_DV)
             rows = m0 + offs_m
             row_ok = rows < seqlen_q
-            q_last = _last_row(seqlen_q_total, q_start)
-            k_last = _last_row(seqlen_k_total, k_start)
-            q, q2 = _load_rows(q_base, stride_qt, m0, row_ok, q_last, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, BLOCK_M)
+            q, q2 = _load_rows(q_base, stride_qt, m0, row_ok, seqlen_q - 1, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2,
+                               BLOCK_M)
             q_keep = row_ok
             if HAS_Q_KEEP:
-                q_keep = _load_keep(q_keep_base, stride_qks, rows, seqlen_q, q_last)  # [M]
+                q_keep = _load_keep(q_keep_base, stride_qks, rows, seqlen_q)  # [M]
             seed = 0
             rng_offset = 0
             drop_head = head  # the q head as dropout counts it: plus the call's head offset
@@ -219,28 +218,28 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
             if TMA:
                 k_col = (kv_head * stride_kh).to(tl.int32)
                 v_col = (kv_head * stride_vh).to(tl.int32)
-            acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                                          stride_vt, stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, k_last, shift,
-                                          window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
-                                          q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
-                                          v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                                          HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION,
-                                          TMA, WARP_SPEC)
-            acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                                          stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, k_last,
-                                          shift,
-                                          window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
-                                          q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
-                                          v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                                          HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, False, DOT_PRECISION,
-                                          TMA, WARP_SPEC)
-            acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                                          stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, k_last, shift,
-                                          window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
-                                          q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
-                                          v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                                          HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION,
-                                          TMA, WARP_SPEC)
+            if seqlen_k > 0:  # no key, no row to clamp the loops' addresses to (attn_common)
+                acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
+                                              stride_vt, stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift,
+                                              window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
+                                              q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
+                                              v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
+                                              HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION,
+                                              TMA, WARP_SPEC)
+                acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
+                                              stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift,
+                                              window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
+                                              q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
+                                              v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
+                                              HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, False,
+                                              DOT_PRECISION, TMA, WARP_SPEC)
+                acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
+                                              stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift,
+                                              window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
+                                              q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
+                                              v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
+                                              HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION,
+                                              TMA, WARP_SPEC)
             if RETURN_MAX:  # the largest visible scaled logit of this tile (before the sink joins the max)
                 tl.store(max_ptr + head.to(tl.int64) * n_tiles + tile,
                          tl.max(tl.where(row_ok, m_i, float("-inf")), 0) * 0.6931471805599453)
@@ -256,7 +255,7 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
             out = acc * (drop_scale / l_safe)[:, None]
             lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
             o_base = o_head + seq64 * stride_ob + q_start.to(tl.int64) * stride_ot
-            o_rows = tl.minimum(offs_m, q_last - m0)  # [M] rows from m0, inside the output
+            o_rows = tl.minimum(offs_m, seqlen_q - 1 - m0)  # [M] rows from m0, inside the sequence
             o_ptrs = (o_base + tl.cast(m0, tl.int64) * stride_ot + o_rows[:, None] * stride_ot
                       + _cols(offs_dv, HEAD_DIM_V, BLOCK_DV)[None, :])
             tl.store(o_ptrs, out.to(o_base.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
@@ -406,7 +405,6 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
     if q.numel() > 0 and batch > 0 and n_tiles > 0:
         limit = max(seqlen_q_total, seqlen_k_total)
         window_left, window_right = kernel_window(window_left, limit), kernel_window(window_right, limit)
-        k_pack, k, v = side_stand_ins(k_pack, k, v)  # no keys: still a row 0 to clamp addresses to
         tile_map, _ = tile_maps(q_pack, k_pack, seqlen_q_total, seqlen_k_total, target,
                                 q_tiles=(cfg.block_m, n_tiles))
         grid, persistent = launch_grid(q.device, target, n_tiles, heads_q)
