@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 import torch
 
+from bench.cli import positive_number
 from bench.env import REPO_ROOT, device_slug, run_metadata
 from coreattn.selfcheck.faults import Child, child_env, sanitizer_hint
 
@@ -69,19 +70,9 @@ class Part(NamedTuple):
     result: Path | None  # the JSON (selfcheck, bench) or JSON-lines (tests) file the part writes
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.acceptance", description=__doc__.splitlines()[0])
-    p.add_argument("--budget", type=_positive, default=DEFAULT_BUDGET, metavar="SECONDS",
+    p.add_argument("--budget", type=positive_number, default=DEFAULT_BUDGET, metavar="SECONDS",
                    help="wall time of all parts together (shares: " + ", ".join(
                        f"{name} {int(100 * share)}%%" for name, share in SHARES.items()) + "; gpu-tests and cuda-tests "
                         "run side by side in theirs; the rest is headroom)")

@@ -32,7 +32,8 @@ WHAT = ("attention", "masks", "cp", "layer", "cpu", "kernels")
 DEFAULT_WHAT = ("attention", "masks", "cp", "layer")
 
 
-def _positive(text: str) -> float:
+def positive_number(text: str) -> float:
+    """argparse type: a number > 0 (seconds, budgets), or exit 2 naming the option."""
     try:
         value = float(text)
     except ValueError:
@@ -72,9 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="process: the attention, cp, layer and mask sections run in a worker process, and a unit "
                         "that faults (a CUDA fault poisons its process), dies or hangs is recorded and the run goes "
                         "on in a fresh one (bench/isolation.py); none: all in this process; auto: process on a GPU")
-    p.add_argument("--timeout", type=_positive, metavar="SECONDS",
+    p.add_argument("--timeout", type=positive_number, metavar="SECONDS",
                    help=f"with isolation, a unit running longer is killed and recorded (default {DEFAULT_TIMEOUT:g})")
-    p.add_argument("--time-limit", type=_positive, metavar="SECONDS",
+    p.add_argument("--time-limit", type=positive_number, metavar="SECONDS",
                    help="start no attention/cp/layer/mask unit after this many seconds (the rest are skipped)")
     p.add_argument("--list", action="store_true", help="print the selected configs and providers, then exit")
     return p.parse_args(argv)
