@@ -169,9 +169,15 @@ def target_of(device: torch.device) -> str:
     """The launch target for tensors on ``device``: "ascend" for npu tensors or when
     ``COREATTN_TRITON_TARGET=ascend`` (read at every call), else "interpreter", a CUDA family
     ("sm90", "sm80", ...) or, on ROCm's PyTorch (whose AMD GPUs are ``cuda`` devices), the CDNA arch
-    ("gfx942", ...)."""
+    ("gfx942", ...). Under the interpreter, the first call checks that it can run the kernels
+    (kernels/versions.py ``check_interpreter``: Triton 3.6's needs numpy<2.4)."""
     from coreattn.kernels import runs_in_interpreter
 
+    interpreted = runs_in_interpreter()
+    if interpreted:  # once per process: RuntimeError naming the fix where this interpreter cannot run them
+        from coreattn.kernels.versions import check_interpreter
+
+        check_interpreter()
     forced = os.environ.get(ENV_TRITON_TARGET, "").strip().lower()
     if forced:
         if forced != "ascend":
@@ -179,7 +185,7 @@ def target_of(device: torch.device) -> str:
         return "ascend"
     if device.type == "npu":
         return "ascend"
-    if runs_in_interpreter():
+    if interpreted:
         return "interpreter"
     if device.type == "cuda":
         if torch.version.hip:  # ROCm: the capability (9, 4 on an MI300X) says nothing about CUDA archs
