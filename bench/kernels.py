@@ -5,8 +5,10 @@ them by default), the kernels of every problem below are compiled through the re
 that arch's configs, without a GPU (coreattn/tune/compiler.py), and tabulated: tile, warps/stages,
 registers, spill bytes, shared memory (LDS on CDNA) against the arch's per-block limit, MMA kind x
 instruction count (PTX; AMDGCN for CDNA), duplicated MMA work and an occupancy estimate (CTAs per
-SM; waves per SIMD on CDNA). Static compiler output: it shows whether a config fits an arch, not
-how fast it runs.
+SM; waves per SIMD on CDNA). Every row and each arch's table name the Triton release that
+compiled it: the figures differ by release (it runs under any installed Triton; CI tests 3.6.0 to
+3.9.0, coreattn/kernels/versions.py). Static compiler output: it shows whether a config fits an
+arch, not how fast it runs.
 """
 
 from __future__ import annotations
@@ -82,9 +84,15 @@ def _cdna_table(rows: list[dict], arch: str) -> str:
                       f"{r['waves_per_simd']} ({r['occupancy_limit']})"])
     header = ["kernel", "problem", "tile", "warps/stages", "nonkdim", "VGPR/AGPR/SGPR", "spilled v/s",
               "spill st/ld B", "LDS", "MFMA (AMDGCN)", "waves/SIMD (limit)"]
-    title = (f"{arch} (compiled for AMD {arch}, wave64; LDS per workgroup {limits.lds_per_workgroup // 1024} KB, "
+    title = (f"{arch} (compiled for AMD {arch}, wave64, by Triton {_triton(rows, arch)}; "
+             f"LDS per workgroup {limits.lds_per_workgroup // 1024} KB, "
              f"per CU {limits.lds_per_cu // 1024} KB; {limits.vgprs_per_simd} VGPRs per SIMD lane):")
     return title + "\n" + _table(header, lines)
+
+
+def _triton(rows: list[dict], arch: str) -> str:
+    """The Triton release(s) that compiled an arch's rows (rows written before they recorded it: "?")."""
+    return ", ".join(dict.fromkeys(str(r.get("triton", "?")) for r in rows if r["arch"] == arch))
 
 
 def _table(header: list[str], lines: list[list[str]]) -> str:
@@ -112,8 +120,8 @@ def format_tables(rows: list[dict]) -> str:
                           f"{r['spill_stores']}/{r['spill_loads']}", smem, _mma(r), occ])
         header = ["kernel", "problem", "tile", "warps/stages", "regs", "spill st/ld B", "smem", "MMA (PTX)",
                   "CTAs/SM (limit)"]
-        title = (f"{arch} (compiled for capability {limits.capability / 10:.1f}; smem per block "
-                 f"{limits.smem_per_block // 1024} KB, per SM {limits.smem_per_sm // 1024} KB):")
+        title = (f"{arch} (compiled for capability {limits.capability / 10:.1f} by Triton {_triton(rows, arch)}; "
+                 f"smem per block {limits.smem_per_block // 1024} KB, per SM {limits.smem_per_sm // 1024} KB):")
         parts.append(title + "\n" + _table(header, lines))
     if any(arch in ARCHS for arch in archs):
         parts.append("STATIC COMPILER OUTPUT for emulated targets (no GPU ran): registers and spills from ptxas -v, "
