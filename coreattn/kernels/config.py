@@ -370,8 +370,10 @@ def shipped_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem
     ``block_dqk`` the q/k blocks' total width (192 for 128 + 64), ``elem`` bytes per input element
     (2 for fp16/bf16, 4 for fp32), ``dropout`` the dropout kernels."""
     if kernel == "preprocess":  # the dQ tile's rows and warps: 4 warps on 128 x 256 rows of out and dO would spill
+        # and its register ceiling: left to itself, Triton 3.7.1's ptxas gave sm80's (64 and 32 rows, 4 warps) 48
+        # registers and spilled 8 B
         dq = shipped_config(target, "dq", block_dqk, block_dv, elem, dropout)
-        return AttnConfig(dq.block_m, 0, dq.num_warps, None, fp_fusion=dq.fp_fusion)
+        return AttnConfig(dq.block_m, 0, dq.num_warps, None, maxnreg=dq.maxnreg, fp_fusion=dq.fp_fusion)
     if target == "ascend":
         step = fwd_step_bytes if kernel == "fwd" else bwd_step_bytes
         return _ascend_blocks(step, block_dqk, block_dv, elem)
@@ -489,7 +491,7 @@ def candidates(target: str, kernel: str, block_dqk: int, block_dv: int, elem: in
     shipped = shipped_config(target, kernel, block_dqk, block_dv, elem, dropout)
     if elem == 4 or target not in _SPACES:
         return [shipped]
-    opts = dict(maxnreg=None if kernel == "preprocess" else MAXNREG, fp_fusion=FP_FUSION)
+    opts = dict(maxnreg=MAXNREG, fp_fusion=FP_FUSION)
     tiles = [shipped] + [AttnConfig(*tile, **opts) for tile in _width_entry(_SPACES[target][kernel],
                                                                             max(block_dqk, block_dv))]
     out = []

@@ -261,7 +261,8 @@ def test_forced_configs_that_fail_propagate(cache):
 def test_launch_options_set_fp_fusion_on_cuda_only():
     dev = torch.device("cpu")
     assert config.shipped_config("sm90", "fwd", 128, 128).launch()["enable_fp_fusion"] is True
-    assert config.shipped_config("sm90", "preprocess", 128, 128).launch() == dict(num_warps=8, enable_fp_fusion=True)
+    assert config.shipped_config("sm90", "preprocess", 128, 128).launch() == dict(num_warps=8, maxnreg=255,
+                                                                                enable_fp_fusion=True)
     assert "enable_fp_fusion" not in config.shipped_config("ascend", "fwd", 128, 128).launch()
     assert "enable_fp_fusion" not in config.shipped_config("interpreter", "dq", 128, 128).launch()
     assert config.preprocess_config(dev, 128, 128).launch() == {"num_warps": config._INTERPRETER.num_warps}
