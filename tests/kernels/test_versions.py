@@ -29,6 +29,17 @@ def test_release_parsing():
         versions.release("main")
 
 
+def test_pyproject_floor_is_the_oldest_triton_ci_installs():
+    tomllib = pytest.importorskip("tomllib")
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    floor = [d for d in deps if re.match(r"triton\b", d)]
+    assert floor == [f"triton>={versions.MIN_TRITON.removesuffix('.0')}"]
+    assert versions.MIN_TRITON == min(versions.TESTED_TRITON, key=versions.release)
+    ci = (ROOT / ".ci" / "run").read_text()
+    for version in versions.TESTED_TRITON:  # each tested release is installed by a lane
+        assert f"triton=={version}" in ci, version
+
+
 def test_this_triton_is_in_the_tested_range():
     """Every CI lane's Triton (and triton-ascend in the Ascend lane) passes the import check."""
     assert versions.old_triton_message(triton.__version__, npu.triton_distribution()) is None
