@@ -26,10 +26,13 @@ whose compilers differ (register allocation, spills): docs/compile-report.md has
   and 3.7.1, not 3.9.0) and dK and dV take two passes (split_dkdv): also 0 spills, at the cost of
   narrow key steps and Q K^T recomputed once.
 - sm100: sm90's backward tiles (same 227 KB per block; tcgen05 MMAs); the forward steps over 32
-  keys at 128 and 192 (64 spilled there), and at 64 with dropout. No kernel spills, 256 included.
+  keys at 128 and 192 (64 spilled there), and at 64 with dropout; the dropout backward takes
+  narrower tiles (dQ 128 x 32 at 64 and 128, dK/dV 16 x 64 at 256: Triton 3.7.1 spilled the wider
+  ones). No kernel spills, 256 included.
 - sm80 (163 KB) and the 99 KB parts (sm86, sm89, sm120: the "sm86" table; sm120 takes smaller
   dropout tiles at 64 and 256) use mma.sync, whose accumulators stay in registers: 128-row tiles
-  take 8 warps (64), wider heads 4 warps and 16-64-row tiles. No kernel spills at any head dim.
+  take 8 warps (64), wider heads 4 warps and 16-64-row tiles (sm80's dK/dV at 64: 32 x 32, as
+  Triton 3.6.0 spilled 32 x 64). No kernel spills at any head dim.
   What is left at 256 on these archs is tile size, not correctness: 32 x 32 tiles and
   single-stage backward loops, about half the MMA work per loaded byte of a 64-row tile, because
   64 rows x 256 fp32 columns of accumulator are 128 registers per thread on top of the operands.
