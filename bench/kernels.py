@@ -6,7 +6,9 @@ that arch's configs, without a GPU (coreattn/tune/compiler.py), and tabulated: t
 registers, spill bytes, shared memory (LDS on CDNA) against the arch's per-block limit, MMA kind x
 instruction count (PTX; AMDGCN for CDNA), duplicated MMA work, an occupancy estimate (CTAs per
 SM; waves per SIMD on CDNA) and pipelined-load hazards (divisions by a value that may be zero on
-the address of an asynchronous load: coreattn/tune/hazards.py; listed under the tables). Static
+the address of an asynchronous load: coreattn/tune/hazards.py; listed under the tables). Every row
+and each arch's table name the Triton release that compiled it: the figures differ by release (it
+runs under any installed Triton; CI tests 3.6.0 to 3.9.0, coreattn/kernels/versions.py). Static
 compiler output: it shows whether a config fits an arch, not how fast it runs.
 """
 
@@ -83,7 +85,8 @@ def _cdna_table(rows: list[dict], arch: str) -> str:
                       f"{r['waves_per_simd']} ({r['occupancy_limit']})", _hazards(r)])
     header = ["kernel", "problem", "tile", "warps/stages", "nonkdim", "VGPR/AGPR/SGPR", "spilled v/s",
               "spill st/ld B", "LDS", "MFMA (AMDGCN)", "waves/SIMD (limit)", "hazards"]
-    title = (f"{arch} (compiled for AMD {arch}, wave64; LDS per workgroup {limits.lds_per_workgroup // 1024} KB, "
+    title = (f"{arch} (compiled for AMD {arch}, wave64, by Triton {_triton(rows, arch)}; "
+             f"LDS per workgroup {limits.lds_per_workgroup // 1024} KB, "
              f"per CU {limits.lds_per_cu // 1024} KB; {limits.vgprs_per_simd} VGPRs per SIMD lane):")
     return title + "\n" + _table(header, lines)
 
@@ -107,6 +110,11 @@ def _hazard_list(rows: list[dict]) -> str:
                   for h in r["hazards"]]
     return "PIPELINED-LOAD HAZARDS (each can fault on a GPU; see coreattn/tune/hazards.py):\n" + "\n".join(lines) \
         if lines else ""
+
+
+def _triton(rows: list[dict], arch: str) -> str:
+    """The Triton release(s) that compiled an arch's rows (rows written before they recorded it: "?")."""
+    return ", ".join(dict.fromkeys(str(r.get("triton", "?")) for r in rows if r["arch"] == arch))
 
 
 def _table(header: list[str], lines: list[list[str]]) -> str:
@@ -134,8 +142,8 @@ def format_tables(rows: list[dict]) -> str:
                           f"{r['spill_stores']}/{r['spill_loads']}", smem, _mma(r), occ, _hazards(r)])
         header = ["kernel", "problem", "tile", "warps/stages", "regs", "spill st/ld B", "smem", "MMA (PTX)",
                   "CTAs/SM (limit)", "hazards"]
-        title = (f"{arch} (compiled for capability {limits.capability / 10:.1f}; smem per block "
-                 f"{limits.smem_per_block // 1024} KB, per SM {limits.smem_per_sm // 1024} KB):")
+        title = (f"{arch} (compiled for capability {limits.capability / 10:.1f} by Triton {_triton(rows, arch)}; "
+                 f"smem per block {limits.smem_per_block // 1024} KB, per SM {limits.smem_per_sm // 1024} KB):")
         parts.append(title + "\n" + _table(header, lines))
     if any(arch in ARCHS for arch in archs):
         parts.append("STATIC COMPILER OUTPUT for emulated targets (no GPU ran): registers and spills from ptxas -v, "

@@ -13,9 +13,10 @@ Markers (docs/testing.md says what a GPU run covers and skips):
 - ``interpreter_only(reason)``: runs only under Triton's CPU interpreter (the kernels on CPU
   tensors, the interpreter's launch sizes, its bf16 correction, its cost model); skipped on a
   GPU, where the kernels are compiled, with the reason.
-- ``compiler_output``: pins the compiler output of Triton ``COMPILER_OUTPUT_TRITON`` (registers,
-  spills, MMA kinds, warp-specialized regions, the emulated targets of coreattn/tune/compiler.py);
-  skipped under another Triton, whose output these tests were not made with.
+- ``compiler_output``: pins the compiler output (registers, spills, MMA kinds, warp-specialized
+  regions, the emulated targets of coreattn/tune/compiler.py) of the Triton releases CI tests
+  (coreattn/kernels/versions.py ``TESTED_TRITON``); skipped under another Triton, whose output
+  these tests were not checked with.
 
 On a GPU, a test that leaves CUDA unusable (a kernel fault poisons its process) is recorded;
 under pytest-xdist its worker then exits, so xdist reports that test as crashed and goes on in a
@@ -52,8 +53,6 @@ def pytest_report_header(config):
     return f"interpreter memcheck: {MEMCHECK}"
 
 
-# The Triton whose compiler output the ``compiler_output`` tests were made with.
-COMPILER_OUTPUT_TRITON = "3.9.0"
 REPORT_ENV = "COREATTN_TEST_REPORT"
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # set in pytest-xdist's workers
 _POISONED: dict = {}  # the test after which CUDA became unusable in this process
@@ -69,19 +68,21 @@ def triton_version() -> str:
 def pytest_configure(config):
     config.addinivalue_line("markers", "interpreter_only(reason): runs only under Triton's CPU interpreter; "
                                        "skipped on a GPU, with the reason")
-    config.addinivalue_line("markers", f"compiler_output: pins Triton {COMPILER_OUTPUT_TRITON}'s compiler output; "
+    config.addinivalue_line("markers", "compiler_output: pins the compiler output of the Triton releases CI tests; "
                                        "skipped under another Triton")
 
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a GPU (CUDA, or ROCm's PyTorch, whose AMD GPUs are cuda devices)")
+    from coreattn.kernels.versions import TESTED_TRITON  # after TRITON_INTERPRET is settled (above)
+
     version = triton_version()
-    skip_compiler = pytest.mark.skip(reason=f"pins Triton {COMPILER_OUTPUT_TRITON}'s compiler output; this is "
-                                            f"Triton {version} (tests/conftest.py COMPILER_OUTPUT_TRITON)")
+    skip_compiler = pytest.mark.skip(reason=f"pins the compiler output of Triton {', '.join(TESTED_TRITON)}; this "
+                                            f"is Triton {version} (coreattn/kernels/versions.py TESTED_TRITON)")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
-        if "compiler_output" in item.keywords and version != COMPILER_OUTPUT_TRITON:
+        if "compiler_output" in item.keywords and version not in TESTED_TRITON:
             item.add_marker(skip_compiler)
         only = item.get_closest_marker("interpreter_only")
         if only is not None and not INTERPRETED:

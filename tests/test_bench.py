@@ -367,3 +367,14 @@ def test_units_past_the_time_limit_are_skipped(tmp_path):
                      "--no-plots", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["results"]
     assert rows and all(r["status"] == "skipped" and "--time-limit" in r["reason"] for r in rows)
+
+
+def test_compile_report_tables_name_the_triton_that_compiled():
+    from bench.kernels import format_tables
+
+    row = dict(arch="sm90", triton="3.6.0", kernel="dq", problem="hdim256x256-bf16-causal", block_m=128, block_n=32,
+               dk=True, dv=True, num_warps=8, num_stages=2, regs=255, spill_stores=4, spill_loads=4, smem=196608,
+               smem_fits=True, mma={"wgmma": 68}, mma_dup=1, hash="a", ctas_per_sm=1, occupancy_limit="regs")
+    text = format_tables([row, dict(row, arch="sm80", triton="3.9.0", hash="b")])
+    assert "sm90 (compiled for capability 9.0 by Triton 3.6.0;" in text
+    assert "sm80 (compiled for capability 8.0 by Triton 3.9.0;" in text

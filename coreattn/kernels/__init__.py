@@ -12,7 +12,9 @@ side's tokens are laid out: packed, padded, spans, keep masks), ``masks.py`` (th
 utilities' gather/scatter and token-id kernels), ``dropout.py`` (dropout's keep mask: the
 Philox definition the kernels' ``tl.philox`` follows, in torch ops, and the RNG state),
 ``softmax_offset.py`` (the sink gradient's final reduction over the kernels' per-row sums),
-``npu.py`` (Ascend detection: triton-ascend's driver and core counts, torch_npu on first use).
+``npu.py`` (Ascend detection: triton-ascend's driver and core counts, torch_npu on first use),
+``versions.py`` (the Triton releases CI tests, the warning for an older one, and the check that
+Triton's interpreter can run the kernels).
 No autograd here: ``coreattn.layers`` wraps the launchers.
 
 May import: torch and triton only; nothing from ``coreattn.layers``, ``coreattn.adapters``,
@@ -24,6 +26,9 @@ import sys
 
 from coreattn.kernels.attn_bwd import varlen_attn_bwd
 from coreattn.kernels.attn_fwd import _varlen_attn_fwd_kernel, varlen_attn_fwd
+from coreattn.kernels.versions import warn_if_old_triton
+
+warn_if_old_triton()  # an upstream Triton older than the oldest CI tests: one UnsupportedTritonWarning
 
 
 def runs_in_interpreter() -> bool:

@@ -12,7 +12,9 @@ rows are the tile's long side and no warp computes another warp's rows.
 
 CUDA tables, as the compile report shows them (``python -m bench --what kernels``: static
 compiler output for each arch; bf16 and fp16, causal and not, MHA and GQA 4, fp32, and dropout,
-softmax offset and max logit at every head dim; tests/kernels/test_kernel_structure.py keeps the main ones):
+softmax offset and max logit at every head dim; tests/kernels/test_kernel_structure.py keeps the main ones).
+One table serves every Triton release CI tests (3.6.0, 3.7.1, 3.8.0, 3.9.0: kernels/versions.py),
+whose compilers differ (register allocation, spills): docs/compile-report.md has each one's figures.
 
 - Every CUDA launch sets ptxas's register ceiling to the register file (``maxnreg`` 255): left to
   itself ptxas often stopped at 48-168 registers and spilled.
@@ -20,13 +22,17 @@ softmax offset and max logit at every head dim; tests/kernels/test_kernel_struct
   softmax offset with the SINK_GRAD dQ, max logit) included, has 0 spill bytes, every tl.dot is a
   wgmma, no MMA layout is wider than its tile and num_stages >= 2. 8 warps (two warpgroups) per
   tile; registers bound occupancy to one block per SM, shared memory does not. At 256 the
-  forward's key step shrinks to 16 (128 x 16) and dK and dV take two passes (split_dkdv): also 0
-  spills, at the cost of narrow key steps and Q K^T recomputed once.
+  forward's and dQ's key steps shrink to 16 (128 x 16; dQ's 128 x 32 spilled 4 B under Triton 3.6.0
+  and 3.7.1, not 3.9.0) and dK and dV take two passes (split_dkdv): also 0 spills, at the cost of
+  narrow key steps and Q K^T recomputed once.
 - sm100: sm90's backward tiles (same 227 KB per block; tcgen05 MMAs); the forward steps over 32
-  keys at 128 and 192 (64 spilled there), and at 64 with dropout. No kernel spills, 256 included.
+  keys at 128 and 192 (64 spilled there), and at 64 with dropout; the dropout backward takes
+  narrower tiles (dQ 128 x 32 at 64 and 128, dK/dV 16 x 64 at 256: Triton 3.7.1 spilled the wider
+  ones). No kernel spills, 256 included.
 - sm80 (163 KB) and the 99 KB parts (sm86, sm89, sm120: the "sm86" table; sm120 takes smaller
   dropout tiles at 64 and 256) use mma.sync, whose accumulators stay in registers: 128-row tiles
-  take 8 warps (64), wider heads 4 warps and 16-64-row tiles. No kernel spills at any head dim.
+  take 8 warps (64), wider heads 4 warps and 16-64-row tiles (sm80's dK/dV at 64: 32 x 32, as
+  Triton 3.6.0 spilled 32 x 64). No kernel spills at any head dim.
   What is left at 256 on these archs is tile size, not correctness: 32 x 32 tiles and
   single-stage backward loops, about half the MMA work per loaded byte of a 64-row tile, because
   64 rows x 256 fp32 columns of accumulator are 128 registers per thread on top of the operands.
@@ -169,9 +175,15 @@ def target_of(device: torch.device) -> str:
     """The launch target for tensors on ``device``: "ascend" for npu tensors or when
     ``COREATTN_TRITON_TARGET=ascend`` (read at every call), else "interpreter", a CUDA family
     ("sm90", "sm80", ...) or, on ROCm's PyTorch (whose AMD GPUs are ``cuda`` devices), the CDNA arch
-    ("gfx942", ...)."""
+    ("gfx942", ...). Under the interpreter, the first call checks that it can run the kernels
+    (kernels/versions.py ``check_interpreter``: Triton 3.6's needs numpy<2.4)."""
     from coreattn.kernels import runs_in_interpreter
 
+    interpreted = runs_in_interpreter()
+    if interpreted:  # once per process: RuntimeError naming the fix where this interpreter cannot run them
+        from coreattn.kernels.versions import check_interpreter
+
+        check_interpreter()
     forced = os.environ.get(ENV_TRITON_TARGET, "").strip().lower()
     if forced:
         if forced != "ascend":
@@ -179,7 +191,7 @@ def target_of(device: torch.device) -> str:
         return "ascend"
     if device.type == "npu":
         return "ascend"
-    if runs_in_interpreter():
+    if interpreted:
         return "interpreter"
     if device.type == "cuda":
         if torch.version.hip:  # ROCm: the capability (9, 4 on an MI300X) says nothing about CUDA archs
@@ -272,11 +284,15 @@ _FWD = {
 }
 _DKDV = {
     "sm90": ((64, _C(32, 128, 8, 3)), (128, _C(16, 128, 8, 2)), (192, _C(16, 128, 8, 3)), (256, _C(16, 128, 8, 2))),
-    "sm80": ((64, _C(32, 64, 4, 2)), (128, _C(32, 32, 4, 2)), (256, _C(32, 32, 4, 1))),
+    # sm80 at 64: 32 keys, as at 128 (32 x 64 took 255 registers and spilled in fp16 GQA under Triton 3.6.0, 8 B of
+    # spill stores and 4 B of loads;
+    # 32 x 32: 128-208 registers, none, under 3.6.0 to 3.9.0)
+    "sm80": ((64, _C(32, 32, 4, 2)), (128, _C(32, 32, 4, 2)), (256, _C(32, 32, 4, 1))),
     "sm86": ((64, _C(32, 64, 4, 2)), (128, _C(32, 32, 4, 2)), (256, _C(32, 32, 4, 1))),
 }
 _DQ = {
-    "sm90": ((64, _C(128, 64, 8, 2)), (128, _C(128, 64, 8, 2)), (192, _C(128, 32, 8, 2)), (256, _C(128, 32, 8, 2))),
+    # at 256 the key step is 16, as in the forward: 128 x 32 (255 registers) spilled 4 B under Triton 3.6.0 and 3.7.1
+    "sm90": ((64, _C(128, 64, 8, 2)), (128, _C(128, 64, 8, 2)), (192, _C(128, 32, 8, 2)), (256, _C(128, 16, 8, 2))),
     "sm80": ((64, _C(64, 32, 4, 2)), (128, _C(64, 32, 4, 2)), (256, _C(32, 32, 4, 1))),
     "sm86": ((64, _C(32, 64, 4, 2)), (128, _C(64, 32, 4, 2)), (192, _C(16, 32, 4, 1)), (256, _C(32, 32, 4, 1))),
 }
@@ -288,7 +304,11 @@ _DQ_DROPOUT = {"sm90": (), "sm80": (), "sm86": ()}
 # 192 ran out of registers there (255, 24-84 B spilled; with dropout at 64 too): 32-key steps.
 _FWD["sm100"] = ((64, _C(128, 64, 8, 3)), (128, _C(128, 32, 8, 3)), (192, _C(128, 32, 8, 2)), (256, _C(128, 16, 8, 2)))
 _FWD_DROPOUT["sm100"] = ((64, _C(128, 32, 8, 3)),)
-_DQ_DROPOUT["sm100"] = ((64, _C(128, 32, 8, 2)),)
+# and sm100's dropout backward under Triton 3.7.1: dQ at 128 on 128 x 64 (255 registers) spilled 20 B stored, 44 B
+# loaded, and the dK pass at 256 on 16 x 128 20 B each way; 128 x 32 and 16 x 64 on 8 warps compile spill-free
+# under 3.6.0, 3.7.1, 3.8.0 and 3.9.0 (dQ 153-187 registers, dK 177-243)
+_DQ_DROPOUT["sm100"] = ((64, _C(128, 32, 8, 2)), (128, _C(128, 32, 8, 2)))
+_DKDV_DROPOUT = {"sm100": ((256, _C(16, 64, 8, 2)),)}
 for _table in (_DKDV, _DQ):
     _table["sm100"] = _table["sm90"]
 for _table in (_FWD, _DKDV, _DQ, _FWD_DROPOUT, _DQ_DROPOUT):
@@ -364,14 +384,16 @@ def shipped_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem
     ``block_dqk`` the q/k blocks' total width (192 for 128 + 64), ``elem`` bytes per input element
     (2 for fp16/bf16, 4 for fp32), ``dropout`` the dropout kernels."""
     if kernel == "preprocess":  # the dQ tile's rows and warps: 4 warps on 128 x 256 rows of out and dO would spill
+        # and its register ceiling: left to itself, Triton 3.7.1's ptxas gave sm80's (64 and 32 rows, 4 warps) 48
+        # registers and spilled 8 B
         dq = shipped_config(target, "dq", block_dqk, block_dv, elem, dropout)
-        return AttnConfig(dq.block_m, 0, dq.num_warps, None, fp_fusion=dq.fp_fusion)
+        return AttnConfig(dq.block_m, 0, dq.num_warps, None, maxnreg=dq.maxnreg, fp_fusion=dq.fp_fusion)
     if target == "ascend":
         step = fwd_step_bytes if kernel == "fwd" else bwd_step_bytes
         return _ascend_blocks(step, block_dqk, block_dv, elem)
     if target == "interpreter":
         return _INTERPRETER
-    table, override = {"fwd": (_FWD, _FWD_DROPOUT), "dkdv": (_DKDV, None), "dq": (_DQ, _DQ_DROPOUT)}[kernel]
+    table, override = {"fwd": (_FWD, _FWD_DROPOUT), "dkdv": (_DKDV, _DKDV_DROPOUT), "dq": (_DQ, _DQ_DROPOUT)}[kernel]
     return _cuda_config(table, target, block_dqk, block_dv, elem, override if dropout else None)
 
 
@@ -483,7 +505,7 @@ def candidates(target: str, kernel: str, block_dqk: int, block_dv: int, elem: in
     shipped = shipped_config(target, kernel, block_dqk, block_dv, elem, dropout)
     if elem == 4 or target not in _SPACES:
         return [shipped]
-    opts = dict(maxnreg=None if kernel == "preprocess" else MAXNREG, fp_fusion=FP_FUSION)
+    opts = dict(maxnreg=MAXNREG, fp_fusion=FP_FUSION)
     tiles = [shipped] + [AttnConfig(*tile, **opts) for tile in _width_entry(_SPACES[target][kernel],
                                                                             max(block_dqk, block_dv))]
     out = []

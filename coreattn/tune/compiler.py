@@ -371,11 +371,15 @@ def pipeline_hazards(ttgir: str) -> dict:
 
 
 def describe(launch: dict, arch: str) -> dict:
+    """One row of static compiler figures for a compiled launch; ``triton`` names the release that
+    compiled it (its figures differ by release: kernels/versions.py)."""
+    import triton
+
     kernel = launch["kernel"]
     md = kernel.metadata
     ttgir = kernel.asm["ttgir"]
     constants = launch["constants"]
-    row = dict(arch=arch, kernel=KERNEL_NAMES.get(launch["fn"], launch["fn"]),
+    row = dict(arch=arch, triton=triton.__version__, kernel=KERNEL_NAMES.get(launch["fn"], launch["fn"]),
                block_m=constants.get("BLOCK_M"), block_n=constants.get("BLOCK_N"),
                dk=constants.get("DK", True), dv=constants.get("DV", True),
                num_warps=md.num_warps, num_stages=md.num_stages, smem=md.shared, **pipeline_hazards(ttgir))

@@ -123,6 +123,54 @@ def test_file_for_another_gpu_or_triton_is_ignored_with_one_warning(cache, tmp_p
     assert hit is None and len(caught) == 1 and "NVIDIA A100-SXM4-80GB" in caught[0]
 
 
+@pytest.fixture
+def real_versions(tmp_path, monkeypatch):
+    """A faked H100 whose device key takes this process's real Triton and coreattn versions
+    (``tuned_cache.versions()``, as on a GPU); an empty user cache directory and no shipped files."""
+    user, shipped = tmp_path / "user", tmp_path / "shipped"
+    user.mkdir()
+    shipped.mkdir()
+    monkeypatch.setenv(tuned_cache.ENV_CACHE, str(user))
+    monkeypatch.setattr(tuned_cache, "PACKAGE_DIR", shipped)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: KEY.gpu)
+    tuned_cache._device_key.cache_clear()
+    tuned_cache.reload()
+    yield user, shipped
+    tuned_cache._device_key.cache_clear()
+    tuned_cache.reload()
+
+
+def test_file_from_another_triton_is_ignored_with_one_warning_under_this_triton(real_versions, tmp_path, monkeypatch):
+    import triton
+
+    from coreattn.kernels.versions import TESTED_TRITON
+
+    user, shipped = real_versions
+    key = tuned_cache.device_key(CUDA)
+    assert key.triton == triton.__version__ and key.gpu == KEY.gpu
+    other = next(v for v in (*TESTED_TRITON, "3.5.0") if v != triton.__version__)  # another release users have
+    # the cache directory: this GPU's file from the other Triton is stale, named once, never used
+    stale = _write(user / tuned_cache.file_name(key._replace(triton=other)), key=key._replace(triton=other))
+    _write(shipped / "h100-other-triton.json", key=key._replace(triton=other))  # a package file: skipped silently
+    hits, caught = _warnings(lambda: [tuned_cache.lookup(CUDA, "fwd", CLS) for _ in range(3)])
+    assert hits == [None] * 3
+    assert len(caught) == 1 and str(stale) in caught[0] and f"triton {triton.__version__}" in caught[0]
+    # this Triton's own file beside it is used; the stale one is still not
+    _write(user / tuned_cache.file_name(key), key=key)
+    hit, caught = _warnings(lambda: tuned_cache.lookup(CUDA, "fwd", CLS))
+    assert hit.config == TUNED and hit.path == user / tuned_cache.file_name(key)
+    assert len(caught) == 1 and str(stale) in caught[0]  # named again: the write above reloaded the files
+    # a file named by COREATTN_TUNE_CACHE, made under the other Triton: one warning naming both versions
+    path = _write(tmp_path / "theirs.json", key=key._replace(triton=other))
+    monkeypatch.setenv(tuned_cache.ENV_CACHE, str(path))
+    tuned_cache.reload()
+    hits, caught = _warnings(lambda: [tuned_cache.lookup(CUDA, kernel, CLS) for kernel in ("fwd", "dq", "fwd")])
+    assert hits == [None] * 3
+    assert len(caught) == 1 and str(path) in caught[0]
+    assert f"triton {other}" in caught[0] and f"triton {triton.__version__}" in caught[0]
+
+
 def test_stale_file_of_this_gpu_in_the_cache_directory_is_named(cache):
     user, _ = cache
     stale = _write(user / tuned_cache.file_name(KEY._replace(coreattn="0.0.9")), key=KEY._replace(coreattn="0.0.9"))
@@ -212,7 +260,8 @@ def test_forced_configs_that_fail_propagate(cache):
 
 def test_launch_options_set_fp_fusion_on_cuda_only():
     assert config.shipped_config("sm90", "fwd", 128, 128).launch()["enable_fp_fusion"] is True
-    assert config.shipped_config("sm90", "preprocess", 128, 128).launch() == dict(num_warps=8, enable_fp_fusion=True)
+    assert config.shipped_config("sm90", "preprocess", 128, 128).launch() == dict(num_warps=8, maxnreg=255,
+                                                                                enable_fp_fusion=True)
     assert "enable_fp_fusion" not in config.shipped_config("ascend", "fwd", 128, 128).launch()
     assert "enable_fp_fusion" not in config.shipped_config("interpreter", "dq", 128, 128).launch()
 

@@ -2,7 +2,12 @@
 (head dim 64; on sm80 the forward's first two candidates, on sm90 the dK/dV kernel's shipped config
 and its TMA variant, on sm100 the forward's shipped config, its TMA and its warp-specialized TMA
 variants), about a minute of compiling on one core. The full dry run is the command itself:
-``python -m coreattn.tune --dry-run --arch sm90 --json f.json``."""
+``python -m coreattn.tune --dry-run --arch sm90 --json f.json``.
+
+Which Triton: every candidate here compiles under Triton 3.9.0; under 3.7.1 (the main CI lane's)
+sm100's warp-specialized TMA forward fails in Triton's pass manager ("PassManager::run failed"),
+which the dry run records as that row's error (the tuner drops such a candidate). 3.6.0 and 3.8.0
+were not checked here."""
 
 import json
 import os
@@ -11,9 +16,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import triton
+
+from coreattn.kernels.versions import release
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBSET = {"sm80": ("fwd", 2), "sm90": ("dkdv", 2), "sm100": ("fwd", 3)}
+WS_COMPILES = release(triton.__version__) >= (3, 9)  # sm100's warp-specialized TMA loop (see above)
 FIELDS = {"arch": str, "kernel": str, "dim_qk": int, "dim_v": int, "dtype": str, "config": dict, "regs": int,
           "spill_stores": int, "spill_loads": int, "smem": int, "smem_fits": bool, "mma": dict,
           "warp_specialize": bool, "tma": bool, "shipped": bool, "timed": bool}
@@ -48,9 +57,12 @@ def rows(tmp_path_factory):
 def test_rows_follow_the_schema(rows):
     assert len(rows) == sum(limit for _, limit in SUBSET.values())
     for r in rows:
+        if r["error"] is not None:  # a candidate that failed to compile: never timed, no figures
+            assert not WS_COMPILES and (r["arch"], r["warp_specialize"]) == ("sm100", True), r
+            assert not r["timed"] and r["regs"] is None and r["error"].startswith("RuntimeError"), r
+            continue
         for name, kind in FIELDS.items():
             assert isinstance(r[name], kind), (name, r)
-        assert r["error"] is None, r
         assert r["timed"] == (r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["smem_fits"])
         assert r["config"]["tma"] == r["tma"] and r["config"]["warp_specialize"] == r["warp_specialize"]
 
@@ -69,4 +81,8 @@ def test_variants_compile_as_asked(rows):
     assert tma90["tma_loads"] > 0 and set(tma90["mma"]) == {"wgmma"} and tma90["timed"]
     assert by[("sm90", False, False)]["tma_loads"] == 0
     assert by[("sm100", True, False)]["tma_loads"] > 0 and set(by[("sm100", True, False)]["mma"]) == {"tcgen05"}
-    assert by[("sm100", True, True)]["ws_regions"] > 0  # Triton 3.9 warp-specializes the TMA loops on sm100
+    ws = by[("sm100", True, True)]
+    if WS_COMPILES:
+        assert ws["error"] is None and ws["ws_regions"] > 0  # Triton 3.9 warp-specializes the TMA loops on sm100
+    else:
+        assert "PassManager::run failed" in ws["error"], ws  # Triton 3.7.1
