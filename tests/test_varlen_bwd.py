@@ -117,14 +117,30 @@ def test_malformed_cu_seqlens_give_nan_gradients_on_device_path(cu_vals):
 
 
 @pytest.mark.parametrize("lens_q, lens_k", [((0, 0), (3, 5)), ((4, 2), (0, 0))], ids=["no-queries", "no-keys"])
-def test_a_side_without_tokens(lens_q, lens_k):
-    """T = 0 on one side: zero outputs and gradients. (The kernels do not enter a loop over a side whose
-    sequence is empty: a pipelined prologue would issue loads there even though the loop runs zero
-    times, and an empty sequence has no row to clamp their addresses to; kernels/attn_common.py.)"""
+def test_a_side_without_tokens(monkeypatch, lens_q, lens_k):
+    """T = 0 on one side: zero outputs and gradients, and no kernel is handed a tensor without rows: a
+    loop over an empty sequence addresses row 0 of its sample, and a pipelined load is issued even by a
+    loop that runs zero times (which the interpreter never runs), so that row must exist
+    (kernels/packing.stand_in)."""
+    from coreattn.kernels.attn_fwd import _varlen_attn_fwd_kernel
+
     case = Case(dqk=24, dv=16, hq=4, hkv=2, causal=True, lens_q=lens_q, lens_k=lens_k)
     q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(case, torch.float32, KERNEL_DEVICE, requires_grad=True)
+    empty_args = []
+    kernel_type = type(_varlen_attn_fwd_kernel)  # JITFunction, or the interpreter's InterpretedFunction
+    real_run = kernel_type.run
+
+    def run(self, *args, **kwargs):
+        empty_args.extend(f"{self.__name__}:{name}" for name, a in kwargs.items()
+                          if isinstance(a, torch.Tensor) and a.numel() == 0)
+        empty_args.extend(f"{self.__name__}:#{i}" for i, a in enumerate(args)
+                          if isinstance(a, torch.Tensor) and a.numel() == 0)
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_type, "run", run)
     out = coreattn.varlen_attn(q, k, v, cu_q, cu_k, max(max_q, 1), max(max_k, 1), causal=True, backend="triton")
     out.sum().backward()
+    assert not empty_args, empty_args
     assert out.shape == (q.shape[0], case.hq, case.dv) and not out.any()
     for leaf in (q, k, v):
         assert leaf.grad is not None and leaf.grad.shape == leaf.shape and not leaf.grad.any()

@@ -21,15 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import (LENGTH_STRIDES, _cols, _dropout_keep, _first_gid, _key_range, _load_keep,
-                                          _load_rows, _poison, _query_range, _store_rows, _tile_visible, _visible)
+from coreattn.kernels.attn_common import (LENGTH_STRIDES, _cols, _dropout_keep, _first_gid, _first_row, _key_range,
+                                          _load_keep, _load_rows, _poison, _query_range, _store_rows, _tile_visible,
+                                          _visible)
 from coreattn.kernels.attn_fwd import (LOG2E, RUNTIME_INTS, dot_precision, dropout_args, kernel_window, launch_grid,
                                        mask_flags)
 from coreattn.kernels.config import (bwd_configs, head_blocks, loop_flags, preprocess_config, split_dkdv, target_of,
                                      tuned_fallback)
 from coreattn.kernels.descriptors import row_descriptor, row_descriptors, usable
 from coreattn.kernels.packing import (Packing, keep_args, new_like, new_rowstat, rowstat_strides, seq_len_dim,
-                                      seq_strides)
+                                      seq_strides, side_stand_ins, stand_in)
 from coreattn.kernels.tile_map import _tile_rows, _tile_seq, tile_bound, tile_maps
 from coreattn.kernels.tuned_cache import launch_class
 
@@ -223,12 +224,13 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
             shift = seqlen_q * 0
             if BOTTOM_RIGHT:
                 shift = seqlen_k - seqlen_q
-            q_seq = q_ptr + seq64 * stride_qb + q_start.to(tl.int64) * stride_qt
-            do_seq = do_ptr + seq64 * stride_dob + q_start.to(tl.int64) * stride_dot
-            stat_seq = seq64 * stride_lb + q_start.to(tl.int64)
+            q_row = _first_row(q_start, seqlen_q).to(tl.int64)  # the query loops' rows count from here
+            q_seq = q_ptr + seq64 * stride_qb + q_row * stride_qt
+            do_seq = do_ptr + seq64 * stride_dob + q_row * stride_dot
+            stat_seq = seq64 * stride_lb + q_row
             k_base = k_ptr + seq64 * stride_kb + k_start.to(tl.int64) * stride_kt + kv64 * stride_kh
             v_base = v_ptr + seq64 * stride_vb + k_start.to(tl.int64) * stride_vt + kv64 * stride_vh
-            q_keep_base = q_keep_ptr + seq64 * stride_qkb + q_start.to(tl.int64) * stride_qks
+            q_keep_base = q_keep_ptr + seq64 * stride_qkb + q_row * stride_qks
             k_keep_base = k_keep_ptr + seq64 * stride_kkb + k_start.to(tl.int64) * stride_kks
             cols = n0 + tl.arange(0, BLOCK_N)
             col_ok = cols < seqlen_k
@@ -259,31 +261,30 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
                                                     BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP or HAS_K_KEEP)
             if TMA:  # the partial last query block into the masked tail, which zeroes its rows past seqlen_q
                 full_hi = tl.minimum(full_hi, tl.maximum(seqlen_q // BLOCK_M * BLOCK_M, full_lo))
-            if seqlen_q > 0:  # no query, no row to clamp the loops' addresses to (attn_common)
-                dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
-                                            delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
-                                            stride_doh, stride_lh, stride_qks, cols, lo, full_lo, kv_head * group,
-                                            group, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
-                                            seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
-                                            q_desc, q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
-                                            BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
-                                            DROPOUT, DK, DV, True, DOT_PRECISION, TMA, WARP_SPEC)
-                dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
-                                            delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
-                                            stride_doh, stride_lh, stride_qks, cols, full_lo, full_hi, kv_head * group,
-                                            group, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
-                                            seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
-                                            q_desc, q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
-                                            BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
-                                            DROPOUT, DK, DV, False, DOT_PRECISION, TMA, WARP_SPEC)
-                dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
-                                            delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
-                                            stride_doh, stride_lh, stride_qks, cols, full_hi, hi, kv_head * group,
-                                            group, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
-                                            seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
-                                            q_desc, q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
-                                            BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
-                                            DROPOUT, DK, DV, True, DOT_PRECISION, TMA, WARP_SPEC)
+            dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
+                                        delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
+                                        stride_doh, stride_lh, stride_qks, cols, lo, full_lo, kv_head * group,
+                                        group, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+                                        seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
+                                        q_desc, q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
+                                        BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
+                                        DROPOUT, DK, DV, True, DOT_PRECISION, TMA, WARP_SPEC)
+            dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
+                                        delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
+                                        stride_doh, stride_lh, stride_qks, cols, full_lo, full_hi, kv_head * group,
+                                        group, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+                                        seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
+                                        q_desc, q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
+                                        BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
+                                        DROPOUT, DK, DV, False, DOT_PRECISION, TMA, WARP_SPEC)
+            dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
+                                        delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
+                                        stride_doh, stride_lh, stride_qks, cols, full_hi, hi, kv_head * group,
+                                        group, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
+                                        seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
+                                        q_desc, q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
+                                        BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
+                                        DROPOUT, DK, DV, True, DOT_PRECISION, TMA, WARP_SPEC)
             # the head offsets are added here and the rows counted from the sample's start, so no
             # more than one row index stays live over the loops (sm90 192/128 is at 254 registers)
             dk_base = dk_ptr + kv64 * stride_dkh
@@ -467,11 +468,12 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
             kv64 = (head // group).to(tl.int64)
             q_base = q_ptr + seq64 * stride_qb + q_start.to(tl.int64) * stride_qt + h64 * stride_qh
             do_base = do_ptr + seq64 * stride_dob + q_start.to(tl.int64) * stride_dot + h64 * stride_doh
-            k_base = k_ptr + seq64 * stride_kb + k_start.to(tl.int64) * stride_kt + kv64 * stride_kh
-            v_base = v_ptr + seq64 * stride_vb + k_start.to(tl.int64) * stride_vt + kv64 * stride_vh
+            k_row = _first_row(k_start, seqlen_k).to(tl.int64)  # the key loops' rows count from here
+            k_base = k_ptr + seq64 * stride_kb + k_row * stride_kt + kv64 * stride_kh
+            v_base = v_ptr + seq64 * stride_vb + k_row * stride_vt + kv64 * stride_vh
             stat = seq64 * stride_lb + h64 * stride_lh + q_start.to(tl.int64)
             q_keep_base = q_keep_ptr + seq64 * stride_qkb + q_start.to(tl.int64) * stride_qks
-            k_keep_base = k_keep_ptr + seq64 * stride_kkb + k_start.to(tl.int64) * stride_kks
+            k_keep_base = k_keep_ptr + seq64 * stride_kkb + k_row * stride_kks
             rows = m0 + tl.arange(0, BLOCK_M)
             row_ok = rows < seqlen_q
             q, q2 = _load_rows(q_base, stride_qt, m0, row_ok, seqlen_q - 1, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2,
@@ -504,31 +506,30 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
             if TMA:
                 k_col = (kv64 * stride_kh).to(tl.int32)
                 v_col = (kv64 * stride_vh).to(tl.int32)
-            if seqlen_k > 0:  # no key, no row to clamp the loops' addresses to (attn_common)
-                dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
-                                                    k_keep_base, stride_kt, stride_vt, stride_kks, rows, lo, full_lo,
-                                                    seqlen_q, seqlen_k, shift, window_left, window_right,
-                                                    sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
-                                                    drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_start, k_col,
-                                                    v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
-                                                    BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT,
-                                                    SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC)
-                dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
-                                                    k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_lo,
-                                                    full_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
-                                                    sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
-                                                    drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_start, k_col,
-                                                    v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
-                                                    BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT,
-                                                    SINK_GRAD, False, DOT_PRECISION, TMA, WARP_SPEC)
-                dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
-                                                    k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_hi, hi,
-                                                    seqlen_q, seqlen_k, shift, window_left, window_right,
-                                                    sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
-                                                    drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_start, k_col,
-                                                    v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
-                                                    BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT,
-                                                    SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC)
+            dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
+                                                k_keep_base, stride_kt, stride_vt, stride_kks, rows, lo, full_lo,
+                                                seqlen_q, seqlen_k, shift, window_left, window_right,
+                                                sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
+                                                drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_start, k_col,
+                                                v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
+                                                BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT,
+                                                SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC)
+            dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
+                                                k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_lo,
+                                                full_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
+                                                sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
+                                                drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_start, k_col,
+                                                v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
+                                                BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT,
+                                                SINK_GRAD, False, DOT_PRECISION, TMA, WARP_SPEC)
+            dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
+                                                k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_hi, hi,
+                                                seqlen_q, seqlen_k, shift, window_left, window_right,
+                                                sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
+                                                drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_start, k_col,
+                                                v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
+                                                BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT,
+                                                SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC)
             dq_base = dq_head + seq64 * stride_dqb + q_start.to(tl.int64) * stride_dqt
             _store_rows(dq_base, stride_dqt, m0, row_ok, seqlen_q - 1, dq * sm_scale, dq2 * sm_scale, HEAD_DIM_QK,
                         BLOCK_DQK, BLOCK_DQK2, BLOCK_M)
@@ -637,6 +638,11 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
             *seq_strides(dout, q_pack.fmt), *rowstat_strides(delta, q_pack),
             HEAD_DIM_V=dim_v, BLOCK_DV=block_dv, BLOCK_M=cfg_pre.block_m, PERSISTENT=persistent, **cfg_pre.launch(),
         )
+    has_q, has_k = q.numel() > 0, k.numel() > 0
+    # a side without any token still gets a row 0 for the other kernel's loops to address (packing.stand_in)
+    q_pack, q, dout = side_stand_ins(q_pack, q, dout)
+    k_pack, k, v = side_stand_ins(k_pack, k, v)
+    lse, delta = stand_in(lse, -1), stand_in(delta, -1)
     common = dict(batch=batch, seqlen_q_total=seqlen_q_total, seqlen_k_total=seqlen_k_total,
                   group=heads_q // heads_kv, sm_scale=softmax_scale, sm_scale_log2=softmax_scale * LOG2E,
                   window_left=window_left, window_right=window_right,
@@ -654,7 +660,7 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                   **mask_flags(window_left, window_right, bottom_right, q_pack, k_pack))
     n_tiles_k = tile_bound(batch, seqlen_k_total, cfg_dkdv.block_n, k_pack.fmt == "thd")
     n_tiles_q = tile_bound(batch, seqlen_q_total, cfg_dq.block_m, q_pack.fmt == "thd")
-    run_dkdv, run_dq = k.numel() > 0 and n_tiles_k > 0, q.numel() > 0 and n_tiles_q > 0
+    run_dkdv, run_dq = has_k and n_tiles_k > 0, has_q and n_tiles_q > 0
     if run_dkdv or run_dq:  # one layout check for both kernels, a map for each
         dq_map, dkdv_map = tile_maps(q_pack, k_pack, seqlen_q_total, seqlen_k_total, target,
                                      q_tiles=(cfg_dq.block_m, n_tiles_q) if run_dq else None,

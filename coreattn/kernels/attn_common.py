@@ -8,10 +8,11 @@ Triton's software pipeliner issues a loop's loads ahead of time (cp.async on NVI
 first iterations before it knows whether the loop runs at all, and for iterations past its last;
 the load's mask turns the value off, but a masked-off asynchronous copy whose address is wild
 still faults on the GPU (an H100 did, 2026-11-27). So every row index is clamped to the last row
-of its sequence before the pointer is formed (``last_row``), columns past a padded head dim wrap
-into the row (``_cols``), and the mask keeps the values right; a loop over a side whose sequence
-is empty (no last row) is not entered at all (an ``if`` around it: a pipelined prologue inside a
-branch not taken never runs). No address depends on a division by a value that can be zero.
+of its sequence before the pointer is formed (``last_row``; an empty sequence's loops address row
+0 of the sample: ``_first_row``), columns past a padded head dim wrap into the row (``_cols``),
+and the mask keeps the values right. No address depends on a division by a value that can be
+zero. (An ``if seqlen > 0`` around the loops would skip an empty sequence's prologue too, but the
+ptxas of Triton 3.6 to 3.8 crashed on such branches around the pipelined wgmma loops of sm90.)
 """
 
 import triton
@@ -44,6 +45,16 @@ def _visible(q_idx, k_idx, seqlen_k, shift, window_left, window_right,
 
 
 @triton.jit
+def _first_row(start, seqlen):
+    """The row a loop over one side's sequence counts its row indices from. Each index is clamped to
+    ``seqlen - 1`` before an address is formed; an empty sequence (whose start may be one past the
+    tensor's last row) clamps every index to -1, and counted from row 1 that is row 0 of the sample,
+    which every tensor the kernels get has (kernels/packing.py ``stand_in``): its loops run zero
+    times, but a pipelined prologue still issues their first loads."""
+    return tl.where(seqlen > 0, start, 1)
+
+
+@triton.jit
 def _cols(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Column indices of a block that may pass the real head dim: those past it wrap into the row
     (masked off by the caller), so the address stays in the tensor; a constant modulus keeps the
@@ -55,7 +66,8 @@ def _cols(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def _load_keep(keep_base, stride_s, idx, length):
-    """Keep-mask entries (uint8 -> bool) at sequence positions idx (only under HAS_*_KEEP; length >= 1)."""
+    """Keep-mask entries (uint8 -> bool) at sequence positions idx (only under HAS_*_KEEP), read at
+    positions clamped to the last (``_first_row``)."""
     return tl.load(keep_base + tl.minimum(idx, length - 1) * stride_s, mask=idx < length, other=0) != 0
 
 

@@ -21,13 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import (LENGTH_STRIDES, _cols, _dropout_keep, _first_gid, _key_range, _load_keep,
-                                          _load_rows, _poison, _tile_visible)
+from coreattn.kernels.attn_common import (LENGTH_STRIDES, _cols, _dropout_keep, _first_gid, _first_row, _key_range,
+                                          _load_keep, _load_rows, _poison, _tile_visible)
 from coreattn.kernels.config import (CDNA_TARGETS, fwd_config, head_blocks, loop_flags, persistent_grid, target_of,
                                      tuned_fallback)
 from coreattn.kernels.descriptors import row_descriptor, row_descriptors, usable
 from coreattn.kernels.packing import (Packing, keep_args, kernel_flags, new_like, new_rowstat, rowstat_strides, seq_len_dim,
-                                      seq_strides)
+                                      seq_strides, side_stand_ins)
 from coreattn.kernels.tile_map import _tile_rows, _tile_seq, tile_bound, tile_maps
 from coreattn.kernels.tuned_cache import launch_class
 
@@ -182,10 +182,11 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
                 shift = seqlen_k - seqlen_q
             kv_head = (head // group).to(tl.int64)
             q_base = q_ptr + seq64 * stride_qb + q_start.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
-            k_base = k_ptr + seq64 * stride_kb + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
-            v_base = v_ptr + seq64 * stride_vb + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+            k_row = _first_row(k_start, seqlen_k).to(tl.int64)  # the key loops' rows count from here
+            k_base = k_ptr + seq64 * stride_kb + k_row * stride_kt + kv_head * stride_kh
+            v_base = v_ptr + seq64 * stride_vb + k_row * stride_vt + kv_head * stride_vh
             q_keep_base = q_keep_ptr + seq64 * stride_qkb + q_start.to(tl.int64) * stride_qks
-            k_keep_base = k_keep_ptr + seq64 * stride_kkb + k_start.to(tl.int64) * stride_kks
+            k_keep_base = k_keep_ptr + seq64 * stride_kkb + k_row * stride_kks
 
             offs_m = tl.arange(0, BLOCK_M)
             offs_dv = tl.arange(0, BLOCK_DV)
@@ -218,28 +219,27 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
             if TMA:
                 k_col = (kv_head * stride_kh).to(tl.int32)
                 v_col = (kv_head * stride_vh).to(tl.int32)
-            if seqlen_k > 0:  # no key, no row to clamp the loops' addresses to (attn_common)
-                acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                                              stride_vt, stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift,
-                                              window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
-                                              q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
-                                              v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                                              HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION,
-                                              TMA, WARP_SPEC)
-                acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                                              stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift,
-                                              window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
-                                              q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
-                                              v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                                              HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, False,
-                                              DOT_PRECISION, TMA, WARP_SPEC)
-                acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                                              stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift,
-                                              window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
-                                              q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
-                                              v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                                              HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION,
-                                              TMA, WARP_SPEC)
+            acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
+                                          stride_vt, stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift,
+                                          window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
+                                          q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
+                                          v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
+                                          HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION,
+                                          TMA, WARP_SPEC)
+            acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
+                                          stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift,
+                                          window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
+                                          q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
+                                          v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
+                                          HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, False,
+                                          DOT_PRECISION, TMA, WARP_SPEC)
+            acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
+                                          stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift,
+                                          window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
+                                          q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
+                                          v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
+                                          HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION,
+                                          TMA, WARP_SPEC)
             if RETURN_MAX:  # the largest visible scaled logit of this tile (before the sink joins the max)
                 tl.store(max_ptr + head.to(tl.int64) * n_tiles + tile,
                          tl.max(tl.where(row_ok, m_i, float("-inf")), 0) * 0.6931471805599453)
@@ -405,6 +405,7 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
     if q.numel() > 0 and batch > 0 and n_tiles > 0:
         limit = max(seqlen_q_total, seqlen_k_total)
         window_left, window_right = kernel_window(window_left, limit), kernel_window(window_right, limit)
+        k_pack, k, v = side_stand_ins(k_pack, k, v)  # no key at all: still a row 0 (packing.stand_in)
         tile_map, _ = tile_maps(q_pack, k_pack, seqlen_q_total, seqlen_k_total, target,
                                 q_tiles=(cfg.block_m, n_tiles))
         grid, persistent = launch_grid(q.device, target, n_tiles, heads_q)

@@ -90,6 +90,27 @@ def rowstat_strides(stat: torch.Tensor, pack: Packing) -> tuple[int, int]:
     return stat.stride(0), stat.stride(1)
 
 
+def stand_in(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x, or where its dim ``dim`` is empty (a side without tokens: T = 0, or S = 0 padded), zeros
+    with one entry there. The kernels' loops over an empty sequence address row 0 of its sample
+    (kernels/attn_common.py ``_first_row``): they run zero times, but a pipelined load may be issued
+    anyway, so that row must exist. Its values are never used (every lane is masked off) and the
+    lengths the kernels get stay the real ones."""
+    if x.shape[dim] > 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = 1
+    return x.new_zeros(shape)
+
+
+def side_stand_ins(pack: Packing, *tensors: torch.Tensor) -> tuple:
+    """(pack, *tensors) of one side (q/k/v-like tensors in ``pack.fmt``), each through ``stand_in``
+    on its token dim, the keep mask ``[B, S]`` too."""
+    dim = 1 if pack.fmt == "bshd" else 0
+    keep = stand_in(pack.keep, 1) if pack.keep is not None else None
+    return (pack._replace(keep=keep), *(stand_in(x, dim) for x in tensors))
+
+
 def keep_args(pack: Packing) -> tuple[torch.Tensor, int, int]:
     """(pointer, stride_b, stride_s) for the kernels; a dummy pointer when there is no mask."""
     if pack.keep is None:
