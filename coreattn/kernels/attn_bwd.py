@@ -167,18 +167,19 @@ def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_s
                   HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
     """Query blocks [m_lo, m_hi) of each q head head0 .. head0 + group - 1 (GQA), as one flat loop
-    (head-major), so no loop nests around the pipelined steps; WARP_SPEC as in the forward's
-    _fwd_kv_steps. The step's head and block come from a division by the block count, clamped to
-    at least 1: the pipeliner computes iteration 0's addresses even when the range is empty (an
-    H100 faulted on 0 // 0 here), and the head is clamped into the group for the iterations it
-    loads past the last."""
+    (block-major: the group's heads of a block one after the other), so no loop nests around the
+    pipelined steps; WARP_SPEC as in the forward's _fwd_kv_steps. A step's head is ``step % group``,
+    inside the group for any step, and its block ``step // group``: the only divisor is the group
+    size, a kernel argument of at least 1. (23b22de divided by the block count instead, head-major,
+    which is 0 for an empty range: the pipeliner computes iteration 0's addresses even when the loop
+    runs zero times, and an H100 faulted on 0 // 0 there.) A block past the range, which the
+    pipeliner prefetches past the last step, has its rows clamped like any other."""
     offs_m = tl.arange(0, BLOCK_M)
     n_blocks = tl.cdiv(m_hi - m_lo, BLOCK_M)
-    per_head = tl.maximum(n_blocks, 1)
     if WARP_SPEC:
         for step in tl.range(0, n_blocks * group, warp_specialize=True):
             dk, dk2, dv = _dkdv_q_step(
-                dk, dk2, dv, head0 + tl.minimum(step // per_head, group - 1), m_lo + (step % per_head) * BLOCK_M,
+                dk, dk2, dv, head0 + step % group, m_lo + (step // group) * BLOCK_M,
                 offs_m, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_seq, q_keep_base, stride_qt, stride_qh,
                 stride_dot, stride_doh, stride_lh, stride_qks, cols, seqlen_q, seqlen_k, shift, window_left,
                 window_right, sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
@@ -187,7 +188,7 @@ def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_s
     else:
         for step in range(0, n_blocks * group):
             dk, dk2, dv = _dkdv_q_step(
-                dk, dk2, dv, head0 + tl.minimum(step // per_head, group - 1), m_lo + (step % per_head) * BLOCK_M,
+                dk, dk2, dv, head0 + step % group, m_lo + (step // group) * BLOCK_M,
                 offs_m, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_seq, q_keep_base, stride_qt, stride_qh,
                 stride_dot, stride_doh, stride_lh, stride_qks, cols, seqlen_q, seqlen_k, shift, window_left,
                 window_right, sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
@@ -668,7 +669,7 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if run_dkdv:
         grid, persistent = launch_grid(q.device, target, n_tiles_k, heads_kv)
         # wide heads: dK and dV accumulators together would not fit the register file, so two passes
-        split = split_dkdv(block_dqk + block_dqk2, block_dv, target, dropout_p > 0)
+        split = split_dkdv(block_dqk + block_dqk2, block_dv, target, dropout_p > 0, gqa=heads_q != heads_kv)
         passes = ((True, False), (False, True)) if split else ((True, True),)
         loop = loop_flags(cfg_dkdv, target, cfg_dkdv.tma and usable((q_pack, k_pack), ((q, block_dqk + block_dqk2),
                                                                                         (dout, block_dv))))

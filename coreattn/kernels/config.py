@@ -298,7 +298,8 @@ _DQ = {
 }
 # Dropout adds Philox's state to the live registers: where the plain tile runs out of them, the
 # dropout kernels take these instead (and the dK/dV kernel splits, see split_dkdv).
-_FWD_DROPOUT = {"sm90": ((192, _C(128, 32, 8, 2)),), "sm80": (), "sm86": ()}
+# sm90 at 128: the 64-key step took 255 registers and spilled 28-40 B since issue 30's address clamps
+_FWD_DROPOUT = {"sm90": ((128, _C(128, 32, 8, 3)), (192, _C(128, 32, 8, 2))), "sm80": (), "sm86": ()}
 _DQ_DROPOUT = {"sm90": (), "sm80": (), "sm86": ()}
 # sm100: sm90's tiles (same 227 KB per block) but for the forward, whose 64-key step at 128 and
 # 192 ran out of registers there (255, 24-84 B spilled; with dropout at 64 too): 32-key steps.
@@ -406,13 +407,19 @@ def fwd_config(device: torch.device, block_dqk: int, block_dv: int, elem: int = 
     return pick_config("fwd", device, target, cls, shipped_config(target, "fwd", block_dqk, block_dv, elem, dropout))
 
 
-def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False) -> bool:
+def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False, gqa: bool = False) -> bool:
     """On CUDA and CDNA, dK and dV of a key tile are computed in two passes of the dK/dV kernel when
     their fp32 accumulators (BLOCK_N x (Dqk + Dv)) cannot stay in registers: 64 rows per warpgroup x
     (256 + 256) columns is 256 registers per thread, the whole register file (with dropout,
     Philox's state needs the room of 192 + 128 already; a CDNA wave addresses 256 VGPRs too). The
-    second pass recomputes Q K^T (about 1/7 more backward matmul work) instead of spilling."""
-    return target not in ("interpreter", "ascend") and block_dqk + block_dv > (256 if dropout else 320)
+    second pass recomputes Q K^T (about 1/7 more backward matmul work) instead of spilling. On sm90,
+    GQA at 192/128 splits too (``gqa``: each query step moves to another q head, whose addresses
+    take the last registers): in one pass it took 253-254 registers at 23b22de and spilled 4-16 B
+    in fp16 and bf16 since the address clamps of issue 30 (Triton 3.9.0); two passes take 158-226.
+    MLA's 192/128 is MHA and stays one pass."""
+    if target in ("interpreter", "ascend"):
+        return False
+    return block_dqk + block_dv > (256 if dropout or (gqa and target == "sm90") else 320)
 
 
 def bwd_configs(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2,
