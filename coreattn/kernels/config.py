@@ -312,6 +312,9 @@ _DQ_DROPOUT["sm100"] = ((64, _C(128, 32, 8, 2)), (128, _C(128, 32, 8, 2)))
 _DKDV_DROPOUT = {"sm100": ((256, _C(16, 64, 8, 2)),)}
 for _table in (_DKDV, _DQ):
     _table["sm100"] = _table["sm90"]
+# but the dK/dV kernel at 64 steps over 16 queries: 32 x 128 with 3 stages took 255 registers and spilled
+# 52-184 B without a causal mask under Triton 3.6.0 (since issue 30's address clamps); 16 x 128: 78-218
+_DKDV["sm100"] = ((64, _C(16, 128, 8, 3)),) + _DKDV["sm90"][1:]
 for _table in (_FWD, _DKDV, _DQ, _FWD_DROPOUT, _DQ_DROPOUT):
     _table["sm89"] = _table["sm120"] = _table["sm86"]  # the 99 KB mma.sync parts share one table
 # sm120's ptxas needs more registers than sm86's for the same dropout kernels at 64 and 256

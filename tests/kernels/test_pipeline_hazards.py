@@ -70,11 +70,15 @@ pytestmark = pytest.mark.skipif(not _has_backend("nvidia"), reason="upstream Tri
 
 
 @pytest.fixture(scope="module")
-def compiled():
+def compiled(request):
+    """Every arch's cases and the canary in one subprocess; only the archs of the selected tests
+    (``-k sm90`` compiles sm90 alone, as the Triton lanes of .ci/run run it), all when none names one."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SCRIPT.parents[2]), env.get("PYTHONPATH")]))
-    specs = [f"{arch}:{','.join(cases)}" for arch, cases in CASES.items()
-             if not arch.startswith("gfx") or _has_backend("amd")]
+    selected = {item.callspec.params.get("arch") for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")}
+    archs = [arch for arch in CASES if arch in selected] or list(CASES)
+    specs = [f"{arch}:{','.join(CASES[arch])}" for arch in archs if not arch.startswith("gfx") or _has_backend("amd")]
     proc = subprocess.run([sys.executable, str(SCRIPT), "canary", *specs], capture_output=True, text=True, env=env,
                           timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
