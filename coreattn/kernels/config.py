@@ -24,11 +24,15 @@ whose compilers differ (register allocation, spills): docs/compile-report.md has
   tile; registers bound occupancy to one block per SM, shared memory does not. At 256 the
   forward's and dQ's key steps shrink to 16 (128 x 16; dQ's 128 x 32 spilled 4 B under Triton 3.6.0
   and 3.7.1, not 3.9.0) and dK and dV take two passes (split_dkdv): also 0 spills, at the cost of
-  narrow key steps and Q K^T recomputed once.
-- sm100: sm90's backward tiles (same 227 KB per block; tcgen05 MMAs); the forward steps over 32
-  keys at 128 and 192 (64 spilled there), and at 64 with dropout; the dropout backward takes
-  narrower tiles (dQ 128 x 32 at 64 and 128, dK/dV 16 x 64 at 256: Triton 3.7.1 spilled the wider
-  ones). No kernel spills, 256 included.
+  narrow key steps and Q K^T recomputed once. Since issue 30's address clamps (every row index of
+  a loop clamped into its sequence: kernels/attn_common.py), GQA at 192/128 takes two dK/dV passes
+  too, and the dropout forward at 128 steps over 32 keys (their one-pass and 64-key tiles, at
+  253-255 registers before, spilled 4-40 B).
+- sm100: sm90's backward tiles (same 227 KB per block; tcgen05 MMAs) but the dK/dV kernel at 64,
+  which steps over 16 queries (32 spilled under Triton 3.6.0 with the address clamps); the forward
+  steps over 32 keys at 128 and 192 (64 spilled there), and at 64 with dropout; the dropout
+  backward takes narrower tiles (dQ 128 x 32 at 64 and 128, dK/dV 16 x 64 at 256: Triton 3.7.1
+  spilled the wider ones). No kernel spills, 256 included.
 - sm80 (163 KB) and the 99 KB parts (sm86, sm89, sm120: the "sm86" table; sm120 takes smaller
   dropout tiles at 64 and 256) use mma.sync, whose accumulators stay in registers: 128-row tiles
   take 8 warps (64), wider heads 4 warps and 16-64-row tiles (sm80's dK/dV at 64: 32 x 32, as
