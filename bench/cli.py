@@ -20,6 +20,7 @@ from bench import configs, cpu_attention, masks
 from bench import kernels as kernels_report
 from bench import layer as layer_bench
 from bench import context_parallel as cp_bench
+from coreattn.selfcheck import positive
 from coreattn.tune.compiler import CDNA_ARCHS
 from bench.env import REPO_ROOT, device_slug, run_metadata
 from bench.isolation import DEFAULT_TIMEOUT, plan, run_in_process, run_isolated
@@ -32,15 +33,8 @@ WHAT = ("attention", "masks", "cp", "layer", "cpu", "kernels")
 DEFAULT_WHAT = ("attention", "masks", "cp", "layer")
 
 
-def positive_number(text: str) -> float:
-    """argparse type: a number > 0 (seconds, budgets), or exit 2 naming the option."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+# argparse type: seconds and budgets, a number > 0
+positive_number = positive(float)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -454,7 +454,8 @@ def check_from_json(c: dict) -> Check:
     return Check(c["name"], math.inf if c["err"] is None else c["err"], c["bound"], c["passed"], c.get("note", ""))
 
 
-def _positive(kind):
+def positive(kind):
+    """argparse type: a ``kind`` (int, float) > 0, or exit 2 naming the option (also bench's)."""
     def parse(text: str):
         try:
             value = kind(text)
@@ -475,11 +476,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--in-process", action="store_true",
                         help="run every row in this process (for compute-sanitizer or a debugger); by default each "
                              "row runs in its own process, so a fault in one cannot hide the others")
-    parser.add_argument("--timeout", type=_positive(float), metavar="SECONDS",
+    parser.add_argument("--timeout", type=positive(float), metavar="SECONDS",
                         help="kill a row's process after this long (default 300 on a GPU, 1800 on CPU)")
-    parser.add_argument("--jobs", type=_positive(int), metavar="N",
+    parser.add_argument("--jobs", type=positive(int), metavar="N",
                         help="rows run at once, each in its own process (default 4 on a GPU, 2 on CPU)")
-    parser.add_argument("--time-limit", type=_positive(float), metavar="SECONDS",
+    parser.add_argument("--time-limit", type=positive(float), metavar="SECONDS",
                         help="start no row after this long; a row still running then is killed (timeout)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one row, in a child of the run above
     parser.add_argument("--events", help=argparse.SUPPRESS)
