@@ -365,10 +365,14 @@ MAXNREG = 255
 FP_FUSION = True
 
 
-def fp_fusion_option(target: str) -> dict:
-    """The ``enable_fp_fusion`` launch option for a kernel without an AttnConfig (the tile map, the
-    mask kernels): set on GPU targets, left out where the launch does not take it."""
-    return {} if target in ("interpreter", "ascend") else {"enable_fp_fusion": FP_FUSION}
+def launch_options(target: str) -> dict:
+    """Launch options for a kernel without an AttnConfig (the tile scan and map, the mask kernels):
+    ``enable_fp_fusion`` on GPU targets and, on CUDA, the register ceiling every CUDA launch sets
+    (left to itself, Triton 3.8.0's ptxas held the eight-warp tile scan to 64 registers for sm90
+    and spilled 4 B); nothing where the launch does not take them."""
+    if target in ("interpreter", "ascend"):
+        return {}
+    return {"enable_fp_fusion": FP_FUSION} | ({} if target in CDNA_TARGETS else {"maxnreg": MAXNREG})
 
 
 def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, elem: int,

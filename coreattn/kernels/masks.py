@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.config import fp_fusion_option, target_of
+from coreattn.kernels.config import launch_options, target_of
 
 MAX_PROGRAMS = 65535
 ROW_BLOCK = 1024  # elements of a row moved per step; rows are usually H*D wide
@@ -99,7 +99,7 @@ def _copy_rows(src: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, gath
     _copy_rows_kernel[(min(n, programs),)](
         src_rows, out_rows, indices, n, row_len, src_rows.stride(0), out_rows.stride(0),
         GATHER=gather, BLOCK_D=min(block_d, triton.next_power_of_2(row_len)),
-        **fp_fusion_option(target_of(src.device)),
+        **launch_options(target_of(src.device)),
     )
     return out
 
@@ -140,6 +140,6 @@ def token_ids(cu_seqlens: torch.Tensor, total: int, pos_dtype: torch.dtype | Non
         cu_seqlens, pos if pos is not None else dummy, seq if seq is not None else dummy,
         batch, total, int(batch).bit_length(),
         WRITE_POS=pos is not None, WRITE_SEQ=seq is not None, BLOCK_T=block_t,
-        **fp_fusion_option(target_of(device)),
+        **launch_options(target_of(device)),
     )
     return pos, seq

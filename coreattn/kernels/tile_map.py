@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.config import fp_fusion_option, persistent_grid
+from coreattn.kernels.config import launch_options, persistent_grid
 from coreattn.kernels.packing import Packing
 
 SCAN_CHUNK = 2048  # layout entries per step of the scan (fixed: the batch size never enters a compile key)
@@ -205,7 +205,7 @@ def tile_maps(q_pack: Packing, k_pack: Packing, seqlen_q_total: int, seqlen_k_to
         q_pack.seq, q_lens, k_pack.seq, k_lens, first_q, first_k, status, batch, seqlen_q_total, seqlen_k_total,
         q_tiles[1] if q_tiles else 0, k_tiles[1] if k_tiles else 0,
         BLOCK_Q=q_tiles[0] if q_tiles else 16, BLOCK_K=k_tiles[0] if k_tiles else 16, MAP_Q=q_tiles is not None,
-        MAP_K=k_tiles is not None, SPANS=q_pack.spans, CHUNK=SCAN_CHUNK, num_warps=8, **fp_fusion_option(target))
+        MAP_K=k_tiles is not None, SPANS=q_pack.spans, CHUNK=SCAN_CHUNK, num_warps=8, **launch_options(target))
     maps = []
     for tiles, first, reverse in ((q_tiles, first_q, True), (k_tiles, first_k, False)):
         if tiles is None:
@@ -220,7 +220,7 @@ def tile_maps(q_pack: Packing, k_pack: Packing, seqlen_q_total: int, seqlen_k_to
             q_pack.seq, q_lens, k_pack.seq, k_lens, first, status, tile_map, batch, n_tiles,
             max(batch - 1, 0).bit_length(),
             BLOCK=block, REVERSE=reverse, SPANS=q_pack.spans, TILES=MAP_TILES, PERSISTENT=persistent,
-            **fp_fusion_option(target))
+            **launch_options(target))
         maps.append(tile_map)
     return maps[0], maps[1]
 

@@ -81,6 +81,21 @@ def test_cdna_configs_carry_no_cuda_option(monkeypatch, arch, elem):
     assert config.fwd_config(CUDA0, 128, 128).launch()["maxnreg"] == config.MAXNREG
 
 
+
+@pytest.mark.parametrize("target", [*CDNA_TARGETS, "sm90", "sm80", "interpreter", "ascend"])
+def test_small_kernels_launch_options_are_their_backends(target):
+    """The tile scan and map and the mask kernels: the register ceiling on CUDA targets (Triton
+    3.8.0's ptxas held the eight-warp tile scan to 64 registers on sm90 without it, and spilled),
+    never on AMD ones; nothing where the launch takes no options (interpreter, Ascend)."""
+    opts = config.launch_options(target)
+    if target in ("interpreter", "ascend"):
+        assert opts == {}
+        return
+    assert opts["enable_fp_fusion"] == config.FP_FUSION
+    assert ("maxnreg" in opts) == (target not in CDNA_TARGETS)
+    options = _backend(target).parse_options(dict(opts))
+    assert all(getattr(options, k) == v for k, v in opts.items()), opts
+
 class _Recorder:
     """Stands in for a kernel object: records what a launch passes, runs nothing."""
 
