@@ -114,6 +114,9 @@ def _layer_cp_comm_type(cp_comm_type, config, layer_number: int) -> str:
     if value == "a2a+p2p" and (getattr(config, "context_parallel_size", 1) or 1) == 1:
         return value  # never used without context parallelism; checked again if a cp group appears
     check_comm(value)
+    if value == "a2a+p2p":
+        raise NotImplementedError("cp_comm_type='a2a+p2p' (hierarchical context parallelism) is not supported by "
+                                  "CoreAttention yet; use 'p2p', 'all_gather' or 'a2a'")
     return value
 
 

@@ -327,7 +327,7 @@ def test_cp_comm_type_per_layer(given, config_value, layer_number, expected):
 
 class TestBadInput:
     def test_cp_comm_type_unknown(self):
-        with pytest.raises(ValueError, match=r"comm must be one of \('p2p', 'all_gather', 'a2a'\), got 'ring'"):
+        with pytest.raises(ValueError, match=r"comm must be one of \('p2p', 'all_gather', 'a2a', 'a2a\+p2p'\), got 'ring'"):
             _cp_layer(given="ring")
 
     def test_cp_comm_type_hierarchical(self):

@@ -1,4 +1,5 @@
-"""Context parallelism, ring exchange (Megatron's ``cp_comm_type="p2p"``).
+"""Context parallelism, ring exchange (Megatron's ``cp_comm_type="p2p"``, and the outer stage of
+``"a2a+p2p"``, where the ranks are the a2a groups and the layout the one each group holds).
 
 The cp ranks form a ring (rank r sends to r+1, receives from r-1). At step i = 0 .. cp-1 rank r
 holds the K/V of rank s = r - i (chunks s and 2cp-1-s of every sequence, one packed buffer) and,
