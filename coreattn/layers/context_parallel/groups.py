@@ -51,3 +51,25 @@ def cp_groups(cp_group, comm: str) -> CPGroups:
                         f"only with comm='a2a+p2p'), got {type(cp_group).__name__}")
     size, rank = _size_rank(cp_group)
     return CPGroups(size, rank, cp_group if comm == "a2a" else None, None if comm == "a2a" else cp_group)
+
+
+def hierarchical_sizes(sizes, cp_size: int, heads_q: int, heads_kv: int) -> tuple[int, int]:
+    """Megatron's ``hierarchical_context_parallel_sizes`` [a2a size, p2p size] for cp_comm_type
+    "a2a+p2p", checked against ``context_parallel_size`` and the heads of one tensor-parallel rank
+    (the a2a stage splits them); errors name the config settings."""
+    if not (isinstance(sizes, (list, tuple)) and len(sizes) == 2 and all(isinstance(n, int) and n >= 1 for n in sizes)):
+        raise ValueError("cp_comm_type='a2a+p2p' needs config.hierarchical_context_parallel_sizes = [a2a size, p2p "
+                         f"size] (two positive ints whose product is context_parallel_size), got {sizes!r}")
+    a2a, p2p = sizes
+    if a2a * p2p != cp_size:
+        raise ValueError(f"config.hierarchical_context_parallel_sizes = {list(sizes)} multiply to {a2a * p2p}, not "
+                         f"context_parallel_size = {cp_size}")
+    if heads_q % a2a:
+        raise ValueError(f"cp_comm_type='a2a+p2p' splits the attention heads of each tensor-parallel rank over the "
+                         f"a2a group: num_attention_heads / tensor parallel size = {heads_q} is not divisible by "
+                         f"hierarchical_context_parallel_sizes[0] = {a2a}")
+    if heads_kv % a2a and a2a % heads_kv:
+        raise ValueError(f"cp_comm_type='a2a+p2p' splits the K/V heads of each tensor-parallel rank over the a2a "
+                         f"group: num_query_groups / tensor parallel size = {heads_kv} and "
+                         f"hierarchical_context_parallel_sizes[0] = {a2a} must divide one another")
+    return a2a, p2p
