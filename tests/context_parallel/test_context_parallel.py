@@ -121,6 +121,10 @@ CASES = [
     CPCase("triton-thd-causal-dropout-sink-maxlogit-a2a-f32", dtype=torch.float32, hq=2, hkv=1, dqk=32, dv=16,
            lens=(7, 12), extra=(0, 1), backend="triton", worlds=(2,), comms=("a2a",), dropout_p=0.2, sink=True,
            max_logit=True),
+    # a2a+p2p: the ring's kernels on the all-to-all's head slices (strided views), K/V head replicated
+    CPCase("triton-thd-causal-window3-dropout-sink-maxlogit-hier-f32", dtype=torch.float32, hq=2, hkv=1, dqk=32,
+           dv=16, window=(3, 0), lens=(5, 9), extra=(0, 1), backend="triton", worlds=(4,), comms=("a2a+p2p-2x2",),
+           dropout_p=0.2, sink=True, max_logit=True),
 ]
 
 
