@@ -371,8 +371,9 @@ class CoreAttention(MegatronModule):
                 "samples as thd with cu_seqlens(_padded) instead")
         if fmt not in ("thd", "sbhd"):
             raise NotImplementedError(f"qkv_format={fmt!r} is not supported under context parallelism (use thd or sbhd)")
-        kw = dict(cp_group=self._cp_groups(cp_group), layout=fmt, causal=opts["causal"], softmax_scale=opts["softmax_scale"],
-                  window_size=opts["window_size"], backend=opts["backend"], dropout_p=opts["dropout_p"],
+        kw = dict(cp_group=self._cp_groups(cp_group), layout=fmt, causal=opts["causal"],
+                  softmax_scale=opts["softmax_scale"], window_size=opts["window_size"], backend=opts["backend"],
+                  dropout_p=opts["dropout_p"],
                   softmax_offset=opts["softmax_offset"], return_max_logit=opts["return_max_logit"],
                   comm=self.cp_comm_type)
         if fmt == "thd":

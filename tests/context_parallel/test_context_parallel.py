@@ -2,9 +2,9 @@
 
 One spawn per world size runs every case with every exchange (comm = p2p, all_gather, a2a; a
 few cases also a2a+p2p over hierarchical groups a x b: 2 x 2, and the degenerate 4 x 1 and 1 x 4,
-named "a2a+p2p-AxB") and writes each rank's output and gradients to files; the parent reassembles the global tensors and
-compares them, on the real tokens, with the float64 oracle (tests/oracle.py) and
-coreattn.varlen_attn by the flash-attention criterion; padding tokens must give exact zeros.
+named "a2a+p2p-AxB") and writes each rank's output and gradients to files; the parent reassembles
+the global tensors and compares them, on the real tokens, with the float64 oracle (tests/oracle.py)
+and coreattn.varlen_attn by the flash-attention criterion; padding tokens must give exact zeros.
 Cases with dropout, a softmax offset (sink) or max logits are compared with a float64 oracle
 written here (sink column, the shared keep mask on global token ids) and with single-process
 attention on the global padded layout drawn from the same seed: cp > 1 must drop what cp = 1
@@ -185,7 +185,8 @@ def hierarchical_groups(world: int) -> dict[str, list]:
     for name, (a, b) in HIER_GROUPS.items():
         if a * b != world:
             continue
-        for ranks in [list(range(o * a, (o + 1) * a)) for o in range(b)] + [list(range(i, world, a)) for i in range(a)]:
+        inner = [list(range(o * a, (o + 1) * a)) for o in range(b)]
+        for ranks in inner + [list(range(i, world, a)) for i in range(a)]:
             g = dist.new_group(ranks)
             if rank in ranks:
                 out.setdefault(name, []).append(g)  # the a2a group is created (and appended) first

@@ -43,13 +43,14 @@ def check_heads(heads_q: int, heads_kv: int, size: int, comm: str = "a2a") -> No
 
 
 def _to_heads(xs, cp: int, gather_order: torch.Tensor, group) -> list[torch.Tensor]:
-    """Sequence shards [n, (B,) H, D] -> whole sequences [T, (B,) H/cp, D], global order; one all-to-all
-    for all tensors (each is cut into cp head groups, group p goes to rank p)."""
+    """Sequence shards [n, (B,) H, D] -> the tokens of the ``cp`` ranks of ``group`` [cp*n, (B,) H/cp, D]
+    in their layout's order (whole sequences in global order when the group is the whole cp group);
+    one all-to-all for all tensors (each is cut into cp head groups, group p goes to rank p)."""
     blocks = [rearrange(x, "n ... (p h) d -> p n ... (h d)", p=cp) for x in xs]  # [cp, n, (B,) h*D]
     send = torch.cat(blocks, dim=-1).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)  # [cp, n, (B,) W]: rank p's tokens, our heads
-    full = recv.flatten(0, 1).index_select(0, gather_order)  # [T, (B,) W]
+    full = recv.flatten(0, 1).index_select(0, gather_order)  # [cp*n, (B,) W]
     outs, offset = [], 0
     for x in xs:
         heads, dim = x.shape[-2] // cp, x.shape[-1]
@@ -59,8 +60,8 @@ def _to_heads(xs, cp: int, gather_order: torch.Tensor, group) -> list[torch.Tens
 
 
 def _to_seq(ys, cp: int, scatter_order: torch.Tensor, group) -> list[torch.Tensor]:
-    """The inverse: whole sequences [T, (B,) h, D] of our heads -> our sequence shard [n, (B,) h*cp, D]."""
-    send = torch.cat([y.flatten(-2) for y in ys], dim=-1).index_select(0, scatter_order)  # rank-major [T, (B,) W]
+    """The inverse: the group's tokens [cp*n, (B,) h, D] of our heads -> our sequence shard [n, (B,) h*cp, D]."""
+    send = torch.cat([y.flatten(-2) for y in ys], dim=-1).index_select(0, scatter_order)  # rank-major [cp*n, (B,) W]
     send = send.unflatten(0, (cp, -1))  # [cp, n, (B,) W]: rank p's tokens
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)  # [cp, n, (B,) W]: our tokens, head group p

@@ -33,7 +33,7 @@ from coreattn.layers.checks import (VarlenParams, check_cu_seqlens, check_flag, 
 from coreattn.layers.context_parallel.a2a import a2a_attn, whole_sequences
 from coreattn.layers.context_parallel.groups import HIERARCHICAL, cp_groups
 from coreattn.layers.context_parallel.layout import make_layout
-from coreattn.layers.context_parallel.ring import Ring, RingAttnFunction, ring_impl
+from coreattn.layers.context_parallel.ring import ring_attention, ring_impl
 from coreattn.layers.dispatch import run_attention
 from coreattn.layers.context_parallel.indices import zigzag_positions
 
@@ -433,11 +433,7 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
         cp_layout = make_layout(layout, cp_size, cp_rank, n_local, **layout_args)
         rng_state = dropout.rng_state(q.device) if params.dropout_p > 0 else None  # one mask for the whole call
         if groups.p2p is not None:  # p2p, or a2a+p2p's outer stage
-            impl = ring_impl(q, backend)
-
-            def attend(q, k, v, ring_layout, softmax_offset, rng_state):
-                ring = Ring(groups.p2p, ring_layout, params, causal_like)
-                return RingAttnFunction.apply(q, k, v, softmax_offset, ring, impl, rng_state, return_max_logit)
+            attend = ring_attention(groups.p2p, params, causal_like, ring_impl(q, backend), return_max_logit)
         else:
             attend = whole_sequences(params, deterministic, backend, return_max_logit)
         if groups.a2a is not None:  # a2a, or a2a+p2p's inner stage

@@ -57,7 +57,8 @@ def hierarchical_sizes(sizes, cp_size: int, heads_q: int, heads_kv: int) -> tupl
     """Megatron's ``hierarchical_context_parallel_sizes`` [a2a size, p2p size] for cp_comm_type
     "a2a+p2p", checked against ``context_parallel_size`` and the heads of one tensor-parallel rank
     (the a2a stage splits them); errors name the config settings."""
-    if not (isinstance(sizes, (list, tuple)) and len(sizes) == 2 and all(isinstance(n, int) and n >= 1 for n in sizes)):
+    if not (isinstance(sizes, (list, tuple)) and len(sizes) == 2
+            and all(isinstance(n, int) and n >= 1 for n in sizes)):
         raise ValueError("cp_comm_type='a2a+p2p' needs config.hierarchical_context_parallel_sizes = [a2a size, p2p "
                          f"size] (two positive ints whose product is context_parallel_size), got {sizes!r}")
     a2a, p2p = sizes
