@@ -503,6 +503,16 @@ def test_backward_is_deterministic(world, cp_results):
         assert r["deterministic"] == {"p2p": True, "all_gather": True, "a2a": True, **hier}
 
 
+@pytest.mark.parametrize("hier,plain", [("a2a+p2p-4x1", "a2a"), ("a2a+p2p-1x4", "p2p")])
+def test_degenerate_hierarchical_is_plain(hier, plain, cp_results):
+    """a2a+p2p with a stage over one rank is the other exchange alone: bitwise the same results."""
+    names = ("out", "dq", "dk", "dv", "max_logit", "d_offset")
+    for case in (c for c in CASES if c.runs(hier, 4)):
+        for r in cp_results(4):
+            a, b = r[(case.id, hier)], r[(case.id, plain)]
+            assert all((a[n] is None and b[n] is None) or torch.equal(a[n], b[n]) for n in names), case.id
+
+
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"cp{w}")
 def test_partition_matches_what_each_rank_held(world, cp_results):
     """Every global token is held by exactly one rank (the shards the workers used)."""
