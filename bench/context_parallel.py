@@ -18,6 +18,15 @@ exchange here is symmetric, so each rank sends what it receives:
   same. Saves its heads' K/V over the whole sequence, n * kv' (and q and out, n * (q + o)); 3 * n * kv'
   at the peak (send, receive and global-order buffers). Needs Hq % cp == 0 and Hkv % cp == 0 or
   cp % Hkv == 0; other shapes are skipped with the reason.
+- a2a+p2p-AxB (hierarchical, cp = a * b, a and b > 1: every such split of cp): the a2a stage on the
+  inner links (inside a node), a2a's formula with a for cp: (a-1)/a * n * (q + kv_a + o),
+  kv_a = kv * max(1, a / Hkv), forward and backward alike; then the p2p ring over b ranks on the
+  outer links (across nodes), each holding a * n tokens of Hq/a heads (K/V kv_a / a per token, so
+  n * kv_a per hop): forward (b-1) * n * kv_a, backward (2b-1) * n * kv_a. Saves its heads' K/V
+  over its group's tokens, n * kv_a (and q and out, n * (q + o)); 3 * n * kv_a at the peak (the
+  all-to-all's buffers, or the K/V, the ring buffer and the one arriving). Needs a2a's head rules
+  with a for cp. fwd_bytes/bwd_bytes are the sums; the inner and outer parts and one ring hop
+  (outer_hop_bytes) are in their own fields.
 Timing the collectives needs cp processes with a GPU each (torchrun); this single-process suite
 does not launch them, so only one rank's compute between the exchanges (forward + backward, rank
 0's share: the all-gather's two span calls, the ring's steps on a local buffer, a2a's whole
@@ -36,6 +45,7 @@ from bench.timing import kernel_configs, time_fn, untimed
 
 CP_SIZES = (1, 2, 4, 8)
 COMMS = ("p2p", "all_gather", "a2a")
+HIERARCHICAL = "a2a+p2p"
 PROVIDER = "coreattn-cp"
 COMPUTED = "computed from shapes (ring and all-to-all collectives), not measured"
 
@@ -64,11 +74,31 @@ def cp_configs() -> list[CPConfig]:
     return [CPConfig(total_tokens=32768, **mla), CPConfig(total_tokens=131072, **mla), CPConfig()]
 
 
-def a2a_skip_reason(cfg: CPConfig, cp: int) -> str | None:
+def hierarchical_comms(cp: int) -> list[str]:
+    """"a2a+p2p-AxB" for every split cp = a * b with a, b > 1 (a: the a2a group inside a node)."""
+    return [f"{HIERARCHICAL}-{a}x{cp // a}" for a in range(2, cp) if cp % a == 0]
+
+
+def split(comm: str) -> tuple[int, int]:
+    """(a, b) of "a2a+p2p-AxB"."""
+    a, b = comm.removeprefix(HIERARCHICAL + "-").split("x")
+    return int(a), int(b)
+
+
+def a2a_skip_reason(cfg: CPConfig, cp: int, what: str = "a2a") -> str | None:
+    """Why an all-to-all over ``cp`` ranks cannot split the heads (None: it can)."""
     if cfg.heads_q % cp:
-        return f"a2a needs Hq divisible by cp ({cfg.heads_q} % {cp} != 0)"
+        return f"{what} needs Hq divisible by {cp} ({cfg.heads_q} % {cp} != 0)"
     if cfg.heads_kv % cp and cp % cfg.heads_kv:
-        return f"a2a needs Hkv divisible by cp or cp by Hkv (Hkv {cfg.heads_kv}, cp {cp})"
+        return f"{what} needs Hkv divisible by {cp} or {cp} by Hkv (Hkv {cfg.heads_kv})"
+    return None
+
+
+def skip_reason(cfg: CPConfig, cp: int, comm: str) -> str | None:
+    if comm == "a2a":
+        return a2a_skip_reason(cfg, cp)
+    if comm.startswith(HIERARCHICAL):
+        return a2a_skip_reason(cfg, split(comm)[0], comm)
     return None
 
 
@@ -94,7 +124,16 @@ def comm_volume(cfg: CPConfig, cp: int, comm: str, element_bytes: int) -> dict:
         moved = (cp - 1) * n * (q + kv_rep + o) // cp
         return dict(base, fwd_bytes=moved, bwd_bytes=moved, kv_saved_bytes=n * kv_rep, qo_saved_bytes=n * (q + o),
                     kv_peak_bytes=3 * n * kv_rep)
-    raise ValueError(f"unknown comm {comm!r}; choose one of {COMMS}")
+    if comm in hierarchical_comms(cp):
+        a, b = split(comm)
+        kv_rep = kv * max(1, a // cfg.heads_kv)
+        inner = (a - 1) * n * (q + kv_rep + o) // a
+        fwd_outer, bwd_outer = (b - 1) * n * kv_rep, (2 * b - 1) * n * kv_rep
+        return dict(base, fwd_bytes=inner + fwd_outer, bwd_bytes=inner + bwd_outer, fwd_inner_bytes=inner,
+                    bwd_inner_bytes=inner, fwd_outer_bytes=fwd_outer, bwd_outer_bytes=bwd_outer,
+                    outer_hop_bytes=n * kv_rep, kv_saved_bytes=n * kv_rep, qo_saved_bytes=n * (q + o),
+                    kv_peak_bytes=3 * n * kv_rep)
+    raise ValueError(f"unknown comm {comm!r}; choose one of {COMMS + tuple(hierarchical_comms(cp))}")
 
 
 def rank_pairs(cfg: CPConfig, cp: int, rank: int = 0) -> int:
@@ -112,8 +151,9 @@ def rank_flops(cfg: CPConfig, cp: int, comm: str) -> tuple[int, int]:
     if comm == "a2a" and cp > 1:  # every pair of the sequence, for Hq / cp heads
         pairs = visible_pairs(cfg.total_tokens, cfg.total_tokens, cfg.causal)
         return pairs, attention_flops(pairs, cfg.heads_q // cp, cfg.head_dim_qk, cfg.head_dim_v, "fwdbwd")
-    pairs = rank_pairs(cfg, cp)
-    return pairs, attention_flops(pairs, cfg.heads_q, cfg.head_dim_qk, cfg.head_dim_v, "fwdbwd")
+    a, ring = split(comm) if comm.startswith(HIERARCHICAL) else (1, cp)  # a2a+p2p: a ring of b, Hq / a heads
+    pairs = rank_pairs(cfg, ring)
+    return pairs, attention_flops(pairs, cfg.heads_q // a, cfg.head_dim_qk, cfg.head_dim_v, "fwdbwd")
 
 
 def rank_compute(cfg: CPConfig, cp: int, dtype: torch.dtype, device: torch.device, backend: str | None = None,
@@ -121,7 +161,8 @@ def rank_compute(cfg: CPConfig, cp: int, dtype: torch.dtype, device: torch.devic
     """(fn, leaves): rank 0's attention between the exchanges; ``fn()`` returns its output.
     all_gather: local q [T/cp, Hq, Dqk] against the global K/V, the two span calls; p2p: the ring's
     steps, each on the rank's own K/V buffer (the shapes it would receive), merged through the lse;
-    a2a: whole sequences of Hq/cp heads (and the K/V heads they read)."""
+    a2a: whole sequences of Hq/cp heads (and the K/V heads they read); a2a+p2p-AxB: p2p's ring at
+    cp b on a * n tokens of Hq/a heads."""
     from coreattn.kernels.packing import Packing
     from coreattn.layers.checks import VarlenParams
     from coreattn.layers.context_parallel.attention import attend_local, build_cp_plan
@@ -144,12 +185,15 @@ def rank_compute(cfg: CPConfig, cp: int, dtype: torch.dtype, device: torch.devic
         k, v = leaf(total, heads_kv, cfg.head_dim_qk), leaf(total, heads_kv, cfg.head_dim_v)
         pack = Packing("thd", cu[:1].clone(), cu[1:].clone())
         return (lambda: run_attention(q, k, v, pack, pack, total, total, params, True, backend)[0]), [q, k, v]
-    q = leaf(total // cp, cfg.heads_q, cfg.head_dim_qk)
-    if comm == "p2p" and cp > 1:
-        k, v = leaf(total // cp, cfg.heads_kv, cfg.head_dim_qk), leaf(total // cp, cfg.heads_kv, cfg.head_dim_v)
-        layout = make_layout("thd", cp, 0, total // cp, real=cu[1:] - cu[:1], cu_seqlens_padded=cu, max_seqlen=total)
+    a, ring_size = split(comm) if comm.startswith(HIERARCHICAL) else (1, cp)
+    if (comm == "p2p" or a > 1) and cp > 1:
+        n, heads_kv = total // ring_size, max(1, cfg.heads_kv // a)
+        q = leaf(n, cfg.heads_q // a, cfg.head_dim_qk)
+        k, v = leaf(n, heads_kv, cfg.head_dim_qk), leaf(n, heads_kv, cfg.head_dim_v)
+        layout = make_layout("thd", ring_size, 0, n, real=cu[1:] - cu[:1], cu_seqlens_padded=cu, max_seqlen=total)
         ring, impl = LocalRing(layout, params, cfg.causal), ring_impl(q, backend)
         return (lambda: RingAttnFunction.apply(q, k, v, None, ring, impl, None, False)[0]), [q, k, v]
+    q = leaf(total // cp, cfg.heads_q, cfg.head_dim_qk)
     plan = build_cp_plan("thd", cp, 0, total // cp, cfg.causal, cu_seqlens_q=cu, cu_seqlens_kv=cu,
                          cu_seqlens_padded=cu, max_seqlen_q=total, max_seqlen_kv=total, device=device)
     k, v = leaf(total, cfg.heads_kv, cfg.head_dim_qk), leaf(total, cfg.heads_kv, cfg.head_dim_v)
@@ -181,10 +225,10 @@ def run_cp(configs, dtype: torch.dtype, device: torch.device, quick: bool, progr
     element_bytes = torch.empty((), dtype=dtype).element_size()
     for cfg in configs:
         for cp in CP_SIZES:
-            for comm in (COMMS if cp > 1 else ("none",)):
+            for comm in (COMMS + tuple(hierarchical_comms(cp)) if cp > 1 else ("none",)):
                 base = {"kind": "cp", "config": cfg.id, **cfg._asdict(), "cp_size": cp, "comm": comm,
                         "dtype": dtype_name, "provider": PROVIDER}
-                skip = a2a_skip_reason(cfg, cp) if comm == "a2a" else None
+                skip = skip_reason(cfg, cp, comm)
                 if skip:
                     rows.append(dict(base, op="comm", status="skipped", reason=skip))
                     continue

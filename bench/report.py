@@ -162,6 +162,10 @@ def _cp_lines(rows: list[dict]) -> list[list[str]]:
         note = ""
         if "bwd_fallback_bytes" in r:
             note = f"bwd {_mib(r['bwd_fallback_bytes'])} MiB via the all_reduce fallback"
+        elif "fwd_outer_bytes" in r:
+            note = (f"inner (a2a) fwd/bwd {_mib(r['fwd_inner_bytes'])}/{_mib(r['bwd_inner_bytes'])} MiB, outer (p2p) "
+                    f"{_mib(r['fwd_outer_bytes'])}/{_mib(r['bwd_outer_bytes'])} MiB, "
+                    f"{_mib(r['outer_hop_bytes'])} MiB a hop")
         elif "qo_saved_bytes" in r:
             note = f"also saves q/out of its heads: {_mib(r['qo_saved_bytes'])} MiB"
         lines.append(head + [_mib(r["fwd_bytes"]), _mib(r["bwd_bytes"]), _mib(r["kv_saved_bytes"]),

@@ -121,9 +121,11 @@ def test_quick_run_on_cpu(tmp_path, capsys):
     cp = [r for r in rows if r["kind"] == "cp"]
     comm = {(r["config"], r["cp_size"], r["comm"]): r for r in cp if r["op"] == "comm"}
     assert {c for _, c, _ in comm} == set(cp_bench.CP_SIZES)
-    assert {m for _, c, m in comm if c > 1} == set(cp_bench.COMMS)
+    hierarchical = {"a2a+p2p-2x2", "a2a+p2p-2x4", "a2a+p2p-4x2"}  # cp 4 and 8
+    assert {m for _, c, m in comm if c > 1} == set(cp_bench.COMMS) | hierarchical
     for (_, cp_size, name), r in comm.items():  # a2a skipped where the heads do not split
-        assert (r["status"] == "ok" and "not measured" in r["method"]) or (name == "a2a" and "a2a needs" in r["reason"])
+        assert (r["status"] == "ok" and "not measured" in r["method"]) or (name.startswith("a2a") and
+                                                                           f"{name} needs" in r["reason"])
     assert all(r["status"] == "skipped" for r in cp if r["op"] != "comm")  # CPU: nothing timed
     assert "context parallelism, per layer per rank (bytes COMPUTED" in out
 
@@ -183,8 +185,21 @@ def test_cp_comm_volume_closed_form():
         a2a = cp_bench.comm_volume(mla, cp, "a2a", 2)
         assert a2a["fwd_bytes"] == a2a["bwd_bytes"] == (cp - 1) * n * (q + kv + o) // cp
         assert a2a["kv_saved_bytes"] == n * kv
+    for a, b in ((2, 4), (4, 2)):  # a2a inside the a2a group (inner links), the ring over b ranks (outer links)
+        n = 131072 // 8
+        hier = cp_bench.comm_volume(mla, 8, f"a2a+p2p-{a}x{b}", 2)
+        inner = (a - 1) * n * (q + kv + o) // a
+        assert hier["fwd_inner_bytes"] == hier["bwd_inner_bytes"] == inner
+        assert hier["fwd_outer_bytes"] == (b - 1) * n * kv and hier["bwd_outer_bytes"] == (2 * b - 1) * n * kv
+        assert hier["outer_hop_bytes"] == n * kv and hier["fwd_bytes"] == inner + (b - 1) * n * kv
+        assert hier["bwd_bytes"] == inner + (2 * b - 1) * n * kv and hier["kv_saved_bytes"] == n * kv
+    assert cp_bench.hierarchical_comms(2) == [] and cp_bench.hierarchical_comms(8) == ["a2a+p2p-2x4", "a2a+p2p-4x2"]
     gqa = cp_bench.CPConfig(heads_q=8, heads_kv=2, total_tokens=4096)
     assert cp_bench.comm_volume(gqa, 8, "a2a", 2)["kv_saved_bytes"] == 512 * 4 * (2 * 256 * 2)  # kv heads x4
+    # a2a+p2p-4x2: K/V heads x2 for the a2a group of 4; each ring hop carries n tokens' worth of them
+    assert cp_bench.comm_volume(gqa, 8, "a2a+p2p-4x2", 2)["outer_hop_bytes"] == 512 * 4 * (2 * 256 * 2) // 2
+    assert "a2a+p2p-4x2 needs Hq divisible by 4" in cp_bench.skip_reason(cp_bench.CPConfig(heads_q=6, heads_kv=2), 8,
+                                                                         "a2a+p2p-4x2")
     assert cp_bench.a2a_skip_reason(cp_bench.CPConfig(heads_q=12, heads_kv=4), 8) is not None
     assert cp_bench.a2a_skip_reason(cp_bench.CPConfig(heads_q=16, heads_kv=3), 4) is not None
 
@@ -214,18 +229,20 @@ def test_cp_rank_compute_is_rank0_of_full_attention():
     assert q.grad is not None and k.grad is not None and v.grad is not None
 
 
-@pytest.mark.parametrize("comm", ["p2p", "a2a"])
-def test_cp_rank_compute_other_exchanges_run(comm):
-    """The ring's steps on a local buffer and a2a's whole sequences run forward and backward, with
-    the FLOPs of rank 0's share (a causal cp split gives every rank the same pairs)."""
+@pytest.mark.parametrize("comm,cp,shape,heads,share", [("p2p", 2, (16, 4, 8), 4, 2), ("a2a", 2, (32, 2, 8), 2, 1),
+                                                       ("a2a+p2p-2x2", 4, (16, 2, 8), 2, 2)])
+def test_cp_rank_compute_other_exchanges_run(comm, cp, shape, heads, share):
+    """The ring's steps on a local buffer, a2a's whole sequences and a2a+p2p's ring over its group's
+    tokens run forward and backward, with the FLOPs of rank 0's share (a causal cp split gives every
+    rank the same pairs)."""
     cfg = cp_bench.CPConfig(total_tokens=32, heads_q=4, heads_kv=2, head_dim_qk=16, head_dim_v=8)
-    fn, leaves = cp_bench.rank_compute(cfg, 2, torch.float64, torch.device("cpu"), backend="torch", comm=comm)
+    fn, leaves = cp_bench.rank_compute(cfg, cp, torch.float64, torch.device("cpu"), backend="torch", comm=comm)
     out = fn()
-    assert out.shape == ((16, 4, 8) if comm == "p2p" else (32, 2, 8)) and torch.isfinite(out).all()
+    assert out.shape == shape and torch.isfinite(out).all()
     out.sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
-    pairs, flops = cp_bench.rank_flops(cfg, 2, comm)
-    assert flops == attention_flops(visible_pairs(32, 32, True), 4, 16, 8, "fwdbwd") // 2
+    pairs, flops = cp_bench.rank_flops(cfg, cp, comm)
+    assert flops == attention_flops(visible_pairs(32, 32, True), heads, 16, 8, "fwdbwd") // share
 
 
 def test_layer_section_runs_on_cpu(tmp_path, capsys):

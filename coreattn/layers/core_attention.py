@@ -35,6 +35,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from coreattn.layers.backends import ENV_BACKEND, Backend, parse_backend, select_backend
 from coreattn.layers.context_parallel import check_comm, cp_attn
+from coreattn.layers.context_parallel.groups import hierarchical_sizes
 from coreattn.layers.torch_backend.dense_mask import dense_mask_attn
 from coreattn.layers.padded_attn import padded_attn
 from coreattn.layers.varlen_attn import varlen_attn
@@ -103,18 +104,37 @@ def _layer_cp_comm_type(cp_comm_type, config, layer_number: int) -> str:
     value (``config.cp_comm_type``, or its entry for this layer when it is a list) and nothing
     when config.cp_comm_type is None; None means "p2p", as Megatron's Transformer Engine wrapper
     runs it. Built without the argument, the layer reads config.cp_comm_type itself (entry
-    ``layer_number - 1`` of a list). Unknown values raise ValueError; "a2a+p2p" raises
-    NotImplementedError when the model uses context parallelism."""
+    ``layer_number - 1`` of a list). Unknown values raise ValueError."""
     value = cp_comm_type if cp_comm_type is not None else getattr(config, "cp_comm_type", None)
     if isinstance(value, (list, tuple)):
         if not 1 <= layer_number <= len(value):
             raise ValueError(f"config.cp_comm_type has {len(value)} entries, none for layer {layer_number}")
         value = value[layer_number - 1]
     value = "p2p" if value is None else value
-    if value == "a2a+p2p" and (getattr(config, "context_parallel_size", 1) or 1) == 1:
-        return value  # never used without context parallelism; checked again if a cp group appears
     check_comm(value)
     return value
+
+
+def _hierarchical_groups(pgs, sizes: tuple[int, int], cp_group) -> list:
+    """[a2a_group, p2p_group]: pg_collection.hcp, else parallel_state's (as Megatron's TE wrapper
+    takes them), checked against the sizes and the cp group's layout (cp rank = p2p rank * a + a2a rank)."""
+    groups = getattr(pgs, "hcp", None)
+    if groups is None:
+        from megatron.core import parallel_state
+
+        groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+    if not groups:
+        raise ValueError("cp_comm_type='a2a+p2p' needs the hierarchical context-parallel groups: pass "
+                         "hierarchical_context_parallel_sizes to parallel_state.initialize_model_parallel "
+                         "(or pg_collection.hcp)")
+    if len(groups) != 2 or [g.size() for g in groups] != list(sizes):
+        raise ValueError(f"the hierarchical context-parallel groups have sizes {[g.size() for g in groups]}, "
+                         f"config.hierarchical_context_parallel_sizes says {list(sizes)}")
+    inner, outer = groups
+    if cp_group.rank() != outer.rank() * sizes[0] + inner.rank():
+        raise ValueError(f"the hierarchical context-parallel groups do not match the cp group: cp rank "
+                         f"{cp_group.rank()} is not p2p rank {outer.rank()} * {sizes[0]} + a2a rank {inner.rank()}")
+    return list(groups)
 
 
 def _masked_bool(mask: torch.Tensor) -> torch.Tensor:
@@ -156,6 +176,10 @@ class CoreAttention(MegatronModule):
         self.cp_group = _cp_group(pgs, config)
         self.num_attention_heads_per_partition = config.num_attention_heads // tp
         self.num_query_groups_per_partition = max(1, (config.num_query_groups or config.num_attention_heads) // tp)
+        self._pgs = pgs  # a2a+p2p reads its hierarchical groups from it (or parallel_state) when it first runs
+        self._hierarchical = None  # [a2a_group, p2p_group] once looked up
+        if self.cp_comm_type == "a2a+p2p" and self.cp_group is not None:
+            self._hierarchical_sizes()  # a config that cannot run raises when the model is built
         self.hidden_size_per_partition = self.num_attention_heads_per_partition * self.hidden_size_per_attention_head_v
         # Megatron divides by layer_number under apply_query_key_layer_scaling and multiplies it
         # back inside its fp32 softmax: the net scale is unchanged, so it is not applied here.
@@ -200,6 +224,21 @@ class CoreAttention(MegatronModule):
             groups = dict(tp_group=self.tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"))
         return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"softmax_offset": 0}, sharded_offsets,
                                                    **groups)
+
+    def _hierarchical_sizes(self) -> tuple[int, int]:
+        # MLA expands K/V to every attention head
+        heads_kv = (self.num_attention_heads_per_partition if getattr(self.config, "multi_latent_attention", False)
+                    else self.num_query_groups_per_partition)
+        return hierarchical_sizes(getattr(self.config, "hierarchical_context_parallel_sizes", None),
+                                  self.config.context_parallel_size, self.num_attention_heads_per_partition, heads_kv)
+
+    def _cp_groups(self, cp_group):
+        """What cp_attn takes as cp_group for this layer's exchange."""
+        if self.cp_comm_type != "a2a+p2p":
+            return cp_group
+        if self._hierarchical is None:
+            self._hierarchical = _hierarchical_groups(self._pgs, self._hierarchical_sizes(), cp_group)
+        return self._hierarchical
 
     def _backend_for(self, device: torch.device) -> Backend:
         return select_backend(device, self.backend)
@@ -323,7 +362,8 @@ class CoreAttention(MegatronModule):
 
     def _forward_cp(self, q, k, v, attention_mask, mask_type, fmt, params, cp_group, opts) -> torch.Tensor:
         """Context parallelism (coreattn.cp_attn): Megatron's zig-zag chunks, exchanged as
-        ``self.cp_comm_type`` says (p2p ring, all_gather or a2a)."""
+        ``self.cp_comm_type`` says (p2p ring, all_gather, a2a, or a2a+p2p over Megatron's
+        hierarchical groups)."""
         if mask_type == AttnMaskType.arbitrary or (fmt != "thd" and attention_mask is not None
                                                    and mask_type in _PADDING):
             raise NotImplementedError(
@@ -331,8 +371,9 @@ class CoreAttention(MegatronModule):
                 "samples as thd with cu_seqlens(_padded) instead")
         if fmt not in ("thd", "sbhd"):
             raise NotImplementedError(f"qkv_format={fmt!r} is not supported under context parallelism (use thd or sbhd)")
-        kw = dict(cp_group=cp_group, layout=fmt, causal=opts["causal"], softmax_scale=opts["softmax_scale"],
-                  window_size=opts["window_size"], backend=opts["backend"], dropout_p=opts["dropout_p"],
+        kw = dict(cp_group=self._cp_groups(cp_group), layout=fmt, causal=opts["causal"],
+                  softmax_scale=opts["softmax_scale"], window_size=opts["window_size"], backend=opts["backend"],
+                  dropout_p=opts["dropout_p"],
                   softmax_offset=opts["softmax_offset"], return_max_logit=opts["return_max_logit"],
                   comm=self.cp_comm_type)
         if fmt == "thd":

@@ -1,9 +1,10 @@
 """coreattn.cp_attn under real collectives: 2 and 4 CPU processes (gloo) against single-process attention.
 
-One spawn per world size runs every case with every exchange (comm = p2p, all_gather, a2a) and
-writes each rank's output and gradients to files; the parent reassembles the global tensors and
-compares them, on the real tokens, with the float64 oracle (tests/oracle.py) and
-coreattn.varlen_attn by the flash-attention criterion; padding tokens must give exact zeros.
+One spawn per world size runs every case with every exchange (comm = p2p, all_gather, a2a; a
+few cases also a2a+p2p over hierarchical groups a x b: 2 x 2, and the degenerate 4 x 1 and 1 x 4,
+named "a2a+p2p-AxB") and writes each rank's output and gradients to files; the parent reassembles
+the global tensors and compares them, on the real tokens, with the float64 oracle (tests/oracle.py)
+and coreattn.varlen_attn by the flash-attention criterion; padding tokens must give exact zeros.
 Cases with dropout, a softmax offset (sink) or max logits are compared with a float64 oracle
 written here (sink column, the shared keep mask on global token ids) and with single-process
 attention on the global padded layout drawn from the same seed: cp > 1 must drop what cp = 1
@@ -13,6 +14,7 @@ under the interpreter.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import zlib
@@ -29,10 +31,15 @@ from conftest import INTERPRETED
 from coreattn import masks
 from coreattn.layers.context_parallel import attention as context_parallel
 from coreattn.kernels import dropout
-from coreattn.layers.context_parallel import COMMS, cp_attn
+from coreattn.layers.context_parallel import cp_attn
 from oracle import _mask, attention_ref
 
 WORLDS = (2, 4)
+COMMS = ("p2p", "all_gather", "a2a")
+# a2a+p2p over [a2a_group, p2p_group] of sizes a x b (Megatron's hierarchical_context_parallel_sizes)
+HIER = {"a2a+p2p-2x2": (2, 2), "a2a+p2p-4x1": (4, 1), "a2a+p2p-1x4": (1, 4)}
+ALL_COMMS = COMMS + tuple(HIER)
+HIER_GROUPS = dict(HIER, **{"a2a+p2p-2x1": (2, 1)})  # also built on 2 ranks, for the argument errors
 SEED = 1234  # every rank and the reference draw the dropout RNG state right after this seed
 
 
@@ -68,19 +75,26 @@ class CPCase:
         return self.dropout_p > 0 or self.sink or self.max_logit
 
     def runs(self, comm: str, world: int) -> bool:
-        """a2a needs heads divisible over the ranks (K/V heads, or ranks over K/V heads)."""
+        """a2a needs heads divisible over the ranks of its group (K/V heads, or ranks over K/V heads)."""
         if comm not in self.comms or world not in self.worlds:
             return False
-        if comm == "a2a":
-            return self.hq % world == 0 and (self.hkv % world == 0 or world % self.hkv == 0)
+        if comm in HIER and math.prod(HIER[comm]) != world:
+            return False
+        if comm == "a2a" or comm in HIER:
+            a = world if comm == "a2a" else HIER[comm][0]
+            return self.hq % a == 0 and (self.hkv % a == 0 or a % self.hkv == 0)
         return not (comm != "all_gather" and self.allreduce_fallback)
+
+    def a2a_size(self, comm: str, world: int) -> int:
+        """The ranks whose heads are split (1: none; every rank holds all heads of its own tokens)."""
+        return world if comm == "a2a" else HIER[comm][0] if comm in HIER else 1
 
 
 CASES = [
-    CPCase("thd-causal-gqa2-f64"),
+    CPCase("thd-causal-gqa2-f64", comms=COMMS + ("a2a+p2p-2x2",)),
     CPCase("thd-full-f32", causal=False, dtype=torch.float32, hq=2, hkv=2),
     CPCase("thd-causal-hdim192x128-gqa4-f32", dtype=torch.float32, hq=4, hkv=1, dqk=192, dv=128),
-    CPCase("thd-causal-window3-f64", window=(3, 0), lens=(17, 2, 9), extra=(0, 1, 0)),
+    CPCase("thd-causal-window3-f64", window=(3, 0), lens=(17, 2, 9), extra=(0, 1, 0), comms=COMMS + ("a2a+p2p-2x2",)),
     CPCase("thd-causal-nopadding-f64", lens=(1, 0, 3, 2), unpadded=True, hq=2, hkv=1),
     CPCase("thd-full-allreduce-f64", causal=False, allreduce_fallback=True, lens=(7, 3), extra=(0, 0)),
     CPCase("sbhd-causal-gqa2-f64", layout="sbhd", lens=(0, 5, 10_000, 1)),
@@ -93,10 +107,10 @@ CASES = [
     CPCase("triton-sbhd-full-f32", layout="sbhd", causal=False, dtype=torch.float32, hq=2, hkv=1, dqk=32, dv=16,
            lens=(3, 0), units=2, backend="triton", worlds=(2,)),
     # dropout (same mask as cp = 1), sinks and max logits
-    CPCase("thd-causal-dropout-sink-maxlogit-f64", dropout_p=0.25, sink=True, max_logit=True),
+    CPCase("thd-causal-dropout-sink-maxlogit-f64", dropout_p=0.25, sink=True, max_logit=True, comms=ALL_COMMS),
     CPCase("thd-full-sink-maxlogit-gqa2-f64", causal=False, sink=True, max_logit=True, lens=(9, 2), extra=(0, 1)),
     CPCase("sbhd-causal-window3-dropout-sink-f64", layout="sbhd", window=(3, 0), dropout_p=0.3, sink=True,
-           lens=(0, 4, 7)),
+           lens=(0, 4, 7), comms=COMMS + ("a2a+p2p-2x2",)),
     CPCase("thd-causal-window5-dropout-f32", dtype=torch.float32, window=(5, 0), dropout_p=0.2, max_logit=True,
            lens=(17, 2, 9), extra=(0, 1, 0)),
     # a2a runs whole sequences: any window
@@ -107,6 +121,10 @@ CASES = [
     CPCase("triton-thd-causal-dropout-sink-maxlogit-a2a-f32", dtype=torch.float32, hq=2, hkv=1, dqk=32, dv=16,
            lens=(7, 12), extra=(0, 1), backend="triton", worlds=(2,), comms=("a2a",), dropout_p=0.2, sink=True,
            max_logit=True),
+    # a2a+p2p: the ring's kernels on the all-to-all's head slices (strided views), K/V head replicated
+    CPCase("triton-thd-causal-window3-dropout-sink-maxlogit-hier-f32", dtype=torch.float32, hq=2, hkv=1, dqk=32,
+           dv=16, window=(3, 0), lens=(5, 9), extra=(0, 1), backend="triton", worlds=(4,), comms=("a2a+p2p-2x2",),
+           dropout_p=0.2, sink=True, max_logit=True),
 ]
 
 
@@ -115,7 +133,7 @@ TRITON_ON_CPU = pytest.mark.interpreter_only("the Triton kernels on CPU tensors 
 
 
 def runs_for(world: int) -> list[tuple[CPCase, str]]:
-    return [(c, comm) for c in CASES for comm in COMMS
+    return [(c, comm) for c in CASES for comm in ALL_COMMS
             if c.runs(comm, world) and (c.backend != "triton" or INTERPRETED)]
 
 
@@ -159,10 +177,28 @@ def partition(case: CPCase, inp: dict, world: int, rank: int) -> torch.Tensor:
     return masks.cp_partition_indices_sbhd(inp["q"].shape[0], world, rank)
 
 
-def run_case(case: CPCase, comm: str, world: int, rank: int, group) -> dict:
+def hierarchical_groups(world: int) -> dict[str, list]:
+    """[a2a_group, p2p_group] of this process for every split a x b of the world, laid out as
+    Megatron's create_hierarchical_groups does: a2a groups of a consecutive ranks, p2p groups of
+    the ranks a apart (cp rank = p2p rank * a + a2a rank). Every process creates every group."""
+    rank, out = dist.get_rank(), {}
+    for name, (a, b) in HIER_GROUPS.items():
+        if a * b != world:
+            continue
+        inner = [list(range(o * a, (o + 1) * a)) for o in range(b)]
+        for ranks in inner + [list(range(i, world, a)) for i in range(a)]:
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                out.setdefault(name, []).append(g)  # the a2a group is created (and appended) first
+    return out
+
+
+def run_case(case: CPCase, comm: str, world: int, rank: int, group, hier: dict | None = None) -> dict:
     inp = case_inputs(case, world)
     idx = partition(case, inp, world, rank)
     q, k, v = (masks.cp_shard(inp[n], idx).requires_grad_() for n in ("q", "k", "v"))
+    if comm in HIER:
+        group, comm = hier[comm], "a2a+p2p"
     kwargs = dict(cp_group=group, layout=case.layout, cu_seqlens_q=inp["cu"], cu_seqlens_kv=inp["cu"],
                   causal=case.causal, window_size=case.window, backend=case.backend, comm=comm,
                   dropout_p=case.dropout_p, return_max_logit=case.max_logit)
@@ -186,7 +222,7 @@ def run_case(case: CPCase, comm: str, world: int, rank: int, group) -> dict:
                 d_offset=None if offset is None else offset.grad)
 
 
-def deterministic_check(world: int, rank: int, group) -> dict[str, bool]:
+def deterministic_check(world: int, rank: int, group, hier: dict) -> dict[str, bool]:
     """The same call twice gives bitwise the same output and gradients, per exchange."""
     case = next(c for c in CASES if c.name == "thd-causal-window5-dropout-f32")
     alike = {}
@@ -194,8 +230,9 @@ def deterministic_check(world: int, rank: int, group) -> dict[str, bool]:
         a, b = (run_case(case, comm, world, rank, group) for _ in range(2))
         alike[comm] = all(torch.equal(a[n], b[n]) for n in ("out", "dq", "dk", "dv"))
     plain = next(c for c in CASES if c.name == "thd-causal-gqa2-f64")
-    a, b = (run_case(plain, "a2a", world, rank, group) for _ in range(2))
-    alike["a2a"] = all(torch.equal(a[n], b[n]) for n in ("out", "dq", "dk", "dv"))
+    for comm in ("a2a",) + (("a2a+p2p-2x2",) if "a2a+p2p-2x2" in hier else ()):
+        a, b = (run_case(plain, comm, world, rank, group, hier) for _ in range(2))
+        alike[comm] = all(torch.equal(a[n], b[n]) for n in ("out", "dq", "dk", "dv"))
     return alike
 
 
@@ -207,7 +244,7 @@ def _error(fn) -> str:
     return "no error"
 
 
-def bad_inputs(world: int, group) -> dict[str, str]:
+def bad_inputs(world: int, group, hier: dict) -> dict[str, str]:
     """Each bad call's exception as 'Type: message' (run on every rank alike: no rank hangs)."""
     two_cp = 2 * world
     cu = torch.tensor([0, 5, 5 + 2 * two_cp], dtype=torch.int32)
@@ -233,10 +270,14 @@ def bad_inputs(world: int, group) -> dict[str, str]:
         args.update(kw)
         return lambda: cp_attn(q, k, v, **args)
 
+    two = hier.get(f"a2a+p2p-2x{world // 2}")  # a2a groups of 2 ranks
     return {
         "comm_unknown": _error(thd(comm="ring")),
         "comm_type": _error(thd(comm=None)),
-        "comm_hierarchical": _error(thd(comm="a2a+p2p")),
+        "hier_one_group": _error(thd(comm="a2a+p2p")),
+        "hier_list_other_comm": _error(thd(comm="p2p", cp_group=two)),
+        "hier_q_heads": _error(heads(3, 1, comm="a2a+p2p", cp_group=two)),
+        "hier_kv_heads": _error(heads(6, 3, comm="a2a+p2p", cp_group=two)),
         "a2a_q_heads": _error(heads(world + 1, 1)),
         "a2a_kv_heads": _error(heads(3 * world, 3)),
         "p2p_window": _error(thd(window_size=(2, 3), comm="p2p")),
@@ -273,9 +314,10 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         group = dist.new_group(list(range(world)))  # a cp_group that is not the default group
-        results = {(case.id, comm): run_case(case, comm, world, rank, group) for case, comm in runs_for(world)}
-        results["errors"] = bad_inputs(world, group)
-        results["deterministic"] = deterministic_check(world, rank, group)
+        hier = hierarchical_groups(world)
+        results = {(case.id, comm): run_case(case, comm, world, rank, group, hier) for case, comm in runs_for(world)}
+        results["errors"] = bad_inputs(world, group, hier)
+        results["deterministic"] = deterministic_check(world, rank, group, hier)
         if world == 2:
             results["megatron_sbhd"] = megatron_sbhd_check(world, rank, group)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -402,10 +444,19 @@ def _unshard(ranks: list[dict], key, name: str, size: int) -> torch.Tensor:
     return masks.cp_unshard([r[key][name] for r in ranks], [r[key]["idx"] for r in ranks], size=size)
 
 
+def _feature_references(case: CPCase, inp: dict, world: int) -> tuple[dict, dict]:
+    """(float64 oracle, single process) for a case with features, cached per case and world (every
+    exchange compares with the same two)."""
+    key = ("features", case, world)
+    if key not in _REFS:
+        torch.manual_seed(SEED)
+        state = dropout.rng_state(torch.device("cpu")) if case.dropout_p > 0 else None
+        _REFS[key] = _feature_oracle(case, inp, state), _single_process(case, inp)
+    return _REFS[key]
+
+
 def _check_features(case: CPCase, comm: str, world: int, ranks: list[dict], key, inp: dict) -> None:
-    torch.manual_seed(SEED)
-    state = dropout.rng_state(torch.device("cpu")) if case.dropout_p > 0 else None
-    oracle, single = _feature_oracle(case, inp, state), _single_process(case, inp)
+    oracle, single = _feature_references(case, inp, world)
     keep = inp["keep"]
     for name in ("out", "dq", "dk", "dv"):
         got = _unshard(ranks, key, name, inp["q"].shape[0])
@@ -418,20 +469,21 @@ def _check_features(case: CPCase, comm: str, world: int, ranks: list[dict], key,
         per_rank = torch.stack([r[key]["max_logit"] for r in ranks])  # [cp, Hq]
         assert per_rank.dtype == (torch.float64 if case.dtype == torch.float64 else torch.float32)
         assert_flash_criterion("max_logit", per_rank.amax(0), single["max_logit"], oracle["row_max"].flatten(0, -2).amax(0))
+        a = case.a2a_size(comm, world)
         for rank, r in enumerate(ranks):
-            if comm == "a2a":  # the rank's heads, over every query; -inf elsewhere
-                mine = torch.zeros(case.hq, dtype=torch.bool)
-                mine[rank * case.hq // world:(rank + 1) * case.hq // world] = True
-                assert torch.isneginf(r[key]["max_logit"][~mine]).all()
-                expect = oracle["row_max"].flatten(0, -2).amax(0)[mine]
-                torch.testing.assert_close(r[key]["max_logit"][mine].double(), expect, rtol=1e-5, atol=1e-5)
-            else:  # its own queries, every head
-                expect = masks.cp_shard(oracle["row_max"], r[key]["idx"]).flatten(0, -2).amax(0)
-                torch.testing.assert_close(r[key]["max_logit"].double(), expect, rtol=1e-5, atol=1e-5)
+            # the rank's heads (all without a2a) over its a2a group's queries (its own without a2a,
+            # every query with plain a2a); -inf for the other heads
+            i, first = rank % a, rank // a * a
+            mine = torch.zeros(case.hq, dtype=torch.bool)
+            mine[i * case.hq // a:(i + 1) * case.hq // a] = True
+            assert torch.isneginf(r[key]["max_logit"][~mine]).all()
+            rows = torch.cat([ranks[p][key]["idx"] for p in range(first, first + a)])
+            expect = masks.cp_shard(oracle["row_max"], rows).flatten(0, -2).amax(0)[mine]
+            torch.testing.assert_close(r[key]["max_logit"][mine].double(), expect, rtol=1e-5, atol=1e-5)
 
 
 RUNS = [pytest.param(c, comm, w, id=f"{c.id}-{comm}-cp{w}", marks=[TRITON_ON_CPU] if c.backend == "triton" else [])
-        for c in CASES for w in c.worlds for comm in COMMS if c.runs(comm, w)]
+        for c in CASES for w in c.worlds for comm in ALL_COMMS if c.runs(comm, w)]
 
 
 @pytest.mark.parametrize("case,comm,world", RUNS)
@@ -455,8 +507,19 @@ def test_cp_attn_matches_single_process(case, comm, world, cp_results):
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"cp{w}")
 def test_backward_is_deterministic(world, cp_results):
+    hier = {"a2a+p2p-2x2": True} if world == 4 else {}
     for r in cp_results(world):
-        assert r["deterministic"] == {"p2p": True, "all_gather": True, "a2a": True}
+        assert r["deterministic"] == {"p2p": True, "all_gather": True, "a2a": True, **hier}
+
+
+@pytest.mark.parametrize("hier,plain", [("a2a+p2p-4x1", "a2a"), ("a2a+p2p-1x4", "p2p")])
+def test_degenerate_hierarchical_is_plain(hier, plain, cp_results):
+    """a2a+p2p with a stage over one rank is the other exchange alone: bitwise the same results."""
+    names = ("out", "dq", "dk", "dv", "max_logit", "d_offset")
+    for case in (c for c in CASES if c.runs(hier, 4)):
+        for r in cp_results(4):
+            a, b = r[(case.id, hier)], r[(case.id, plain)]
+            assert all((a[n] is None and b[n] is None) or torch.equal(a[n], b[n]) for n in names), case.id
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"cp{w}")
@@ -474,9 +537,13 @@ def test_megatron_get_batch_on_this_cp_rank_agrees(cp_results):
 
 
 BAD = {
-    "comm_unknown": ("ValueError", r"comm must be one of \('p2p', 'all_gather', 'a2a'\), got 'ring'"),
+    "comm_unknown": ("ValueError", r"comm must be one of \('p2p', 'all_gather', 'a2a', 'a2a\+p2p'\), got 'ring'"),
     "comm_type": ("TypeError", r"comm must be a str"),
-    "comm_hierarchical": ("NotImplementedError", r"comm='a2a\+p2p' \(hierarchical"),
+    "hier_one_group": ("TypeError", r"comm='a2a\+p2p' takes cp_group as \[a2a_group, p2p_group\].*got ProcessGroup"),
+    "hier_list_other_comm": ("TypeError", r"a list \[a2a_group, p2p_group\] only with comm='a2a\+p2p'"),
+    "hier_q_heads": ("ValueError", r"comm='a2a\+p2p' splits the q heads over the ranks of its a2a group.*Hq = 3 is "
+                     r"not divisible by the a2a group's size = 2"),
+    "hier_kv_heads": ("ValueError", r"Hkv = 3, the a2a group's size = 2"),
     "a2a_q_heads": ("ValueError", r"Hq = \d+ is not divisible by cp_size"),
     "a2a_kv_heads": ("ValueError", r"Hkv = 3, cp_size = \d"),
     "p2p_window": ("NotImplementedError", r"window_size=\(2, 3\)"),
@@ -505,7 +572,7 @@ def test_bad_inputs_under_cp(check, world, cp_results):
 # ---- in-process: no group (cp_size 1) and argument errors that need no collective
 
 
-@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("comm", COMMS + ("a2a+p2p",))
 @pytest.mark.parametrize("layout", ["thd", "sbhd"])
 @pytest.mark.parametrize("window", [(-1, -1), (2, 1)], ids=["full", "win2_1"])
 def test_without_group_is_plain_attention(layout, window, comm):
@@ -534,8 +601,8 @@ def test_argument_errors_without_group():
         cp_attn(q, k, v, cp_group=None, layout="thd")
     with pytest.raises(ValueError, match="comm must be one of"):
         cp_attn(q, k, v, cp_group=None, layout="thd", cu_seqlens_q=cu, comm="allgather")
-    with pytest.raises(NotImplementedError, match="a2a\\+p2p"):
-        cp_attn(q, k, v, cp_group=None, layout="thd", cu_seqlens_q=cu, comm="a2a+p2p")
+    with pytest.raises(TypeError, match=r"comm='a2a\+p2p' takes cp_group as \[a2a_group, p2p_group\]"):
+        cp_attn(q, k, v, cp_group=[None, None], layout="thd", cu_seqlens_q=cu, comm="a2a+p2p")
     with pytest.raises(ValueError, match="q has 8 local tokens/rows but k has 6"):
         cp_attn(q, k[:6], v[:6], cp_group=None, layout="thd", cu_seqlens_q=cu)
     with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):

@@ -319,21 +319,39 @@ def _cp_layer(cp_size=2, layer_number=1, given=None, **cfg):
     (None, None, 1, "p2p"),  # Megatron's default, run as p2p like its Transformer Engine wrapper
     (None, "a2a", 1, "a2a"),
     (None, ["a2a", "all_gather"], 2, "all_gather"),  # built without the argument: the layer's entry
+    (None, ["p2p", "a2a+p2p"], 2, "a2a+p2p"),
 ])
 def test_cp_comm_type_per_layer(given, config_value, layer_number, expected):
-    layer = _cp_layer(layer_number=layer_number, given=given, cp_comm_type=config_value)
+    layer = _cp_layer(layer_number=layer_number, given=given, cp_comm_type=config_value,
+                      hierarchical_context_parallel_sizes=[2, 1])
     assert layer.cp_comm_type == expected
 
 
 class TestBadInput:
     def test_cp_comm_type_unknown(self):
-        with pytest.raises(ValueError, match=r"comm must be one of \('p2p', 'all_gather', 'a2a'\), got 'ring'"):
+        with pytest.raises(ValueError, match=r"comm must be one of \('p2p', 'all_gather', 'a2a', 'a2a\+p2p'\), got 'ring'"):
             _cp_layer(given="ring")
 
     def test_cp_comm_type_hierarchical(self):
-        with pytest.raises(NotImplementedError, match="a2a\\+p2p"):
-            _cp_layer(given="a2a+p2p")
+        """a2a+p2p: hierarchical_context_parallel_sizes must multiply to the cp size and split the heads;
+        checked when the layer is built (the groups are looked up when it first runs)."""
+        for sizes in ([2, 2], [4, 1], [1, 4]):
+            layer = _cp_layer(cp_size=4, given="a2a+p2p", hierarchical_context_parallel_sizes=sizes)
+            assert layer.cp_comm_type == "a2a+p2p"
         assert _cp_layer(cp_size=1, given="a2a+p2p").cp_comm_type == "a2a+p2p"  # no CP: never used
+        with pytest.raises(ValueError, match=r"needs config.hierarchical_context_parallel_sizes = \[a2a size, p2p "
+                                             r"size\].*got None"):
+            _cp_layer(cp_size=4, given="a2a+p2p")
+        with pytest.raises(ValueError, match=r"hierarchical_context_parallel_sizes = \[2, 4\] multiply to 8, not "
+                                             r"context_parallel_size = 4"):
+            _cp_layer(cp_size=4, given="a2a+p2p", hierarchical_context_parallel_sizes=[2, 4])
+        with pytest.raises(ValueError, match=r"num_attention_heads / tensor parallel size = 4 is not divisible by "
+                                             r"hierarchical_context_parallel_sizes\[0\] = 3"):
+            _cp_layer(cp_size=6, given="a2a+p2p", hierarchical_context_parallel_sizes=[3, 2])
+        with pytest.raises(ValueError, match=r"num_query_groups / tensor parallel size = 3 and "
+                                             r"hierarchical_context_parallel_sizes\[0\] = 2 must divide"):
+            _cp_layer(cp_size=4, given="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2], num_attention_heads=6,
+                      num_query_groups=3)
 
     def test_attention_bias(self):
         q, k, v = sbhd_inputs(5, 5, device="cpu")

@@ -1,5 +1,7 @@
 """megatron-core models with context_parallel_size 2 (gloo, CPU) give the same logits, loss and
-parameter gradients as context_parallel_size 1, for every cp_comm_type CoreAttention runs.
+parameter gradients as context_parallel_size 1, for every cp_comm_type CoreAttention runs, and
+with context_parallel_size 4 for cp_comm_type "a2a+p2p" with hierarchical_context_parallel_sizes
+[2, 2] (Megatron's own hierarchical groups from initialize_model_parallel).
 
 A GQA GPTModel on packed (thd) and sbhd batches and an MLA GPTModel (q/k 24, v 12) on thd, each
 built with ``TransformerConfig.cp_comm_type`` = "p2p", "all_gather", "a2a" and None (Megatron's
@@ -37,7 +39,8 @@ from coreattn.adapters.megatron import use_coreattn  # noqa: E402
 from megatron_env import VOCAB, build_gpt, megatron_cpu, megatron_cpu_shims  # noqa: E402,F401
 
 CP = 2
-REAL, PADDED = (5, 11, 7), (8, 12, 8)  # thd: each padded length a multiple of 2 * CP
+HIER_SIZES = [2, 2]  # the a2a+p2p run: hierarchical_context_parallel_sizes, cp 4
+REAL, PADDED = (5, 11, 7), (8, 16, 8)  # thd: each padded length a multiple of 2 * cp (cp 2 and 4)
 SBHD_B, SBHD_S = 2, 8
 COMM_TYPES = ("p2p", "all_gather", "a2a", None)
 MIXED = ("a2a", "p2p")  # the exchange of each layer of the mixed model
@@ -46,6 +49,8 @@ MIXED = ("a2a", "p2p")  # the exchange of each layer of the mixed model
 def config(cp: int, kind: str, comm: str | None = None) -> TransformerConfig:
     common = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, attention_dropout=0.0,
                   hidden_dropout=0.0, use_cpu_initialization=True, context_parallel_size=cp, cp_comm_type=comm)
+    if comm == "a2a+p2p":
+        common.update(hierarchical_context_parallel_sizes=HIER_SIZES)
     if kind == "mla":
         return MLATransformerConfig(q_lora_rank=None, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
                                     v_head_dim=12, normalization="RMSNorm", rope_type="rope", **common)
@@ -105,8 +110,10 @@ def run(model, layout: str, b: dict, index: torch.Tensor | None = None):
     return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def _runs():
+def _runs(world: int):
     """(result key, model kind, cp_comm_type in the config, per-layer override or None)."""
+    if world != CP:  # the hierarchical run
+        return [((kind, "a2a+p2p"), kind, "a2a+p2p", None) for kind in KINDS]
     runs = [((kind, comm), kind, comm, None) for kind in KINDS for comm in COMM_TYPES]
     return runs + [(("gpt_thd", "mixed"), "gpt_thd", None, MIXED)]
 
@@ -120,11 +127,12 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, state_file: str
         mla.TELinear = type("NoTELinear", (), {})
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        parallel_state.initialize_model_parallel(context_parallel_size=world)
+        hier = dict(hierarchical_context_parallel_sizes=HIER_SIZES) if world != CP else {}
+        parallel_state.initialize_model_parallel(context_parallel_size=world, **hier)
         cp_group = parallel_state.get_context_parallel_group()
         states = torch.load(state_file)
         results = {}
-        for key, kind, comm, per_layer in _runs():
+        for key, kind, comm, per_layer in _runs(world):
             m = model(world, kind, comm)
             attns = [layer.self_attention.core_attention for layer in m.decoder.layers]
             built = [a.cp_comm_type for a in attns]
@@ -151,16 +159,17 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, state_file: str
 
 
 @pytest.mark.usefixtures("megatron_cpu", "megatron_cpu_shims")
-def test_models_under_context_parallel_match_cp1(tmp_path):
+@pytest.mark.parametrize("world", [CP, HIER_SIZES[0] * HIER_SIZES[1]], ids=["cp2", "cp4-a2a+p2p-2x2"])
+def test_models_under_context_parallel_match_cp1(tmp_path, world):
     ref_models = {kind: model(1, kind) for kind in KINDS}
     state_file = str(tmp_path / "state.pt")
     torch.save({kind: m.state_dict() for kind, m in ref_models.items()}, state_file)
     ref = {kind: run(m.double(), KINDS[kind][0], batches()[KINDS[kind][0]]) for kind, m in ref_models.items()}
 
-    mp.spawn(_worker, args=(CP, str(tmp_path / "init"), str(tmp_path), state_file), nprocs=CP, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(CP)]
+    mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path), state_file), nprocs=world, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     tol = dict(rtol=1e-9, atol=1e-11)
-    for key, kind, comm, per_layer in _runs():
+    for key, kind, comm, per_layer in _runs(world):
         ref_logits, ref_loss, ref_grads = ref[kind]
         # Megatron hands each layer its cp_comm_type; None runs as p2p
         assert all(r[key]["built"] == [comm or "p2p"] * 2 for r in ranks), (key, ranks[0][key]["built"])

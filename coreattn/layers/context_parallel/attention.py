@@ -6,7 +6,9 @@ tokens; rank r holds chunks r and 2*cp-1-r. cu_seqlens stay global.
 
 Exchanges (``comm``, Megatron's ``cp_comm_type``): ``"p2p"``, a ring passing K/V chunks
 (ring.py); ``"a2a"``, all-to-all from sequence shards to head shards
-(a2a.py); ``"all_gather"``, here:
+(a2a.py); ``"a2a+p2p"``, hierarchical: all-to-all inside Megatron's inner cp group, then the ring
+over the outer group on the chunks the inner group holds together (a2a.py, layout.py, ring.py);
+``"all_gather"``, here:
 
 K and V are all-gathered once (one autograd Function; its backward reduce-scatters dK/dV) and
 reordered to global token order. Each local chunk j of sequence b then attends, in span mode, to
@@ -28,14 +30,15 @@ from coreattn.kernels.packing import Packing
 from coreattn.kernels import dropout
 from coreattn.layers.checks import (VarlenParams, check_cu_seqlens, check_flag, check_max_seqlen, check_options,
                                     check_qkv, check_softmax_offset, validation_enabled)
-from coreattn.layers.context_parallel.a2a import a2a_attn
+from coreattn.layers.context_parallel.a2a import a2a_attn, whole_sequences
+from coreattn.layers.context_parallel.groups import HIERARCHICAL, cp_groups
 from coreattn.layers.context_parallel.layout import make_layout
-from coreattn.layers.context_parallel.ring import Ring, RingAttnFunction, ring_impl
+from coreattn.layers.context_parallel.ring import ring_attention, ring_impl
 from coreattn.layers.dispatch import run_attention
 from coreattn.layers.context_parallel.indices import zigzag_positions
 
 LAYOUTS = ("thd", "sbhd")
-COMMS = ("p2p", "all_gather", "a2a")  # Megatron's cp_comm_type values that cp_attn runs
+COMMS = ("p2p", "all_gather", "a2a", HIERARCHICAL)  # Megatron's cp_comm_type values that cp_attn runs
 DEFAULT_COMM = "p2p"  # Megatron's default (cp_comm_type None runs p2p)
 
 # Process-group backends whose reduce_scatter_tensor raised "unsupported" once (gloo before it
@@ -62,22 +65,10 @@ class CPPlan(NamedTuple):
     scatter_order: torch.Tensor | None  # [T] int64: global token of each row of the rank-major buffer
 
 
-def _group_size_rank(cp_group) -> tuple[int, int]:
-    if cp_group is None:
-        return 1, 0
-    if not isinstance(cp_group, dist.ProcessGroup):
-        raise TypeError(f"cp_group must be a torch.distributed.ProcessGroup or None, got {type(cp_group).__name__}")
-    return dist.get_world_size(cp_group), dist.get_rank(cp_group)
-
-
 def check_comm(comm) -> str:
-    """A Megatron ``cp_comm_type`` that cp_attn runs; "a2a+p2p" and anything else raise."""
+    """A Megatron ``cp_comm_type`` that cp_attn runs; anything else raises."""
     if not isinstance(comm, str):
         raise TypeError(f"comm must be a str (one of {COMMS}), got {type(comm).__name__}")
-    if comm == "a2a+p2p":
-        raise NotImplementedError("comm='a2a+p2p' (hierarchical context parallelism over Megatron's "
-                                  "hierarchical_context_parallel_sizes groups) is not supported; use 'p2p', "
-                                  "'all_gather' or 'a2a'")
     if comm not in COMMS:
         raise ValueError(f"comm must be one of {COMMS}, got {comm!r}")
     return comm
@@ -290,6 +281,12 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
             GQA (Hq a multiple of Hkv) and Dv != Dqk are fine.
         cp_group: the context-parallel ``ProcessGroup`` (cp_size and rank come from it); None means
             no context parallelism (one rank, no communication; ``comm`` is then only checked).
+            With ``comm="a2a+p2p"``: ``[a2a_group, p2p_group]``, the two groups of Megatron's
+            ``hierarchical_context_parallel_sizes`` [a, b] in the order
+            ``parallel_state.get_hierarchical_context_parallel_groups()`` returns them (as Transformer
+            Engine takes them): a2a groups of a consecutive cp ranks, p2p groups of the ranks a apart,
+            so cp_size = a * b and this rank's cp rank (which chunks it holds) is
+            ``p2p_rank * a + a2a_rank``.
         comm: the exchange, Megatron's ``cp_comm_type`` (default ``"p2p"``, as Megatron runs
             ``cp_comm_type=None``):
             ``"p2p"``: a ring passing K/V chunks (ring.py); each rank holds two
@@ -301,7 +298,11 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
             ``"a2a"``: all-to-all to whole sequences of Hq/cp heads and back (a2a.py);
             needs Hq divisible by cp and Hkv divisible by cp (or cp by Hkv: K/V heads replicated);
             supports any window; dropout draws each head's cp = 1 mask (the RNG state's head offset).
-            ``"a2a+p2p"`` raises NotImplementedError; other values raise ValueError.
+            ``"a2a+p2p"``: hierarchical, an all-to-all inside the a2a group (the heads rules of a2a
+            with a for cp) to Hq/a heads of the chunks the group holds together (the zig-zag
+            layout at cp / a), then the p2p ring over the p2p group on those, and back; the
+            windows and backends of p2p (any window when b = 1). a = 1 runs plain p2p over
+            the p2p group, b = 1 plain a2a over the a2a group. Other values raise ValueError.
         cu_seqlens_q, cu_seqlens_kv: GLOBAL int32 ``[B+1]`` real lengths (Megatron's PackedSeqParams).
             Required for thd; optional for sbhd (per-sample real lengths, right padding; None: all
             tokens are real). kv defaults to q and must equal it (self-attention).
@@ -315,7 +316,7 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
         causal: global causal mask (top-left = bottom-right here: q and k are the same tokens).
         window_size: ``(left, 0)`` or ``(left, -1)`` with causal (sliding window) or ``(-1, -1)``;
             other windows raise NotImplementedError when cp_size > 1, except with ``comm="a2a"``
-            (whole sequences: any window).
+            (whole sequences: any window) and ``"a2a+p2p"`` with a p2p group of one rank.
         softmax_scale, deterministic, softmax_offset, backend: as in ``coreattn.varlen_attn``.
         dropout_p: as in ``coreattn.varlen_attn``, with global token ids (the position in the
             global padded layout: thd ``cu_seqlens_q_padded[b] + i``, sbhd ``b * S + i``), so for
@@ -324,7 +325,8 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
             context-parallel ranks) get the mask of cp = 1.
         return_max_logit: also return a float32 ``[Hq]`` max visible scaled logit per q head:
             p2p and all_gather over this rank's queries; a2a over every query of the heads this
-            rank computed, -inf for the other heads. Megatron's ``clip_qk`` all-reduces it with MAX
+            rank computed, -inf for the other heads; a2a+p2p over the queries of the rank's a2a
+            group for the heads it computed, -inf for the others. Megatron's ``clip_qk`` all-reduces it with MAX
             over the data- and context-parallel group, which gives the layer's max either way.
 
     Returns:
@@ -337,7 +339,9 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
     tabulates these): p2p forward (cp-1) local K/V shares sent and received, backward (cp-1) K/V
     and cp dK/dV shares; all_gather forward (cp-1) K/V shares received, backward the same in
     dK/dV (reduce-scatter; with gloo backends lacking reduce_scatter_tensor: all_reduce + slice,
-    twice the traffic); a2a (cp-1)/cp of the local q, k, v and out, forward and backward.
+    twice the traffic); a2a (cp-1)/cp of the local q, k, v and out, forward and backward;
+    a2a+p2p (a-1)/a of them inside the a2a group, then p2p's volumes for b ranks on a*n tokens of
+    Hkv/a K/V heads over the p2p group.
 
     Host syncs: none with max_seqlen given and device tensors (spans and reorder indices are built
     with vectorized torch ops). Value checks (lengths multiples of 2*cp, token counts, max_seqlen)
@@ -353,9 +357,10 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
     params = check_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, "bottom_right")
     softmax_offset = check_softmax_offset(softmax_offset, q)
     return_max_logit = check_flag("return_max_logit", return_max_logit)
-    cp_size, cp_rank = _group_size_rank(cp_group)
-    # one rank or a2a: whole sequences, exact for any window
-    whole = cp_size == 1 or comm == "a2a"
+    groups = cp_groups(cp_group, comm)
+    cp_size, cp_rank = groups.size, groups.rank
+    # one rank, or an all-to-all without a ring after it: whole sequences, exact for any window
+    whole = cp_size == 1 or groups.p2p is None and comm in ("a2a", HIERARCHICAL)
     causal_like = params.window_right == 0 if whole else _window_is_causal(params, window_size)
     n_local = q.shape[0]
     check = None
@@ -422,16 +427,18 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
     if cp_size == 1 or comm == "all_gather":
         plan = build_cp_plan(layout, cp_size, cp_rank, n_local, causal_like, **plan_args)
         if cp_size > 1:
-            k, v = _gathered_kv(k, v, plan, cp_group)
+            k, v = _gathered_kv(k, v, plan, groups.p2p)
         out, max_logit = attend_local(q, k, v, plan, params, deterministic, backend, softmax_offset, return_max_logit)
     else:
         cp_layout = make_layout(layout, cp_size, cp_rank, n_local, **layout_args)
         rng_state = dropout.rng_state(q.device) if params.dropout_p > 0 else None  # one mask for the whole call
-        if comm == "a2a":
-            out, max_logit = a2a_attn(q, k, v, cp_layout, params, cp_group, deterministic, backend, softmax_offset,
-                                      return_max_logit, rng_state)
+        if groups.p2p is not None:  # p2p, or a2a+p2p's outer stage
+            attend = ring_attention(groups.p2p, params, causal_like, ring_impl(q, backend), return_max_logit)
         else:
-            impl = ring_impl(q, backend)
-            ring = Ring(cp_group, cp_layout, params, causal_like)
-            out, max_logit = RingAttnFunction.apply(q, k, v, softmax_offset, ring, impl, rng_state, return_max_logit)
+            attend = whole_sequences(params, deterministic, backend, return_max_logit)
+        if groups.a2a is not None:  # a2a, or a2a+p2p's inner stage
+            out, max_logit = a2a_attn(q, k, v, cp_layout, groups.a2a, softmax_offset, return_max_logit, rng_state,
+                                      attend, comm)
+        else:
+            out, max_logit = attend(q, k, v, cp_layout, softmax_offset, rng_state)
     return (out, max_logit) if return_max_logit else out

@@ -64,12 +64,40 @@ def make_layout(fmt: str, cp_size: int, cp_rank: int, n_local: int, *, real: tor
     return CPLayout(fmt, cp_size, cp_rank, n_local, chunk, real, zero, zero, sample_ids, seqlen, positions)
 
 
-def global_orders(layout: CPLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gather_order, scatter_order), int64 [cp * n_local]: a rank-major buffer (every rank's local
-    rows, rank after rank) read at ``gather_order`` is in global order; global rows read at
-    ``scatter_order`` are rank-major."""
-    ranks = torch.arange(layout.cp_size, device=layout.positions.device)
-    scatter_order = zigzag_positions(layout.positions, layout.cp_size, ranks, layout.n_local).reshape(-1)
-    gather_order = torch.empty_like(scatter_order).scatter_(
-        0, scatter_order, torch.arange(scatter_order.numel(), device=scatter_order.device))
+def global_orders(layout: CPLayout, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gather_order, scatter_order), int64 [group_size * n_local], between an all-to-all group's
+    rank-major buffer and the layout that group holds together.
+
+    The group is ``group_size`` consecutive cp ranks, those of ``layout.cp_rank`` (Megatron's
+    hierarchical cp: cp rank = p2p rank * a2a size + a2a rank). Together they hold chunks
+    [R*a, R*a + a) and their mirrors, i.e. the zig-zag layout at cp / a for rank R = cp_rank // a:
+    super-chunk R, then super-chunk 2*(cp/a)-1-R (Transformer Engine's reorder before attention).
+    ``group_size`` None or cp: the whole group, whose layout is the global order. The buffer read at
+    ``gather_order`` is in that layout's local order; its rows read at ``scatter_order`` are rank-major."""
+    cp = layout.cp_size
+    size = cp if group_size is None else group_size
+    first = layout.cp_rank // size * size
+    device = layout.positions.device
+    ranks = torch.arange(first, first + size, device=device)
+    held = zigzag_positions(layout.positions, cp, ranks, layout.n_local).reshape(-1)  # buffer row -> global
+    if size == cp:  # the global order: invert by a scatter
+        gather_order = torch.empty_like(held).scatter_(0, held, torch.arange(held.numel(), device=device))
+        return gather_order, held
+    outer = torch.full((1,), first // size, device=device)
+    target = zigzag_positions(layout.positions, cp // size, outer, layout.n_local * size)[0]  # row -> global
+    ordered, rows = held.sort()
+    gather_order = rows.index_select(0, torch.searchsorted(ordered, target))
+    scatter_order = torch.empty_like(gather_order).scatter_(
+        0, gather_order, torch.arange(gather_order.numel(), device=device))
     return gather_order, scatter_order
+
+
+def group_layout(layout: CPLayout, group_size: int) -> CPLayout:
+    """The zig-zag layout at cp / group_size that ``group_size`` consecutive cp ranks hold together
+    (see ``global_orders``): rank cp_rank // group_size, n_local * group_size local rows."""
+    if layout.fmt == "thd":
+        kw = dict(cu_seqlens_padded=layout.positions, max_seqlen=layout.max_seqlen)
+    else:
+        kw = dict(batch=layout.batch)
+    return make_layout(layout.fmt, layout.cp_size // group_size, layout.cp_rank // group_size,
+                       layout.n_local * group_size, real=layout.real, **kw)

@@ -1,4 +1,5 @@
-"""Context parallelism, ring exchange (Megatron's ``cp_comm_type="p2p"``).
+"""Context parallelism, ring exchange (Megatron's ``cp_comm_type="p2p"``, and the outer stage of
+``"a2a+p2p"``, where the ranks are the a2a groups and the layout the one each group holds).
 
 The cp ranks form a ring (rank r sends to r+1, receives from r-1). At step i = 0 .. cp-1 rank r
 holds the K/V of rank s = r - i (chunks s and 2cp-1-s of every sequence, one packed buffer) and,
@@ -274,3 +275,14 @@ class RingAttnFunction(torch.autograd.Function):
         dk = dkv[..., :width_k].unflatten(-1, tuple(k.shape[-2:])).to(k.dtype)
         dv = dkv[..., width_k:].unflatten(-1, tuple(v.shape[-2:])).to(v.dtype)
         return dq.to(q.dtype), dk.contiguous(), dv.contiguous(), d_offset, None, None, None, None
+
+
+def ring_attention(group, params: VarlenParams, causal: bool, impl: AttnImpl, return_max_logit: bool):
+    """``attend(q, k, v, layout, softmax_offset, rng_state) -> (out, max_logit or None)``: the ring over
+    ``group`` on ``layout`` (comm 'p2p': the cp layout; 'a2a+p2p': the layout of the a2a group)."""
+
+    def attend(q, k, v, layout: CPLayout, softmax_offset, rng_state):
+        ring = Ring(group, layout, params, causal)
+        return RingAttnFunction.apply(q, k, v, softmax_offset, ring, impl, rng_state, return_max_logit)
+
+    return attend
