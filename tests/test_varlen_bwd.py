@@ -6,7 +6,7 @@ import torch
 import coreattn
 from attn_cases import (BF16_CPU_CASES, CASES, KERNEL_DEVICE, LENS_K, Case, assert_flash_criterion, case_dtype_params,
                         make_inputs)
-from coreattn.kernels import varlen_attn_bwd, varlen_attn_fwd
+from coreattn.kernels import runs_in_interpreter, varlen_attn_bwd, varlen_attn_fwd
 from coreattn.kernels.packing import packed
 from oracle import attention_ref
 
@@ -122,24 +122,31 @@ def test_a_side_without_tokens(monkeypatch, lens_q, lens_k):
     loop over an empty sequence addresses row 0 of its sample, and a pipelined load is issued even by a
     loop that runs zero times (which the interpreter never runs), so that row must exist
     (kernels/packing.stand_in)."""
-    from coreattn.kernels.attn_fwd import _varlen_attn_fwd_kernel
-
     case = Case(dqk=24, dv=16, hq=4, hkv=2, causal=True, lens_q=lens_q, lens_k=lens_k)
     q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(case, torch.float32, KERNEL_DEVICE, requires_grad=True)
-    empty_args = []
-    kernel_type = type(_varlen_attn_fwd_kernel)  # JITFunction, or the interpreter's InterpretedFunction
-    real_run = kernel_type.run
+    launched, empty_args = [], []
 
-    def run(self, *args, **kwargs):
-        empty_args.extend(f"{self.__name__}:{name}" for name, a in kwargs.items()
-                          if isinstance(a, torch.Tensor) and a.numel() == 0)
-        empty_args.extend(f"{self.__name__}:#{i}" for i, a in enumerate(args)
-                          if isinstance(a, torch.Tensor) and a.numel() == 0)
-        return real_run(self, *args, **kwargs)
+    def spy(real, kernel_name):
+        def launch(self, *args, **kwargs):
+            name = kernel_name(self)
+            launched.append(name)
+            empty_args.extend(f"{name}:{key}" for key, a in [*enumerate(args), *kwargs.items()]
+                              if isinstance(a, torch.Tensor) and a.numel() == 0)
+            return real(self, *args, **kwargs)
+        return launch
 
-    monkeypatch.setattr(kernel_type, "run", run)
+    if runs_in_interpreter():  # upstream's and triton-ascend's interpreters both launch through a GridExecutor
+        from triton.runtime.interpreter import GridExecutor
+
+        monkeypatch.setattr(GridExecutor, "__call__", spy(GridExecutor.__call__, lambda ex: ex.fn.__name__))
+    else:
+        from triton.runtime.jit import JITFunction
+
+        monkeypatch.setattr(JITFunction, "run", spy(JITFunction.run, lambda fn: fn.__name__))
     out = coreattn.varlen_attn(q, k, v, cu_q, cu_k, max(max_q, 1), max(max_k, 1), causal=True, backend="triton")
     out.sum().backward()
+    # the spy saw the launches (without queries the forward has nothing to launch, dK/dV zeroes the keys)
+    assert {"_varlen_attn_fwd_kernel", "_attn_bwd_dkdv_kernel"} & set(launched), launched
     assert not empty_args, empty_args
     assert out.shape == (q.shape[0], case.hq, case.dv) and not out.any()
     for leaf in (q, k, v):
