@@ -46,7 +46,7 @@ CDNA tables (ROCm's PyTorch reports AMD GPUs as ``cuda`` devices; ``target_of`` 
 device's gcnArchName), checked the same way (``python -m bench --what kernels --arch gfx90a gfx942
 gfx950``: the AMDGCN LLVM emits, no GPU or ROCm needed; tests/kernels/test_kernel_structure.py keeps
 gfx942 and gfx950 at the main dims, gfx90a where its tables differ; figures from
-bench/results/compile-report_2026-11-26/):
+bench/results/compile-report_2026-11-27/):
 
 - Every bf16 and fp16 kernel at 64, 128, 192/128 and 256, the feature variants included, spills no
   VGPR and uses no scratch, keeps its LDS within the arch's limit (at most 64 KB of 64 or 160), and
