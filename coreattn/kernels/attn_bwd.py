@@ -28,6 +28,7 @@ from coreattn.kernels.attn_fwd import (LOG2E, RUNTIME_INTS, dot_precision, dropo
                                        mask_flags)
 from coreattn.kernels.config import (bwd_configs, head_blocks, loop_flags, preprocess_config, split_dkdv, target_of,
                                      tuned_fallback)
+from coreattn.kernels.device import on_device
 from coreattn.kernels.descriptors import row_descriptor, row_descriptors, usable
 from coreattn.kernels.packing import (Packing, keep_args, new_like, new_rowstat, rowstat_strides, seq_len_dim,
                                       seq_strides, side_stand_ins, stand_in)
@@ -589,6 +590,7 @@ def _attn_bwd_dq_kernel(
                  SINK_GRAD, DOT_PRECISION, TMA, WARP_SPEC)
 
 
+@on_device
 @tuned_fallback
 def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int,

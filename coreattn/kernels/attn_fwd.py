@@ -25,6 +25,7 @@ from coreattn.kernels.attn_common import (LENGTH_STRIDES, _cols, _dropout_keep, 
                                           _load_keep, _load_rows, _poison, _tile_visible)
 from coreattn.kernels.config import (CDNA_TARGETS, fwd_config, head_blocks, loop_flags, persistent_grid, target_of,
                                      tuned_fallback)
+from coreattn.kernels.device import on_device
 from coreattn.kernels.descriptors import row_descriptor, row_descriptors, usable
 from coreattn.kernels.packing import (Packing, keep_args, kernel_flags, new_like, new_rowstat, rowstat_strides, seq_len_dim,
                                       seq_strides, side_stand_ins)
@@ -366,6 +367,7 @@ def dropout_args(dropout_p: float, rng_state: torch.Tensor | None, q_pack: Packi
                 drop_scale=1.0 / (1.0 - dropout_p), DROPOUT=dropout_p > 0, HAS_GID=has_gid and dropout_p > 0)
 
 
+@on_device
 @tuned_fallback
 def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: Packing, k_pack: Packing,
                     max_seqlen_q: int, softmax_scale: float, window_left: int = -1, window_right: int = -1,

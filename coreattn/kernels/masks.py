@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from coreattn.kernels.config import launch_options, target_of
+from coreattn.kernels.device import on_device
 
 MAX_PROGRAMS = 65535
 ROW_BLOCK = 1024  # elements of a row moved per step; rows are usually H*D wide
@@ -89,6 +90,7 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return rows.view(torch.uint8) if rows.dtype == torch.bool else rows
 
 
+@on_device
 def _copy_rows(src: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, gather: bool) -> torch.Tensor:
     src_rows, out_rows = _as_rows(src), _as_rows(out)  # out is fresh and contiguous: a view
     indices = indices.contiguous()  # the kernel reads index r at offset r
@@ -120,6 +122,7 @@ def scatter_rows(src: torch.Tensor, indices: torch.Tensor, n_out: int) -> torch.
     return _copy_rows(src, indices, out, gather=False)
 
 
+@on_device
 def token_ids(cu_seqlens: torch.Tensor, total: int, pos_dtype: torch.dtype | None,
               seq_dtype: torch.dtype | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Per-token position within its sequence and sequence index for int32 cu_seqlens [B+1].

@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from coreattn.kernels.config import launch_options, persistent_grid
+from coreattn.kernels.device import on_device
 from coreattn.kernels.packing import Packing
 
 SCAN_CHUNK = 2048  # layout entries per step of the scan (fixed: the batch size never enters a compile key)
@@ -186,6 +187,7 @@ def _tile_map_kernel(q_seq_ptr, q_len_ptr, k_seq_ptr, k_len_ptr, first_ptr, stat
                    batch, n_tiles, steps, BLOCK, REVERSE, SPANS, TILES)
 
 
+@on_device
 def tile_maps(q_pack: Packing, k_pack: Packing, seqlen_q_total: int, seqlen_k_total: int, target: str, *,
               q_tiles: tuple[int, int] | None = None,
               k_tiles: tuple[int, int] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
