@@ -10,8 +10,10 @@ from coreattn import masks
 from coreattn.layers.backends import Backend
 from coreattn.layers.context_parallel import cp_attn
 from coreattn.layers.padded_attn import padded_attn
+from coreattn.layers.sparse_attn import sparse_padded_attn, sparse_varlen_attn
 from coreattn.layers.varlen_attn import flash_attn_varlen_func, varlen_attn
 
 __version__ = "0.1.0"
 
-__all__ = ["Backend", "masks", "varlen_attn", "flash_attn_varlen_func", "padded_attn", "cp_attn", "__version__"]
+__all__ = ["Backend", "masks", "varlen_attn", "flash_attn_varlen_func", "padded_attn", "cp_attn", "sparse_varlen_attn",
+           "sparse_padded_attn", "__version__"]

@@ -1,8 +1,9 @@
 """The attention ops and everything built on them: the public functions, the backends, context parallelism, the masks.
 
 The root holds the public functions (``varlen_attn.py``: ``varlen_attn``, ``flash_attn_varlen_func``;
-``padded_attn.py``), their argument checks (``checks.py``), the attention custom ops with their
-autograd (``function.py``), which backend runs a call (``backends.py``: the registry per device;
+``padded_attn.py``; ``sparse_attn.py``: top-k sparse attention), their argument checks
+(``checks.py``), the attention custom ops with their autograd (``function.py``; sparse:
+``sparse_function.py``), which backend runs a call (``backends.py``: the registry per device;
 ``dispatch.py``: the call into it) and the Megatron-Core module (``core_attention.py``).
 Subpackages, one per concern: ``torch_backend/`` (attention in torch ops, CPU and any device),
 ``npu_fused/`` (Ascend's fused op), ``context_parallel/`` (``cp_attn`` and its exchanges),
@@ -15,9 +16,11 @@ use of ``CoreAttention``); nothing from ``coreattn.adapters`` or ``coreattn.self
 
 from coreattn.layers.context_parallel import cp_attn
 from coreattn.layers.padded_attn import padded_attn
+from coreattn.layers.sparse_attn import sparse_padded_attn, sparse_varlen_attn
 from coreattn.layers.varlen_attn import flash_attn_varlen_func, varlen_attn
 
-__all__ = ["varlen_attn", "flash_attn_varlen_func", "padded_attn", "cp_attn", "CoreAttention"]
+__all__ = ["varlen_attn", "flash_attn_varlen_func", "padded_attn", "cp_attn", "sparse_varlen_attn", "sparse_padded_attn",
+           "CoreAttention"]
 
 
 def __getattr__(name):

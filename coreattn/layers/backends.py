@@ -156,3 +156,21 @@ def select_backend(device: torch.device, override: str | Backend | None = None) 
         logger.info("coreattn: %s tensors use the %s backend (%s)", device.type, backend.value,
                     is_available(backend, device).reason)
     return backend
+
+
+
+def select_sparse_backend(device: torch.device, override: str | Backend | None = None) -> Backend:
+    """The backend of sparse (top-k) attention (``coreattn.sparse_varlen_attn``): ``select_backend``'s
+    rule without ``npu_fused``, which has no sparse attention. The default is Triton where it can run
+    (CUDA, ROCm, CPU under the interpreter) and torch otherwise, npu tensors included (Triton there
+    by explicit choice); ``COREATTN_BACKEND=npu_fused`` (set for dense attention) leaves sparse
+    attention at its default, and ``backend="npu_fused"`` raises."""
+    if override is not None:
+        if parse_backend(override) is Backend.NPU_FUSED:
+            raise RuntimeError("backend='npu_fused' has no sparse attention; choose 'triton' or 'torch'")
+        return select_backend(device, override)
+    env = os.environ.get(ENV_BACKEND)
+    if env and parse_backend(env, ENV_BACKEND) is not Backend.NPU_FUSED:
+        return select_backend(device)
+    triton_ok = device.type != "npu" and is_available(Backend.TRITON, device).ok
+    return select_backend(device, Backend.TRITON if triton_ok else Backend.TORCH)

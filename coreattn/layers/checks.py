@@ -15,6 +15,10 @@ ENV_VALIDATE = "COREATTN_VALIDATE"
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ALIGNMENTS = ("bottom_right", "top_left")
+# sparse attention (coreattn.sparse_varlen_attn): the dense dims plus DeepSeek's absorbed MLA 576 / 512
+SPARSE_EXTRA_HEAD_DIMS_QK = (576,)
+SPARSE_HEAD_DIMS_QK = "1..256 or 576"
+SPARSE_MAX_HEAD_DIM_V = 512
 
 
 class VarlenParams(NamedTuple):
@@ -106,21 +110,23 @@ def check_window(window_size) -> tuple[int, int]:
     return left, right
 
 
-def check_qkv(q, k, v, layout: str) -> None:
-    """Tensor checks shared by the packed (thd) and padded (bshd/sbhd) entry points."""
+def check_qkv(q, k, v, layout: str, *, sparse: bool = False) -> None:
+    """Tensor checks shared by the packed (thd) and padded (bshd/sbhd) entry points. ``sparse``: the
+    sparse attention's head dims (``SPARSE_HEAD_DIMS_QK``, Dv up to 512) and v may be None."""
     ndim = 3 if layout == "thd" else 4
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    named = [("q", q), ("k", k)] + ([] if sparse and v is None else [("v", v)])
+    for name, t in named:
         _check_tensor(name, t, ndim)
     if q.dtype not in KERNEL_DTYPES + (torch.float64,):
         raise TypeError(f"q has dtype {q.dtype}; supported: float16, bfloat16, float32")
-    for name, t in (("k", k), ("v", v)):
+    for name, t in named[1:]:
         if t.dtype != q.dtype:
             raise TypeError(f"dtype mismatch: q is {q.dtype} but {name} is {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"device mismatch: q is on {q.device} but {name} is on {t.device}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"head dim mismatch: q has Dqk={q.shape[-1]} but k has {k.shape[-1]}")
-    if k.shape[:-1] != v.shape[:-1]:
+    if v is not None and k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in all dims but the last "
                          "(tokens, batch and heads)")
     if layout != "thd":
@@ -129,10 +135,14 @@ def check_qkv(q, k, v, layout: str) -> None:
             raise ValueError(f"batch mismatch: q has {q.shape[b]} samples but k has {k.shape[b]} ({layout})")
     if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2] != 0:
         raise ValueError(f"q heads ({q.shape[-2]}) must be a multiple of k/v heads ({k.shape[-2]})")
-    for name, d in (("q/k head dim", q.shape[-1]), ("v head dim", v.shape[-1])):
-        if not 1 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"{name} is {d}; supported head dims are 1..{MAX_HEAD_DIM}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    dqk_ok = 1 <= q.shape[-1] <= MAX_HEAD_DIM or (sparse and q.shape[-1] in SPARSE_EXTRA_HEAD_DIMS_QK)
+    if not dqk_ok:
+        raise ValueError(f"q/k head dim is {q.shape[-1]}; supported head dims are "
+                         f"{SPARSE_HEAD_DIMS_QK if sparse else f'1..{MAX_HEAD_DIM}'}")
+    max_v = SPARSE_MAX_HEAD_DIM_V if sparse else MAX_HEAD_DIM
+    if v is not None and not 1 <= v.shape[-1] <= max_v:
+        raise ValueError(f"v head dim is {v.shape[-1]}; supported head dims are 1..{max_v}")
+    for name, t in named:
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have stride 1 in its last dim (got strides {t.stride()})")
 
@@ -313,3 +323,82 @@ def check_layout_values(fmt: str, q_seq, q_lens, q_keep, k_seq, k_lens, k_keep, 
     for name, mask in (("q_keep_mask", q_keep), ("k_keep_mask", k_keep)):
         if mask is not None and mask.dtype != torch.bool:
             check_binary_values(name, mask)
+
+
+# ---- sparse (top-k) attention: coreattn.sparse_varlen_attn / sparse_padded_attn
+
+
+
+def _token_dims(q: torch.Tensor, layout: str) -> tuple[int, ...]:
+    """q's token dims: thd ``(T,)``, bshd ``(B, S)``, sbhd ``(S, B)``."""
+    return tuple(q.shape[:1] if layout == "thd" else q.shape[:2])
+
+
+def flat_tokens(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A tensor with q's token dims first as ``[N, ...]``, token n = b * S + s (sbhd: reordered)."""
+    if layout == "sbhd":
+        t = t.transpose(0, 1)
+    return t.reshape(-1, *t.shape[(1 if layout == "thd" else 2):])
+
+
+def _check_integer(name: str, t, q: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+def check_sparse_qkv(q, k, v, layout: str, v_head_dim) -> int:
+    """check_qkv's rules with sparse head dims, and v None = absorbed MLA (V is the first
+    ``v_head_dim`` columns of k, which must then be given); returns Dv."""
+    check_qkv(q, k, v, layout, sparse=True)
+    if v is not None:
+        if v_head_dim is not None and v_head_dim != v.shape[-1]:
+            raise ValueError(f"v_head_dim = {v_head_dim} but v has head dim {v.shape[-1]}")
+        return v.shape[-1]
+    if v_head_dim is None:
+        raise ValueError("v is None (absorbed MLA: V is the first v_head_dim columns of k), so v_head_dim must "
+                         "be given")
+    if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, int):
+        raise TypeError(f"v_head_dim must be an int, got {type(v_head_dim).__name__}")
+    if not 1 <= v_head_dim <= min(k.shape[-1], SPARSE_MAX_HEAD_DIM_V):
+        raise ValueError(f"v_head_dim = {v_head_dim} must be in 1..min(Dqk, {SPARSE_MAX_HEAD_DIM_V}) = "
+                         f"{min(k.shape[-1], SPARSE_MAX_HEAD_DIM_V)} (V is the first v_head_dim columns of k)")
+    return v_head_dim
+
+
+def check_topk_indices(topk_indices, q: torch.Tensor, heads_kv: int, layout: str) -> torch.Tensor:
+    """``[.., K]`` or ``[.., Hkv, K]`` with q's token dims first; returns ``[N, Hidx, K]``."""
+    _check_integer("topk_indices", topk_indices, q)
+    tokens = _token_dims(q, layout)
+    extra = topk_indices.dim() - len(tokens)
+    if extra not in (1, 2) or tuple(topk_indices.shape[:len(tokens)]) != tokens:
+        raise ValueError(f"topk_indices has shape {tuple(topk_indices.shape)}; expected q's token dims {tokens} "
+                         f"then [K] or [Hkv, K] ({layout})")
+    if extra == 2 and topk_indices.shape[-2] not in (1, heads_kv):
+        raise ValueError(f"topk_indices has {topk_indices.shape[-2]} index heads; expected 1 or Hkv = {heads_kv}")
+    if topk_indices.shape[-1] == 0:
+        raise ValueError("topk_indices has no top-k entries (last dim 0)")
+    flat = flat_tokens(topk_indices, layout)
+    return flat if extra == 2 else flat.unsqueeze(1)
+
+
+def check_token_values(name: str, t, q: torch.Tensor, layout: str) -> torch.Tensor | None:
+    """An integer tensor with q's token dims (topk_length, key bounds), returned as ``[N]``."""
+    if t is None:
+        return None
+    _check_integer(name, t, q)
+    if tuple(t.shape) != _token_dims(q, layout):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected q's token dims {_token_dims(q, layout)}")
+    return flat_tokens(t, layout)
+
+
+def check_key_bounds(key_bounds, q: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if key_bounds is None:
+        return None
+    if not isinstance(key_bounds, (tuple, list)) or len(key_bounds) != 2:
+        raise TypeError(f"key_bounds must be a pair (starts, ends) of integer tensors, got {type(key_bounds).__name__}")
+    return (check_token_values("key_bounds[0] (starts)", key_bounds[0], q, layout),
+            check_token_values("key_bounds[1] (ends)", key_bounds[1], q, layout))

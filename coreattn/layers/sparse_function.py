@@ -1,0 +1,209 @@
+"""The sparse (top-k) attention custom operators: forward and backward over one backend's pair, with autograd.
+
+Each backend implements the pair of the Triton launchers (``coreattn/kernels/sparse_fwd.py``,
+``sparse_bwd.py``; the torch backend in ``coreattn/layers/torch_backend/sparse.py``) on prepared
+inputs: ``topk`` int32 ``[N, Hidx, K]`` from ``prepare_topk`` (rows sorted, unused entries,
+repeats and entries past topk_length -1) and the per-token key bounds ``key_lo``/``key_hi``
+int32 ``[N]``:
+
+- ``fwd(q, k, v, topk, key_lo, key_hi, fmt, softmax_scale, *, v_dim) -> (out, lse)``;
+- ``bwd(dout, q, k, v, out, lse, topk, key_lo, key_hi, fmt, softmax_scale, *, v_dim) -> (dq, dk, dv or None)``.
+
+Exposed as PyTorch custom operators, so ``torch.compile`` traces a call as one opaque node and
+eager runs the same code:
+
+- ``coreattn::sparse_attn_fwd(q, k, v?, topk_indices [N, Hidx, K], topk_length? [N], fmt, seq_q,
+  len_q?, seq_k, len_k?, bound_lo? [N], bound_hi? [N], causal, bottom_right, softmax_scale, v_dim,
+  backend, validate) -> (out, lse, topk, key_lo, key_hi)``: prepares the indices, derives the key
+  bounds (``key_bounds`` below) and runs the backend's forward; the prepared indices and bounds
+  are returned (not differentiable) so the backward reuses them;
+- ``coreattn::sparse_attn_bwd(dout, q, k, v?, out, lse, topk, key_lo, key_hi, fmt, softmax_scale,
+  v_dim, backend) -> (dq, dk, dv)``, dv an empty ``[0]`` placeholder when v is None (absorbed: dV
+  is folded into dk).
+
+The layout tensors are those of ``coreattn.layers.function``: thd ``seq_*`` = cu_seqlens int32
+``[B+1]`` (``len_*`` None); bshd/sbhd ``seq_*``/``len_*`` the int32 ``[B]`` span starts and lengths.
+Nothing reads a device tensor's values: the bounds come from torch ops on the device, and the
+value checks of the public functions run here on CPU tensors (or with ``COREATTN_VALIDATE=1``).
+The backward saves q, k, v, out, lse, the prepared indices and the bounds (O(T * H * D + T * K))
+and recomputes the scores.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from coreattn.layers.backends import Backend, select_sparse_backend
+from coreattn.layers.checks import KERNEL_DTYPES, check_layout_values, validation_enabled
+from coreattn.layers.torch_backend.sparse import new_lse, sparse_attn_torch_bwd, sparse_attn_torch_fwd
+from coreattn.layers.torch_backend.sparse_prepare import prepare_topk
+
+
+class SparseImpl(NamedTuple):
+    name: str
+    fwd: Callable
+    bwd: Callable
+
+
+def _triton_fwd(*args, **kwargs):
+    from coreattn.kernels.sparse_fwd import sparse_attn_fwd as launch
+
+    return launch(*args, **kwargs)
+
+
+def _triton_bwd(*args, **kwargs):
+    from coreattn.kernels.sparse_bwd import sparse_attn_bwd as launch
+
+    return launch(*args, **kwargs)
+
+
+TRITON = SparseImpl("triton", _triton_fwd, _triton_bwd)
+TORCH = SparseImpl("torch", sparse_attn_torch_fwd, sparse_attn_torch_bwd)
+
+
+def _impl(q: torch.Tensor, backend: str) -> SparseImpl:
+    """The backend for q's device (``backend``: an override name, "" for the default), chosen when the
+    op runs."""
+    if select_sparse_backend(q.device, backend or None) is Backend.TORCH:
+        return TORCH
+    if q.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; the Triton backend supports float16, bfloat16, float32")
+    return TRITON
+
+
+def key_bounds(fmt: str, seq_q: torch.Tensor, len_q: torch.Tensor | None, seq_k: torch.Tensor,
+               len_k: torch.Tensor | None, tokens: int, seqlen_q: int, causal: bool, bottom_right: bool,
+               bound_lo: torch.Tensor | None = None,
+               bound_hi: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 ``[N]`` key bounds per query token, in torch ops on the layout's device (no host read).
+
+    Token n of sequence b at position i in it (thd: row n of cu_seqlens_q's sequence b; padded:
+    n = b * S + s, i = s - q_start[b]) sees the key positions ``[k0, k0 + Lk)`` of its sequence
+    (thd: rows of the packed stream, k0 = cu_seqlens_k[b]; padded: k0 = k_start[b]); causal keeps
+    relative positions ``j <= i + Lk - Lq`` (bottom-right) or ``j <= i`` (top-left). Given bounds
+    are intersected with these. A token outside every sequence sees nothing (lo = hi)."""
+    device = seq_q.device
+    if fmt == "thd":
+        n = torch.arange(tokens, dtype=seq_q.dtype, device=device)
+        b = (torch.searchsorted(seq_q, n, right=True) - 1).clamp(0, seq_q.numel() - 2)
+        q0, lq = seq_q[b], seq_q[b + 1] - seq_q[b]
+        k0, lk = seq_k[b], seq_k[b + 1] - seq_k[b]
+    else:
+        n = torch.arange(tokens, dtype=torch.int64, device=device)
+        b, pos = n // max(seqlen_q, 1), n % max(seqlen_q, 1)
+        q0, lq, k0, lk = seq_q[b], len_q[b], seq_k[b], len_k[b]
+        n = pos
+    i = (n - q0).to(torch.int64)
+    lq, k0, lk = lq.to(torch.int64), k0.to(torch.int64), lk.to(torch.int64)
+    lo, hi = k0, k0 + lk
+    if causal:
+        shift = lk - lq if bottom_right else 0
+        hi = k0 + torch.minimum((i + 1 + shift).clamp(min=0), lk)
+    if bound_lo is not None:
+        lo = torch.maximum(lo, bound_lo.to(torch.int64))
+        hi = torch.minimum(hi, bound_hi.to(torch.int64))
+    inside = (i >= 0) & (i < lq)
+    hi = torch.where(inside, torch.maximum(hi, lo), lo)
+    return lo.to(torch.int32), hi.to(torch.int32)
+
+
+def _tokens(x: torch.Tensor, fmt: str) -> int:
+    """Query tokens N (thd T, padded B * S) and the layout's sequence length (thd T, padded S)."""
+    return x.shape[1] if fmt == "bshd" else x.shape[0]
+
+
+@torch.library.custom_op("coreattn::sparse_attn_fwd", mutates_args=())
+def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor], topk_indices: torch.Tensor,
+                    topk_length: Optional[torch.Tensor], fmt: str, seq_q: torch.Tensor, len_q: Optional[torch.Tensor],
+                    seq_k: torch.Tensor, len_k: Optional[torch.Tensor], bound_lo: Optional[torch.Tensor],
+                    bound_hi: Optional[torch.Tensor], causal: bool, bottom_right: bool, softmax_scale: float,
+                    v_dim: int, backend: str,
+                    validate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, topk, key_lo, key_hi): the output, and the prepared indices and bounds it used."""
+    seqlen_q, seqlen_k = _tokens(q, fmt), _tokens(k, fmt)
+    if validate and (seq_q.device.type == "cpu" or validation_enabled()):
+        check_layout_values(fmt, seq_q, len_q, None, seq_k, len_k, None, seqlen_q, seqlen_k, seqlen_q, seqlen_k)
+    impl = _impl(q, backend)
+    topk = prepare_topk(topk_indices, topk_length)
+    key_lo, key_hi = key_bounds(fmt, seq_q, len_q, seq_k, len_k, topk.shape[0], seqlen_q, causal, bottom_right,
+                                bound_lo, bound_hi)
+    out, lse = impl.fwd(q, k, v, topk, key_lo, key_hi, fmt, softmax_scale, v_dim=v_dim)
+    return out, lse, topk, key_lo, key_hi
+
+
+@sparse_attn_fwd.register_fake
+def _sparse_attn_fwd_fake(q, k, v, topk_indices, topk_length, fmt, seq_q, len_q, seq_k, len_k, bound_lo, bound_hi,
+                          causal, bottom_right, softmax_scale, v_dim, backend, validate):
+    tokens, heads_idx, topk_k = topk_indices.shape
+    out = q.new_empty(tuple(q.shape[:-1]) + (v_dim,))
+    return (out, new_lse(q, fmt), q.new_empty((tokens, heads_idx, topk_k), dtype=torch.int32),
+            q.new_empty((tokens,), dtype=torch.int32), q.new_empty((tokens,), dtype=torch.int32))
+
+
+@torch.library.custom_op("coreattn::sparse_attn_bwd", mutates_args=())
+def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
+                    out: torch.Tensor, lse: torch.Tensor, topk: torch.Tensor, key_lo: torch.Tensor,
+                    key_hi: torch.Tensor, fmt: str, softmax_scale: float, v_dim: int,
+                    backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in q, k, v's shapes and dtypes (contiguous); dv is an empty [0] tensor when v is None."""
+    impl = _impl(q, backend)
+    dq, dk, dv = impl.bwd(dout, q, k, v, out, lse, topk, key_lo, key_hi, fmt, softmax_scale, v_dim=v_dim)
+    if dv is None:
+        dv = q.new_empty((0,))
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@sparse_attn_bwd.register_fake
+def _sparse_attn_bwd_fake(dout, q, k, v, out, lse, topk, key_lo, key_hi, fmt, softmax_scale, v_dim, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), q.new_empty((0,)) if v is None else v.new_empty(v.shape)
+
+
+_FWD_ARGS = ("q", "k", "v", "topk_indices", "topk_length", "fmt", "seq_q", "len_q", "seq_k", "len_k", "bound_lo",
+             "bound_hi", "causal", "bottom_right", "softmax_scale", "v_dim", "backend", "validate")
+
+
+def _setup_context(ctx, inputs, output):
+    """Saves q, k, v, out, lse, the prepared indices and the bounds; the scores are recomputed."""
+    args = dict(zip(_FWD_ARGS, inputs))
+    out, lse, topk, key_lo, key_hi = output
+    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, topk, key_lo, key_hi)
+    ctx.options = (args["fmt"], args["softmax_scale"], args["v_dim"], args["backend"])
+    ctx.mark_non_differentiable(lse, topk, key_lo, key_hi)
+
+
+def _backward(ctx, dout, *_):
+    # lse, the indices and the bounds are non-differentiable: their incoming gradients are ignored
+    q, k, v, out, lse, topk, key_lo, key_hi = ctx.saved_tensors
+    grads = dict.fromkeys(_FWD_ARGS)
+    if any(ctx.needs_input_grad[:3]):
+        dq, dk, dv = sparse_attn_bwd(dout, q, k, v, out, lse, topk, key_lo, key_hi, *ctx.options)
+        grads.update(q=dq, k=dk, v=None if v is None else dv)
+    return tuple(grads[name] for name in _FWD_ARGS)
+
+
+sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class SparseLayout(NamedTuple):
+    """The op's layout arguments (see the module docstring)."""
+
+    fmt: str
+    seq_q: torch.Tensor
+    len_q: torch.Tensor | None
+    seq_k: torch.Tensor
+    len_k: torch.Tensor | None
+
+
+def sparse_attention(q, k, v, topk_indices: torch.Tensor, topk_length: torch.Tensor | None, layout: SparseLayout,
+                     bounds: tuple[torch.Tensor, torch.Tensor] | None, causal: bool, bottom_right: bool,
+                     softmax_scale: float, v_dim: int, backend: str = "",
+                     validate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) through ``coreattn::sparse_attn_fwd``, differentiable in q, k and v. ``topk_indices``
+    ``[N, Hidx, K]``, ``topk_length`` and ``bounds`` ``[N]`` (token n = b * S + s)."""
+    lo, hi = (None, None) if bounds is None else bounds
+    out, lse, *_ = sparse_attn_fwd(q, k, v, topk_indices, topk_length, layout.fmt, layout.seq_q, layout.len_q,
+                                   layout.seq_k, layout.len_k, lo, hi, causal, bottom_right, softmax_scale, v_dim,
+                                   backend, validate)
+    return out, lse

@@ -1,0 +1,248 @@
+"""coreattn.sparse_varlen_attn / sparse_padded_attn (top-k sparse attention) against the float64 oracle.
+
+The torch backend runs every case (CPU); the Triton backend a handful (the kernels' own tests cover
+the kernels, tests/kernels/). Every case's index rows mix visible keys with -1 and other negative
+entries, repeats, keys of other sequences or past the sample, keys past causality and rows with no
+visible key (tests/sparse_cases.py); lengths include an empty sequence and sequences shorter than
+top-k. Then: set semantics of duplicates, rows without keys (zeros, zero gradients, no NaN, NaN keys
+elsewhere never leak), a deterministic backward, torch.compile (one opaque node, compiled = eager,
+opcheck, fake shapes) and the backend choice.
+"""
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+import coreattn
+from attn_cases import KERNEL_DEVICE
+from conftest import HAS_CUDA
+from sparse_cases import SparseCase, SparseInputs, assert_sparse_matches_oracle, incoming_grad
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+
+CASES = [
+    (SparseCase(), (F16, BF16, F32, F64)),
+    # DeepSeek-V3.2's absorbed MLA: one latent key head of 576, V its first 512 columns
+    (SparseCase(dqk=576, dv=512, hq=4, hkv=1, absorbed=True, topk=16, lens_q=(7, 0, 12)), (BF16, F32)),
+    (SparseCase(per_head=True, causal=True, bottom_right=False, lens_k=(7, 3, 13, 0, 12), topk_length=True),
+     (BF16, F32)),
+    (SparseCase(hq=4, hkv=4, causal=False, bounds=True, index_dtype=torch.int32, noncontig=True), (F16,)),
+    (SparseCase(dqk=24, dv=40, hq=6, hkv=3, topk=40, lens_q=(9, 30)), (F32,)),  # top-k longer than the sequences
+    (SparseCase(layout="bshd", per_head=True, lens_q=(6, 0, 9), lens_k=(4, 2, 11)), (BF16, F32, F64)),
+    (SparseCase(layout="bshd", hq=2, hkv=2, lens_q=(8, 8), softmax_scale=0.3, bottom_right=False), (F32,)),
+    (SparseCase(layout="sbhd", dqk=48, dv=32, hq=4, hkv=1, absorbed=True, topk_length=True, bounds=True,
+                lens_q=(6, 1, 10)), (BF16, F32)),
+    (SparseCase(layout="sbhd", per_head=True, causal=False, left_pad=True, noncontig=True, lens_q=(5, 9)), (F16, F64)),
+]
+
+
+def _params(cases):
+    return [pytest.param(c, d, id=f"{c.id}-{str(d)[6:]}") for c, ds in cases for d in ds]
+
+
+@pytest.mark.parametrize("case, dtype", _params(CASES))
+def test_torch_backend_matches_oracle(case, dtype):
+    inp = SparseInputs(case, dtype)
+    out, lse = inp.call(backend="torch")
+    assert_sparse_matches_oracle(inp, out, lse)
+
+
+TRITON_CASES = [
+    (SparseCase(lens_q=(5, 0, 9)), (F16,)),
+    (SparseCase(dqk=576, dv=512, hq=16, hkv=1, absorbed=True, topk=16, lens_q=(3, 6)), (BF16,)),
+    (SparseCase(layout="sbhd", per_head=True, topk_length=True, bounds=True, lens_q=(4, 7)), (F32,)),
+]
+
+
+@pytest.mark.parametrize("case, dtype", _params(TRITON_CASES))
+def test_triton_backend_matches_oracle(case, dtype):
+    pytest.importorskip("coreattn.kernels.sparse_fwd", reason="the sparse Triton kernels are not in this build")
+    inp = SparseInputs(case, dtype)
+    if KERNEL_DEVICE != "cpu":
+        for name in ("q", "k", "v"):
+            x = getattr(inp, name)
+            if x is not None:
+                setattr(inp, name, x.detach().to(KERNEL_DEVICE).requires_grad_())
+    out, lse = inp.call(backend="triton")
+    assert_sparse_matches_oracle(inp, out.cpu(), lse.cpu())
+
+
+def _one_sequence(dtype=F32, length=6, topk=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(length, h, d, generator=gen).to(dtype).requires_grad_() for h, d in ((4, 16), (2, 16), (2, 8)))
+    return q, k, v, torch.tensor([0, length], dtype=torch.int32)
+
+
+def test_duplicates_count_once():
+    """A key named three times weighs what it weighs named once (Megatron's own path is a set)."""
+    q, k, v, cu = _one_sequence()
+    once = torch.tensor([[0, -1, -1, -1]] + [[0, 1, -1, -1]] * 5)
+    thrice = torch.tensor([[0, 0, 0, -1]] + [[1, 0, 1, 0]] * 5)
+    a = coreattn.sparse_varlen_attn(q, k, v, once, cu, cu, backend="torch")
+    b = coreattn.sparse_varlen_attn(q, k, v, thrice, cu, cu, backend="torch")
+    assert torch.equal(a, b)
+
+
+def test_rows_without_visible_keys_give_zeros_and_zero_gradients():
+    """Every entry unused, past causality, in another sequence or past the tensor: out 0, lse -inf,
+    no gradient, no NaN; keys holding NaN that a token cannot see never reach it."""
+    gen = torch.Generator().manual_seed(1)
+    cu = torch.tensor([0, 4, 4, 9], dtype=torch.int32)
+    q, k, v = (torch.randn(9, h, d, generator=gen) for h, d in ((2, 8), (1, 8), (1, 8)))
+    k[4:], v[4:] = float("nan"), float("nan")  # the second non-empty sequence's keys
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    topk = torch.tensor([[-1, 5, 1, 2]] * 4 + [[0, 3, -7, 99]] * 5)  # sequence 0 names the future and NaN keys
+    out, lse = coreattn.sparse_varlen_attn(q, k, v, topk, cu, cu, return_lse=True, backend="torch")
+    assert not out[4:].any() and torch.isneginf(lse[:, 4:]).all()
+    assert torch.isfinite(out[:4]).all() and torch.isneginf(lse[:, 0]).all() and torch.isfinite(lse[:, 1:4]).all()
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not g.isnan().any(), name
+    assert not dq[4:].any() and not dq[0].any() and not dk[4:].any() and not dv[4:].any()
+
+
+@pytest.mark.parametrize("layout", ["thd", "sbhd"])
+def test_backward_is_deterministic(layout, monkeypatch):
+    """Two backward runs are bitwise equal, with many tokens adding into the same keys and chunks of a
+    few tokens (several dK/dV accumulation rounds)."""
+    from coreattn.layers.torch_backend import sparse
+
+    monkeypatch.setattr(sparse, "CHUNK_BYTES", 1 << 14)
+    case = SparseCase(layout=layout, dqk=64, dv=64, hq=8, hkv=2, topk=32, lens_q=(40, 23))
+    inp = SparseInputs(case, F32)
+    runs = []
+    for _ in range(2):
+        out, _ = inp.call(backend="torch")
+        runs.append(torch.autograd.grad(out, inp.leaves(), incoming_grad(out)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_megatron_topk_layout_is_a_view():
+    """sbhd: Megatron's ``[b, s, K]`` indices passed as their ``[s, b, K]`` transposed view are read in
+    place and give what a contiguous ``[s, b, K]`` tensor gives."""
+    from coreattn.layers.checks import flat_tokens
+
+    inp = SparseInputs(SparseCase(layout="sbhd", hq=4, hkv=1, lens_q=(5, 5)), F32)
+    contiguous = inp.topk_indices.contiguous()  # [s, b, K]
+    view = contiguous.transpose(0, 1).contiguous().transpose(0, 1)  # a [b, s, K] tensor seen as [s, b, K]
+    assert flat_tokens(view, "sbhd").data_ptr() == view.data_ptr()
+    outs = [coreattn.sparse_padded_attn(inp.q, inp.k, inp.v, t, **inp.kwargs, backend="torch")
+            for t in (view, contiguous)]
+    assert torch.equal(*outs)
+
+
+# ---- torch.compile: one opaque node --------------------------------------------------------------
+
+def _compile_case(layout):
+    case = SparseCase(layout=layout, absorbed=layout == "sbhd", hkv=1 if layout == "sbhd" else 2, topk_length=True,
+                      lens_q=(5, 0, 7) if layout == "thd" else (5, 7))
+    return SparseInputs(case, F32)
+
+
+@pytest.mark.parametrize("layout", ["thd", "bshd", "sbhd"])
+def test_compiles_without_graph_breaks_and_matches_eager(layout):
+    torch._dynamo.reset()
+    inp = _compile_case(layout)
+    topk, kwargs = inp.topk_indices, dict(inp.kwargs, return_lse=True, backend="torch")
+    if layout == "thd":
+        cu_q, cu_k = inp.cu_q, inp.cu_k
+
+        def fn(q, k, v):
+            out, lse = coreattn.sparse_varlen_attn(q, k, v, topk, cu_q, cu_k, **kwargs)
+            return out * 2, lse
+    else:
+        def fn(q, k, v):
+            out, lse = coreattn.sparse_padded_attn(q, k, v, topk, **kwargs)
+            return out * 2, lse
+
+    args = (inp.q, inp.k, inp.v)
+    explained = torch._dynamo.explain(fn)(*args)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    ops = [str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert sum("sparse_attn_fwd" in t for t in ops) == 1, ops
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got, want = compiled(*args), fn(*args)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    leaves = [x for x in args if x is not None]
+    gg = torch.autograd.grad(got[0], leaves, incoming_grad(got[0]))
+    gw = torch.autograd.grad(want[0], leaves, incoming_grad(want[0]))
+    for g, w in zip(gg, gw):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def _op_args(layout="thd", absorbed=False):
+    case = SparseCase(layout=layout, absorbed=absorbed, hkv=1 if absorbed else 2, per_head=not absorbed,
+                      topk_length=True, bounds=True, lens_q=(4, 0, 6) if layout == "thd" else (4, 6))
+    inp = SparseInputs(case, F32)
+    from coreattn.layers.checks import flat_tokens
+
+    kw = inp.kwargs
+    topk = flat_tokens(inp.topk_indices, layout)
+    topk = topk if topk.dim() == 3 else topk.unsqueeze(1)
+    length = flat_tokens(kw["topk_length"], layout)
+    lo, hi = (flat_tokens(b, layout) for b in kw["key_bounds"])
+    if layout == "thd":
+        seq = (inp.cu_q, None, inp.cu_k, None)
+    else:
+        seq = (kw["q_start"], kw["q_len"], kw["k_start"], kw["k_len"])
+    return (inp.q, inp.k, inp.v, topk, length, layout, *seq, lo, hi, True, True, 0.25, case.dv, "torch", True)
+
+
+@pytest.mark.parametrize("layout, absorbed", [("thd", False), ("sbhd", True)])
+def test_opcheck_sparse_ops(layout, absorbed):
+    args = _op_args(layout, absorbed)
+    torch.library.opcheck(torch.ops.coreattn.sparse_attn_fwd.default, args)
+    out, lse, topk, lo, hi = torch.ops.coreattn.sparse_attn_fwd(*args)
+    q, k, v = (None if x is None else x.detach() for x in args[:3])
+    bwd = (torch.randn_like(out), q, k, v, out.detach(), lse, topk, lo, hi, layout, 0.25, args[15], "torch")
+    torch.library.opcheck(torch.ops.coreattn.sparse_attn_bwd.default, bwd)
+
+
+@pytest.mark.parametrize("layout, absorbed", [("thd", False), ("bshd", False), ("sbhd", True)])
+def test_fake_shapes_match_the_op(layout, absorbed):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = _op_args(layout, absorbed)
+    real = torch.ops.coreattn.sparse_attn_fwd(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = torch.ops.coreattn.sparse_attn_fwd(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                                    for a in args))
+    for r, f in zip(real, fake):
+        assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride()), layout
+
+
+# ---- backend choice ------------------------------------------------------------------------------
+
+def test_npu_fused_is_not_a_sparse_backend(monkeypatch):
+    q, k, v, cu = _one_sequence()
+    topk = torch.zeros(6, 4, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="npu_fused.*no sparse attention"):
+        coreattn.sparse_varlen_attn(q, k, v, topk, cu, cu, backend="npu_fused")
+    # set for dense attention, COREATTN_BACKEND=npu_fused leaves sparse attention at its default
+    monkeypatch.setenv("COREATTN_BACKEND", "npu_fused")
+    from coreattn.layers.backends import Backend, select_sparse_backend
+
+    expected = Backend.TRITON if KERNEL_DEVICE == "cuda" or not HAS_CUDA else Backend.TORCH
+    assert select_sparse_backend(torch.device(KERNEL_DEVICE)) is expected
+    monkeypatch.setenv("COREATTN_BACKEND", "torch")
+    assert select_sparse_backend(torch.device(KERNEL_DEVICE)) is Backend.TORCH
+
+
+def test_backend_resolved_when_the_compiled_graph_runs(monkeypatch):
+    """float64 runs only on the torch backend: COREATTN_BACKEND set after compiling still applies."""
+    torch._dynamo.reset()
+    monkeypatch.setenv("COREATTN_BACKEND", "triton")
+    q, k, v, cu = _one_sequence(F64)
+    topk = torch.tensor([[0, 1, 2, 3]] * 6)
+
+    def fn(q, k, v):
+        return coreattn.sparse_varlen_attn(q, k, v, topk, cu, cu)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    if KERNEL_DEVICE == "cpu" and not HAS_CUDA:  # the interpreter runs CPU tensors: the dtype check raises
+        with pytest.raises(TypeError, match="Triton backend supports"):
+            compiled(q, k, v)
+    monkeypatch.setenv("COREATTN_BACKEND", "torch")
+    torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), rtol=0, atol=0)
