@@ -107,7 +107,7 @@ def test_backward_is_deterministic(layout, monkeypatch):
     few tokens (several dK/dV accumulation rounds)."""
     from coreattn.layers.torch_backend import sparse
 
-    monkeypatch.setattr(sparse, "CHUNK_BYTES", 1 << 14)
+    monkeypatch.setenv(sparse.ENV_CHUNK_BYTES, str(1 << 14))
     case = SparseCase(layout=layout, dqk=64, dv=64, hq=8, hkv=2, topk=32, lens_q=(40, 23))
     inp = SparseInputs(case, F32)
     runs = []
