@@ -8,7 +8,7 @@ import torch
 import coreattn
 from coreattn.layers.sparse_function import key_bounds
 from coreattn.layers.torch_backend import sparse
-from coreattn.layers.torch_backend.sparse_prepare import prepare_topk
+from coreattn.kernels.sparse_index import prepare_topk
 from sparse_cases import SparseCase, SparseInputs, incoming_grad
 
 
@@ -18,8 +18,7 @@ def _prepared(inp: SparseInputs):
 
     case, kw = inp.case, inp.kwargs
     topk = flat_tokens(inp.topk_indices, case.layout)
-    topk = prepare_topk(topk if topk.dim() == 3 else topk.unsqueeze(1),
-                        flat_tokens(kw["topk_length"], case.layout) if "topk_length" in kw else None)
+    topk = prepare_topk(inp.topk_indices, case.layout, kw.get("topk_length"))
     if case.layout == "thd":
         layout = (inp.cu_q, None, inp.cu_k, None)
         seqlen_q = inp.q.shape[0]
