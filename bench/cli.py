@@ -175,6 +175,8 @@ def main(argv=None) -> int:
     report_name = None
     if set(args.what) == {"kernels"}:
         report_name = "compile-report-cdna" if set(args.arch) <= set(CDNA_ARCHS) else "compile-report"
+    elif set(args.what) == {"sparse"}:
+        report_name = f"sparse-{device_slug(sparse_device)}"
     out = args.out or _default_out(device, meta["performance_data"], report_name)
     out.mkdir(parents=True, exist_ok=True)
     total = (len(attn_cfgs) * len(modes) * len(args.providers) * len(args.dtype) if run_attn else 0) + \

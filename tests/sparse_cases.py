@@ -171,6 +171,22 @@ class SparseInputs:
             i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
             self.cu_q, self.cu_k = i32(cu_q), i32(cu_k)
 
+    def on(self, device) -> "SparseInputs":
+        """A copy of these inputs on ``device`` (new leaves; the oracle stays with the CPU ones)."""
+        if str(device) == "cpu":
+            return self
+        other = object.__new__(SparseInputs)
+        other.__dict__.update(self.__dict__)
+        move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        for name in ("q", "k", "v"):
+            x = getattr(self, name)
+            setattr(other, name, None if x is None else x.detach().to(device).requires_grad_())
+        other.topk_indices = move(self.topk_indices)
+        other.kwargs = {n: tuple(map(move, x)) if isinstance(x, tuple) else move(x) for n, x in self.kwargs.items()}
+        if self.case.layout == "thd":
+            other.cu_q, other.cu_k = move(self.cu_q), move(self.cu_k)
+        return other
+
     def call(self, fn=None, **over):
         """Runs the public function of the layout: (out, lse)."""
         import coreattn
@@ -214,11 +230,14 @@ def incoming_grad(out: torch.Tensor, seed: int = 3) -> torch.Tensor:
     return torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
 
 
-def assert_sparse_matches_oracle(inp: SparseInputs, out: torch.Tensor, lse: torch.Tensor, grads: bool = True):
+def assert_sparse_matches_oracle(inp: SparseInputs, out: torch.Tensor, lse: torch.Tensor, grads: bool = True,
+                                 run: SparseInputs | None = None):
     """out, lse and (``grads``) dq/dk/dv of a call against the float64 oracle: the flash criterion
     (err <= 2 * err of the naive same-dtype computation + eps) in 16/32-bit, 1e-10 in float64; lse
-    -inf exactly where the oracle's is; no NaN."""
-    out_flat, lse_flat = inp.flat(out), inp.flat_lse(lse)
+    -inf exactly where the oracle's is; no NaN. ``run``: the inputs the call ran on (``inp.on(device)``),
+    if not ``inp``."""
+    run = run or inp
+    out_flat, lse_flat = run.flat(out), run.flat_lse(lse).cpu()
     ref, ref_lse = inp.reference(upcast=True)
     naive, naive_lse = inp.reference(upcast=False)
     assert out.dtype == inp.q.dtype
@@ -227,12 +246,13 @@ def assert_sparse_matches_oracle(inp: SparseInputs, out: torch.Tensor, lse: torc
     fin = torch.isfinite(ref_lse)
     g = incoming_grad(out_flat)
     leaves = inp.leaves()
-    got = [out_flat, lse_flat[fin]]
+    got = [out_flat.cpu(), lse_flat[fin]]
     want = [ref, ref_lse[fin]]
     base = [naive, naive_lse[fin]]
     names = ["out", "lse"]
     if grads:
-        got += list(torch.autograd.grad(out_flat, leaves, g, retain_graph=True))
+        got += [x.cpu() for x in torch.autograd.grad(out_flat, run.leaves(), g.to(out_flat.device),
+                                                     retain_graph=True)]
         want += list(torch.autograd.grad(ref, leaves, g.double()))
         base += list(torch.autograd.grad(naive, leaves, g.to(naive.dtype)))
         names += ["dq", "dk", "dv"][:len(leaves)]
