@@ -113,7 +113,9 @@ def _sparse_dq_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq
     v_base = v_ptr + b64 * stride_vb + g64 * stride_vh
     offs_n = tl.arange(0, BLOCK_N)
     dq = tl.zeros([BLOCK_H, BLOCK_DQK], tl.float32)
-    dq2 = tl.zeros([BLOCK_H, BLOCK_DQK2], tl.float32)
+    dq2 = dq  # a second block only where the q/k dim is split (a 0-wide tl.zeros is no tensor)
+    if BLOCK_DQK2 > 0:
+        dq2 = tl.zeros([BLOCK_H, BLOCK_DQK2], tl.float32)
     for s0 in range(0, n_slots, BLOCK_N):
         valid, row = _slot_rows(idx_row, s0, offs_n, n_slots, lo, hi, k_last)
         kb = _gather(k_base, row, valid, stride_kt, HEAD_DIM_QK, 0, BLOCK_DQK)  # [N, DQK]
@@ -223,7 +225,9 @@ def _sparse_dkv_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, o
     q_base = q_ptr + b64 * stride_qb + s64 * stride_qt
     do_base = do_ptr + b64 * stride_dob + s64 * stride_dot
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
-    dk2 = tl.zeros([BLOCK_N, BLOCK_DQK2], tl.float32)
+    dk2 = dk
+    if BLOCK_DQK2 > 0:
+        dk2 = tl.zeros([BLOCK_N, BLOCK_DQK2], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for h0 in range(0, group, BLOCK_H):  # group >= 1
         offs_h = h0 + tl.arange(0, BLOCK_H)
@@ -314,7 +318,9 @@ def _sparse_reduce_program(task, part_ptr, acc_ptr, row_ptr, entries_ptr, heads_
     end = tl.load(row_ptr + seg + 1)
     offs_w = cb * BLOCK_W + tl.arange(0, BLOCK_W)
     cols = tl.minimum(offs_w, width - 1)
-    some = (offs_w < width) & (end > start)  # a key without entries in this chunk: no traffic
+    # a key without entries in this chunk: no traffic (compared as vectors: Triton 3.9's interpreter
+    # rejects the mask a scalar comparison broadcasts into)
+    some = (offs_w < width) & (offs_w * 0 + start < end)
     acc_row = acc_ptr + (r.to(tl.int64) * heads_kv + g) * stride_row
     acc = tl.load(acc_row + cols, mask=some, other=0.0)
     part_g = part_ptr + g.to(tl.int64) * chunk_slots * stride_row
