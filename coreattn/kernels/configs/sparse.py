@@ -46,29 +46,32 @@ _REDUCE = {"cuda": _C(0, 512, 4, 2), "cdna": _W(0, 512, 4, 1)}
 # the delta preprocess (the dense kernel): rows per program and warps by v's block
 _PRE = ((128, _C(64, 0, 4, None)), (256, _C(32, 0, 4, None)), (512, _C(16, 0, 8, None)))
 _FP32 = {"fwd": _C(16, 16, 4, 1), "dq": _C(16, 16, 8, 2), "dkv": _C(16, 16, 4, 1)}
-_FP32_CDNA = {kernel: cfg._replace(matrix_instr_nonkdim=16) for kernel, cfg in _FP32.items()}
+# CDNA's fp32 MFMAs (IEEE): one or two waves per 16-row tile as for 16-bit (dK/dV on 4: 1-2 waves took 256
+# VGPRs, one wave per SIMD)
+_FP32_CDNA = {"fwd": _W(16, 16, 1, 1), "dq": _W(16, 16, 2, 1), "dkv": _W(16, 16, 4, 1)}
 
-# (max width, max group, config), by the MMA family. mma.sync (every CUDA arch at 16-row tiles; sm90's
-# wgmma only for the forward's 64-head tiles) holds both operands of a dot in registers, and q (the
+# (max width, max group, config), by the MMA family. mma.sync (every CUDA arch at 16- and 32-row tiles:
+# sm90's wgmma needs 64 rows per warpgroup) holds both operands of a dot in registers, and q (the
 # dK/dV kernel's) or the gathered keys (dQ's) take two roles, so the head blocks of the backward stay
 # at 16 rows; a 512-column fp32 accumulator (absorbed MLA's V and dK) needs 4-8 warps beside it.
 _CUDA = {
     # GQA (<= 256): 16 q heads per step over 64 slots, 4 warps splitting the columns (no duplicated MMA).
-    # 576/512: 16 heads on 4 warps; 32 and more on 8 (64 on sm90's wgmma: 64-128 heads). Each 512-column
-    # tile duplicates its score dot (Triton lays a chained dot's warps along its rows: a 16- or 32-row
-    # tile on 4 or 8 warps, a 64-row wgmma tile on two warpgroups); the other layouts would hold
-    # 256 registers of accumulator per thread.
+    # 576/512: 16 heads on 4 warps; 32 and more on 8 (64 on sm100's tcgen05). The 32-row tile repeats its
+    # score dot on 2 warps (Triton lays a chained dot's warps along its rows); a layout without any
+    # repeat would hold 256 registers of 512-column accumulator per thread.
     "fwd": ((256, 1 << 30, _C(16, 64, 4, 2)), (1024, 16, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(32, 32, 8, 2))),
     "dq": ((256, 1 << 30, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(16, 32, 8, 2))),
-    # dK/dV: 32 slots by 16 heads per step; at 576/512, 16 slots by 32 heads on 8 warps
-    "dkv": ((256, 1 << 30, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(32, 16, 8, 2))),
+    # dK/dV: 16 slots by 16 heads per step (32 slots took 226-255 registers and spilled 36 B in the atomic
+    # variant at 192/128 under Triton 3.9.0; 16: 154-166); at 576/512, 16 slots by 32 heads on 8 warps
+    "dkv": ((256, 1 << 30, _C(16, 16, 4, 2)), (1024, 1 << 30, _C(32, 16, 8, 2))),
 }
 for _kernel, _rows in _CUDA.items():
     for _target in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120"):
         _TABLES[_kernel][_target] = _rows
-# sm90: 64 heads per forward step (64-128 heads) on two warpgroups' wgmma; sm100: on tcgen05 over 16 slots
-# (32 slots took 208 KB and 255 registers and spilled 12 B)
-_TABLES["fwd"]["sm90"] = _CUDA["fwd"][:2] + ((1024, 32, _C(32, 32, 8, 2)), (1024, 1 << 30, _C(64, 32, 8, 2)))
+# sm100: 64 heads per forward step (64-128 heads) on tcgen05 over 16 slots (32 slots took 208 KB and 255
+# registers and spilled 12 B under Triton 3.7.1). sm90's wgmma at 64 heads (64 x 32 on two warpgroups:
+# 234-244 registers and no spill under 3.6.0-3.8.0) spilled 144 B under 3.9.0 (64 x 16: 64 B; one
+# stage: 360 B), so sm90 keeps mma.sync's 32-head tile.
 _TABLES["fwd"]["sm100"] = _CUDA["fwd"][:2] + ((1024, 32, _C(32, 32, 8, 2)), (1024, 1 << 30, _C(64, 16, 8, 2)))
 # AMD CDNA (wave64, 16x16 MFMAs, single-stage loops): a chained dot's waves go along its rows too, so
 # a 16-row tile takes 1-2 waves (each more repeats the score dots: 8 waves on the 576/512 backward
