@@ -30,11 +30,15 @@ Saved by the forward for this (the caller keeps them): q, k, v, out, lse, the pr
 the bounds: O(T * K) beyond the inputs and output (int32 indices, 4 B per slot). Recomputed: the
 scores and probabilities (from lse), in both (2) and (3). Memory of this launcher beyond its
 outputs: delta (4 B per (token, q head)); the fp32 accumulator, (Dqk + Dv) x 4 B per (key row, kv
-head) (absorbed with the key block as V: Dqk x 4 B); and per chunk of C tokens the partial buffer,
-Hkv x C x K x (its row width, padded to 4 columns) x 4 B (<= the budget: C is the largest that
-fits, at least 1), plus the CSR: 12-24 B per (token, index head, slot) of the chunk while it is
-built (int64 sort keys and order) and 4 B kept. The atomic variant needs the accumulator only.
-Every (token, slot) is gathered twice (dQ and dK/dV kernels) as the forward gathers it once.
+head) (absorbed MLA with the key block as V: Dqk x 4 B; 576/512 over 32k keys: 75 MB); and per
+chunk of C query tokens the partial buffer, Hkv x C x K x (its row width, padded to 4 columns) x 4 B,
+at most the budget (C is the largest that fits, at least 1: 576/512 with K = 2048 is 4.7 MB per
+token, 227 tokens per chunk in the default 1 GiB), plus the chunk's CSR: about 40 B per (token,
+index head, slot) while torch sorts it (int64 keys, order and temporaries), 4 B kept, and 4 B per
+(index head, key row) of row pointers. The atomic variant needs the accumulator only. Traffic:
+every (token, slot) is gathered twice (dQ and dK/dV kernels), and the deterministic variant
+writes and reads each valid (token, kv head, slot)'s partial row once (2 x 4 x row width bytes:
+4.6 KB at 576/512), which the atomic variant replaces with one fp32 atomic add per element.
 """
 
 from __future__ import annotations

@@ -15,9 +15,20 @@ the group class (heads per kv head: the 16-row tiles of GQA and the 64-row ones 
 64-128 heads take different warps).
 
 How the CUDA and CDNA entries were picked: by compiling (``python -m bench --what kernels``,
-coreattn/tune/compiler.py; docs/compile-report.md has the figures per arch and Triton): 0 spill
-bytes, shared memory within the arch's per-block limit, every tl.dot an MMA of the input type.
-None has been timed.
+coreattn/tune/compiler.py; docs/compile-report.md has the figures per arch and Triton, the run in
+bench/results/compile-report-sparse_2026-11-28/): with these tables every sparse kernel of the
+report (absorbed 576/512 at 16-128 heads, GQA 4 at 192/128, 128 and 64, bf16, fp16 and fp32) has
+0 spill bytes and fits its arch's shared memory (LDS) on sm80, sm86, sm89, sm90, sm100 and sm120
+under Triton 3.6.0, 3.7.1, 3.8.0 and 3.9.0 and on gfx90a, gfx942 and gfx950 under 3.9.0, and every
+16-bit tl.dot is an MMA of its input type (mma.sync; tcgen05 for sm100's 64-head forward; 16x16
+MFMAs). The comments below say what each choice avoided. What is left is MMA work: the score dots
+of 16- and 32-row tiles repeat on 2-4 warps (CDNA waves), and a GQA group smaller than 16 pads the
+16-row tile with masked heads. None has been timed.
+
+Ascend (triton-ascend: one warp, a persistent grid) sizes the tiles by the on-chip buffer as the
+dense tables do (``step_bytes``); the kernels run under triton-ascend 3.2's interpreter in the
+Ascend CI lane. At 576/512 the backward's accumulators exceed the 96 KB step budget even at
+16 x 16, which relies on the count's overestimate (the dense fp32 kernels at 256 do the same).
 """
 
 from __future__ import annotations
