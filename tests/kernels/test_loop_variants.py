@@ -172,3 +172,41 @@ def test_fused_qkv_views_take_descriptors(descriptors):
     (ref_grad,) = torch.autograd.grad(ref, leaf, g.double())
     (naive_grad,) = torch.autograd.grad(naive, naive_leaf, g.to(naive.dtype))
     assert_flash_criterion("dqkv", grad, naive_grad, ref_grad)
+
+
+def test_descriptors_reject_zero_and_overlapping_token_strides():
+    """usable(): a token stride of 0 (a dO expanded along the tokens) or tokens closer than H * D
+    elements (overlapping rows) is not a [T, H * D] tensor a descriptor can describe."""
+    from coreattn.kernels.descriptors import usable
+    from coreattn.kernels.packing import packed
+
+    pack = (packed(torch.tensor([0, 8], dtype=torch.int32)),)
+    base = torch.randn(8, 2, 32, dtype=torch.float16)
+    assert usable(pack, ((base, 32),))
+    expanded = torch.randn(1, 2, 32, dtype=torch.float16).expand(8, 2, 32)  # token stride 0
+    assert expanded.stride(0) == 0 and not usable(pack, ((expanded, 32),))
+    overlapping = torch.randn(288, dtype=torch.float16).as_strided((8, 2, 32), (32, 32, 1))  # token stride < H * D
+    assert not usable(pack, ((overlapping, 32),))
+    wider = torch.randn(8, 3, 2, 32, dtype=torch.float16)[:, 0]  # token stride 3 * H * D: fine
+    assert usable(pack, ((wider, 32),))
+
+
+def test_expanded_dout_takes_pointer_loads(descriptors):
+    """A dO expanded along the tokens (out.sum() over a broadcast, or a user's expand) reaches the
+    backward with token stride 0: the dK/dV kernel takes the pointer loads, and the result matches the
+    same gradient materialized."""
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 9, 25], dtype=torch.int32)
+    q, k, v = (torch.randn(25, 2, 32, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    cfg = AttnConfig(16, 16, 1, 1, tma=True)
+    g = torch.randn(1, 2, 32, dtype=torch.float16)
+    with forced_configs(fwd=cfg, dkdv=cfg, dq=cfg):
+        out = coreattn.varlen_attn(q, k, v, cu, cu, 16, 16, causal=True, backend="triton")
+        descriptors.clear()
+        got = torch.autograd.grad(out, (q, k, v), g.expand(25, 2, 32), retain_graph=True)
+        assert len(descriptors) == 2  # the dQ kernel's k and v; no q or dO descriptor for dK/dV
+        descriptors.clear()
+        want = torch.autograd.grad(out, (q, k, v), g.expand(25, 2, 32).contiguous())
+        assert len(descriptors) == 4
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
