@@ -5,6 +5,8 @@ backend options (no ``maxnreg``; a dot precision the arch accepts)."""
 
 from types import SimpleNamespace
 
+import logging
+
 import pytest
 import torch
 
@@ -42,14 +44,20 @@ def test_rocm_device_gets_its_cdna_target_not_a_cuda_one(rocm, arch):
 
 
 @pytest.mark.parametrize("name", ["gfx908:sramecc+:xnack-", "gfx1100", "gfx1201", "gfx1250"])
-def test_unknown_amd_arch_raises_and_suggests_the_torch_backend(rocm, name):
+def test_unknown_amd_arch_falls_back_to_the_torch_backend(rocm, name, caplog, monkeypatch):
+    from coreattn.layers import backends
+
     rocm(name)
+    monkeypatch.setattr(backends, "_logged", set())
     with pytest.raises(RuntimeError, match=rf"{name.split(':')[0]}.*backend='torch'"):
         target_of(CUDA0)
     avail = is_available(Backend.TRITON, CUDA0)
     assert not avail.ok and "backend='torch'" in avail.reason
-    with pytest.raises(RuntimeError, match="no default backend for this ROCm device"):
-        select_backend(CUDA0)
+    with caplog.at_level(logging.INFO, logger="coreattn"):
+        assert select_backend(CUDA0) is Backend.TORCH  # a device without kernels falls back, never raises
+    assert any(name.split(":")[0] in r.getMessage() for r in caplog.records)
+    with pytest.raises(RuntimeError, match=rf"backend='triton' cannot run on cuda.*{name.split(':')[0]}"):
+        select_backend(CUDA0, "triton")
     assert select_backend(CUDA0, "torch") is Backend.TORCH
 
 
