@@ -247,6 +247,44 @@ def test_supported_mask_patterns_give_the_padding_mask():
         assert coreattn_hf.padding_mask(2, 4, 4, mask_function=fn, attention_mask=None) is None
 
 
+def test_no_keep_mask_when_nothing_is_padded(monkeypatch):
+    """An all-ones attention mask builds no keep mask (the kernels' masked path for every key block
+    of every layer otherwise), a padded one does; under torch.compile the mask is kept (no read)."""
+    ones = torch.ones(2, 4, dtype=torch.long)
+    assert coreattn_hf.padding_mask(2, 4, 4, attention_mask=ones) is None
+    padded = ones.clone()
+    padded[1, 0] = 0
+    assert torch.equal(coreattn_hf.padding_mask(2, 4, 4, attention_mask=padded), padded.bool())
+    # a longer mask (a cache) sliced to kv_length is kept as it is
+    assert coreattn_hf.padding_mask(2, 4, 3, attention_mask=ones).shape == (2, 3)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert torch.equal(coreattn_hf.padding_mask(2, 4, 4, attention_mask=ones), ones.bool())
+
+
+def test_unpadded_batch_with_a_mask_runs_without_keep_masks(monkeypatch):
+    """What the layers see for a right-padded model call whose mask keeps everything: no keep mask."""
+    from coreattn.layers import function
+
+    seen = []
+    real = function._packings
+
+    def spy(*args):
+        packs = real(*args)
+        seen.extend(pack.keep for pack in packs)
+        return packs
+
+    monkeypatch.setattr(function, "_packings", spy)
+    model = hm.build("llama", torch.float32, TORCH_IMPL)
+    ids = torch.randint(0, model.config.vocab_size, (2, 6))
+    model(input_ids=ids, attention_mask=torch.ones(2, 6, dtype=torch.long), use_cache=False)
+    assert seen and all(keep is None for keep in seen)
+    seen.clear()
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, 4:] = 0
+    model(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert seen and all(keep is not None for keep in seen)
+
+
 # --- torch.compile ---------------------------------------------------------------------------------
 
 def test_position_ids_are_read_when_the_op_runs(monkeypatch):
