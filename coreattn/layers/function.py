@@ -63,7 +63,7 @@ from coreattn.layers.backends import Backend, select_backend
 from coreattn.kernels import varlen_attn_bwd, varlen_attn_fwd
 from coreattn.kernels.packing import Packing, new_rowstat
 from coreattn.kernels import dropout
-from coreattn.layers.checks import KERNEL_DTYPES, VarlenParams, check_layout_values, keep_as_uint8
+from coreattn.layers.checks import KERNEL_DTYPES, VarlenParams, check_layout_values, keep_as_uint8, reads_values
 from coreattn.kernels.softmax_offset import softmax_offset_grad
 from coreattn.layers.torch_backend import attn_torch_bwd, attn_torch_fwd
 
@@ -125,9 +125,9 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor, tokens: int, compac
     On a device the number of sequences is not read back (no host sync: the path can be captured
     in a CUDA graph and replayed with other position ids): the result has a fixed capacity of
     ``tokens + 1`` entries, the sequences followed by zero-length ones (the kernels' tile maps give
-    those no tiles: one idle program per head each). On CPU, where reading is free, it holds the
-    sequences only (``compact``: force either form). Nothing is cached: each call computes from the
-    values the tensor holds now."""
+    those no tiles: one idle program per head each). On CPU, where reading is free
+    (``coreattn.layers.checks.reads_values``), it holds the sequences only (``compact``: force
+    either form). Nothing is cached: each call computes from the values the tensor holds now."""
     rows = position_ids.reshape(-1, position_ids.shape[-1]) if position_ids.dim() else position_ids.reshape(1, 1)
     if rows.numel() != tokens:
         if rows.shape[0] != 1 or tokens % rows.shape[1]:
@@ -137,7 +137,7 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor, tokens: int, compac
     starts[:, 1:] = rows[:, 1:] - rows[:, :-1] != 1
     starts = starts.reshape(-1)
     end = torch.full((1,), tokens, dtype=torch.int32, device=position_ids.device)
-    if position_ids.device.type == "cpu" if compact is None else compact:
+    if reads_values(position_ids) if compact is None else compact:
         return torch.cat([starts.nonzero().view(-1).to(torch.int32), end])
     # sequence number (from 1) of each token; cu[b] = the number of tokens in sequences 1..b
     seq_of_token = starts.cumsum(0, dtype=torch.int32)
