@@ -67,7 +67,7 @@ def _triton_available(device: torch.device) -> Availability:
         if interpreted:
             return Availability(False, "kernels were built for Triton's interpreter (TRITON_INTERPRET=1), which runs on CPU tensors")
         if torch.version.hip:  # ROCm's PyTorch: AMD GPUs are cuda devices
-            from coreattn.kernels.config import target_of
+            from coreattn.kernels.configs.targets import target_of
 
             try:
                 target = target_of(device)

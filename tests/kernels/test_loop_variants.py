@@ -15,8 +15,11 @@ import torch
 
 import coreattn
 from attn_cases import KERNEL_DEVICE, Case, assert_flash_criterion, make_inputs
-from coreattn.kernels import attn_bwd, attn_fwd, config
-from coreattn.kernels.config import AttnConfig, forced_configs
+from coreattn.kernels import attn_bwd, attn_fwd
+from coreattn.kernels.configs.base import KERNELS, AttnConfig
+from coreattn.kernels.configs.dense import shipped_config
+from coreattn.kernels.configs.pick import forced_configs
+from coreattn.kernels.configs.space import candidates, loop_flags
 from oracle import attention_ref
 
 pytestmark = pytest.mark.skipif(KERNEL_DEVICE != "cpu", reason="interpreter runs of forced configs")
@@ -130,23 +133,23 @@ def test_launches_without_descriptors_fall_back_to_pointer_loads(descriptors):
 
 def test_warp_specialization_needs_the_descriptor_loop():
     cfg = AttnConfig(64, 64, 4, 2, warp_specialize=True, tma=True)
-    assert config.loop_flags(cfg, "sm100", True) == dict(TMA=True, WARP_SPEC=True)
-    assert config.loop_flags(cfg, "sm100", False) == dict(TMA=False, WARP_SPEC=False)
-    assert config.loop_flags(cfg, "sm80", True) == dict(TMA=False, WARP_SPEC=False)
-    assert config.loop_flags(cfg._replace(tma=False), "sm90", True) == dict(TMA=False, WARP_SPEC=False)
+    assert loop_flags(cfg, "sm100", True) == dict(TMA=True, WARP_SPEC=True)
+    assert loop_flags(cfg, "sm100", False) == dict(TMA=False, WARP_SPEC=False)
+    assert loop_flags(cfg, "sm80", True) == dict(TMA=False, WARP_SPEC=False)
+    assert loop_flags(cfg._replace(tma=False), "sm90", True) == dict(TMA=False, WARP_SPEC=False)
 
 
 def test_candidate_spaces():
     for target in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120"):
-        for kernel in config.KERNELS:
+        for kernel in KERNELS:
             for widths in ((64, 64), (128, 128), (192, 128), (256, 256)):
-                found = config.candidates(target, kernel, *widths)
-                assert found[0] == config.shipped_config(target, kernel, *widths)
+                found = candidates(target, kernel, *widths)
+                assert found[0] == shipped_config(target, kernel, *widths)
                 assert len(found) == len(set(found)) >= 3
                 assert all(c.tma == c.warp_specialize == False for c in found) or target in ("sm90", "sm100")
                 assert not any(c.warp_specialize and not c.tma for c in found)
-    assert config.candidates("sm90", "fwd", 128, 128, elem=4) == [config.shipped_config("sm90", "fwd", 128, 128, 4)]
-    assert config.candidates("ascend", "fwd", 128, 128) == [config.shipped_config("ascend", "fwd", 128, 128)]
+    assert candidates("sm90", "fwd", 128, 128, elem=4) == [shipped_config("sm90", "fwd", 128, 128, 4)]
+    assert candidates("ascend", "fwd", 128, 128) == [shipped_config("ascend", "fwd", 128, 128)]
 
 
 def test_fused_qkv_views_take_descriptors(descriptors):

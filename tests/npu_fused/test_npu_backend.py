@@ -20,7 +20,7 @@ from attn_cases import (CASES, KERNEL_DEVICE, LENS_K, Case, assert_flash_criteri
 from coreattn.layers import backends
 from coreattn.kernels import npu
 from coreattn.layers.backends import Backend, is_available, select_backend
-from coreattn.kernels.config import ENV_TRITON_TARGET, target_of
+from coreattn.kernels.configs.targets import ENV_TRITON_TARGET, target_of
 from coreattn.kernels.packing import Packing, packed
 from coreattn.layers import dispatch
 from coreattn.layers.checks import VarlenParams
