@@ -101,7 +101,12 @@ def persistent_grid(device: torch.device, tasks: int, vector_only: bool = False)
     else:
         from coreattn.kernels.npu import ascend_core_counts
 
-        aicore, vectorcore = ascend_core_counts(device.index or 0)
+        index = device.index
+        if index is None:  # "npu" means the current NPU (what the launch runs on), not NPU 0
+            from triton.runtime import driver
+
+            index = driver.active.get_current_device()
+        aicore, vectorcore = ascend_core_counts(index)
     cores = vectorcore if vector_only else aicore
     return max(1, min(cores, tasks, MAX_PERSISTENT_GRID))
 
