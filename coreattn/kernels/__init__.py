@@ -5,8 +5,10 @@ Owns: ``attn_fwd.py`` / ``attn_bwd.py`` (the attention kernels and their launche
 (the ``@triton.jit`` helpers both share: masks in registers, dropout, row loads and stores),
 ``tile_map.py`` (the per-call tile map: which sequence and rows each attention program works on,
 and the one layout check per call),
-``config.py`` (launch configs per target, which target a device is, the tuner's candidate spaces
-and which config a launch picks), ``tuned_cache.py`` (the tuned-config files: reading, writing, the
+``configs/`` (launch configs, one file per concern: ``targets.py``, which target a device is;
+``base.py``, what a config is; ``dense.py``, the dense attention kernels' tables per target, one
+table file per kernel family; ``space.py``, the tuner's candidate spaces; ``pick.py``, which config
+a launch picks), ``tuned_cache.py`` (the tuned-config files: reading, writing, the
 launchers' lookup), ``descriptors.py`` (TMA descriptors for the loop loads), ``packing.py`` (how a
 side's tokens are laid out: packed, padded, spans, keep masks), ``masks.py`` (the mask
 utilities' gather/scatter and token-id kernels), ``dropout.py`` (dropout's keep mask: the

@@ -51,8 +51,8 @@ import triton.language as tl
 
 from coreattn.kernels.attn_bwd import _attn_bwd_preprocess_kernel
 from coreattn.kernels.attn_fwd import LOG2E, dot_precision
-from coreattn.kernels.config import target_of
 from coreattn.kernels.configs.sparse import sparse_config
+from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.device import on_device
 from coreattn.kernels.packing import seq_strides
 from coreattn.kernels.sparse_fwd import (SPARSE_RUNTIME_INTS, _gather, _head_rows, _program_heads, _slot_rows,

@@ -3,7 +3,7 @@
 ``emulate(arch)`` makes Triton compile for that architecture (its active driver is replaced by
 one that reports the arch's GPUTarget: ``cuda`` and a capability, or ``hip``, a gfx arch and
 wave64) and answers the project's own launch-target lookup as a device of that arch would, so
-``coreattn.kernels.config`` picks the arch's tiles and launch options.
+``coreattn.kernels.configs`` picks the arch's tiles and launch options.
 Every kernel launch inside becomes a compile-only warmup. ``compile_problem`` then calls the real
 launchers (``varlen_attn_fwd``/``varlen_attn_bwd``) on CPU tensors laid out as a packed thd batch,
 so each kernel is compiled with the constexprs, warps, stages and argument specialization a GPU
@@ -168,11 +168,11 @@ class _EmulatedDriver:
 
 
 def arch_target(arch: str) -> str:
-    """The launch-config target (kernels/config.py) of an emulated arch: a CDNA arch is its own
-    target, a CUDA arch maps through its compute capability."""
-    from coreattn.kernels import config
+    """The launch-config target (kernels/configs/targets.py) of an emulated arch: a CDNA arch is its
+    own target, a CUDA arch maps through its compute capability."""
+    from coreattn.kernels.configs.targets import cuda_target
 
-    return arch if arch in CDNA_ARCHS else config.cuda_target(*divmod(ARCHS[arch].capability, 10))
+    return arch if arch in CDNA_ARCHS else cuda_target(*divmod(ARCHS[arch].capability, 10))
 
 
 @contextlib.contextmanager
@@ -185,11 +185,11 @@ def emulate(arch: str):
     from triton.runtime import driver
 
     import coreattn.kernels as kernels
-    from coreattn.kernels import config
+    from coreattn.kernels.configs.targets import target_of as real_target_of
 
     target = arch_target(arch)
-    real_target_of = config.target_of
-    patched = [importlib.import_module(f"coreattn.kernels.{m.name}") for m in pkgutil.iter_modules(kernels.__path__)]
+    # every module that bound target_of, kernels/configs/ included
+    patched = [importlib.import_module(m.name) for m in pkgutil.walk_packages(kernels.__path__, "coreattn.kernels.")]
     patched = [m for m in patched if getattr(m, "target_of", None) is real_target_of]
     launches: list[dict] = []
     real_run = jit.JITFunction.run

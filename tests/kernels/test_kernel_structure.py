@@ -1,7 +1,7 @@
 """What the compiler makes of the kernels per CUDA and AMD CDNA architecture, without a device
 (coreattn/tune/compiler.py): every kernel's shared memory fits its arch's per-block limit; on sm90
 at head dims 64, 128, 192/128 and 256 no kernel spills, every dot is a wgmma, no MMA is duplicated
-across warps and the loops are pipelined (num_stages >= 2); elsewhere no spills where config.py's
+across warps and the loops are pipelined (num_stages >= 2); elsewhere no spills where configs/dense.py's
 tables achieve that. On gfx942 and gfx950 (AMD MI300, MI350) at 64, 128, 192/128 and 256, and on
 gfx90a (MI250X) where its forward table differs from gfx942's: no VGPR spills and no scratch, LDS within the arch's limit, every dot an MFMA of the input type, none
 duplicated across waves, at least 2 waves per SIMD.
@@ -50,7 +50,7 @@ DIMS = {arch: ("128/128", "256/256") for arch in ARCHS}
 DIMS.update(sm90=SM90_DIMS, sm89=("256/256",), sm100=("256/256",))
 DIMS["sm90"] += ("128/128@fp32",)
 DIMS["sm86"] += ("128/128@fp32",)
-# (arch, dims) whose kernels config.py's tables keep spill-free (see its docstring for the rest)
+# (arch, dims) whose kernels configs/dense.py's tables keep spill-free (see its docstring for the rest)
 SPILL_FREE = {(arch, dims) for arch in ARCHS for dims in DIMS[arch]}
 CDNA_DIMS = {arch: ("64/64", "128/128", "192/128", "256/256") for arch in ("gfx942", "gfx950")}
 CDNA_DIMS["gfx90a"] = ("64/64", "64/64+max_logit", "128/128", "256/256")

@@ -131,7 +131,7 @@ def test_the_shipped_configs_compile(compiled):
 
 def test_the_loop_variants_compile(compiled):
     """The tuner's TMA and warp-specialized variants: one that this Triton cannot compile is not a
-    candidate there (the tuner drops it; config.py's _VARIANTS are what Triton 3.9 compiles), so it
+    candidate there (the tuner drops it; configs/space.py's _VARIANTS are what Triton 3.9 compiles), so it
     is skipped here, by name; its classes are then not required below."""
     failed = [e for e in compiled["errors"] if "@" in e["case"]]
     if failed:

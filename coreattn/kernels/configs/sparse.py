@@ -37,7 +37,8 @@ import functools
 
 import triton
 
-from coreattn.kernels.config import (ASCEND_STEP_BUDGET, CDNA_TARGETS, FP_FUSION, MAXNREG, AttnConfig)
+from coreattn.kernels.configs.base import AttnConfig
+from coreattn.kernels.configs.targets import ASCEND_STEP_BUDGET, CDNA_TARGETS, FP_FUSION, MAXNREG
 
 KERNELS = ("fwd", "dq", "dkv", "reduce", "pre")
 MIN_BLOCK_H = 16  # tl.dot's smallest M
