@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from coreattn.kernels.config import record_configs
+from coreattn.kernels.configs.pick import record_configs
 
 _UNTIMED = [contextlib.nullcontext]  # what wraps an ``untimed`` block (bench/isolation.py's worker: a launch trace)
 

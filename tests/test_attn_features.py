@@ -13,7 +13,7 @@ import torch
 import coreattn
 from attn_cases import (KERNEL_DEVICE, KERNEL_DTYPES, LENS_K, Case, assert_flash_criterion, assert_lse_criterion,
                         cu_from_lens, dtype_id, make_inputs, max_err)
-from coreattn.kernels import config
+from coreattn.kernels.configs import base, dense, targets
 from coreattn.kernels import dropout
 from oracle import attention_ref, max_logit_ref, padded_attention_ref
 
@@ -158,8 +158,8 @@ def _expected_mask(state, p, cu, hq, width):
 
 LAUNCHES = {
     "interpreter-16x32": lambda mp: None,
-    "interpreter-32x16": lambda mp: mp.setattr(config, "_INTERPRETER", config.AttnConfig(32, 16, 1, 1)),
-    "ascend-persistent": lambda mp: mp.setenv(config.ENV_TRITON_TARGET, "ascend"),
+    "interpreter-32x16": lambda mp: mp.setattr(dense, "_INTERPRETER", base.AttnConfig(32, 16, 1, 1)),
+    "ascend-persistent": lambda mp: mp.setenv(targets.ENV_TRITON_TARGET, "ascend"),
     "torch": lambda mp: None,
 }
 

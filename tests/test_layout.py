@@ -2,12 +2,14 @@
 each subpackage imports only what its ``__init__`` docstring allows, and the layers stay small."""
 
 import ast
+import graphlib
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "coreattn"
 LAYERS = PACKAGE / "layers"
+KERNELS = PACKAGE / "kernels"
 MAX_LINES = 450
 MAX_ROOT_MODULES = 10  # the api, ops and checks of dense and sparse attention, backends, dispatch, the module
 
@@ -79,3 +81,15 @@ def test_every_subpackage_says_what_it_owns_and_may_import():
     for init in PACKAGE.rglob("__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         assert "May import" in doc or init.parent == PACKAGE, f"{init.relative_to(PACKAGE)}: {doc[:80]!r}"
+
+
+def test_kernels_modules_import_without_a_circle():
+    """No circle among the kernels' modules, function-level imports included (kernels/configs/ and
+    kernels/tuned_cache.py were one until configs/pick.py could import the cache at module level).
+    A package's own ``__init__`` is left out: Python imports it before any of its modules."""
+    modules = {_module_name(p): p for p in KERNELS.rglob("*.py") if p.name != "__init__.py"}
+    graph = {name: {m for m in _imports(path) if m in modules} for name, path in modules.items()}
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        pytest.fail(f"import circle: {' -> '.join(exc.args[1])}")

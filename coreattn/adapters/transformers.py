@@ -109,7 +109,9 @@ def _unsupported_parts(fn) -> list[str]:
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
                  attention_mask: torch.Tensor | None = None, use_vmap: bool = False, config=None, **kwargs):
     """transformers' mask builder for coreattn: the ``[B, kv_length]`` bool keep mask (its last
-    kv_length columns, as for flash attention), or None without padding. Never expanded to
+    kv_length columns, as for flash attention), or None without padding (no mask given, or one
+    that keeps every token: read once per forward, except under torch.compile or CUDA-graph capture,
+    which keep the mask). Never expanded to
     ``[B, 1, Sq, Sk]``; causal and window patterns come from the attention call itself. Mask
     patterns coreattn cannot run raise here (see the module docstring)."""
     local_size = kwargs.get("local_size")
@@ -129,7 +131,19 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         return None
     if attention_mask.dim() != 2:
         raise ValueError(f"coreattn expects a [batch, seq] padding mask, got shape {tuple(attention_mask.shape)}")
-    return attention_mask[:, -kv_length:].to(torch.bool)
+    keep = attention_mask[:, -kv_length:].to(torch.bool)
+    if attention_mask.shape[1] != kv_length or _capturing_or_tracing(keep):
+        return keep
+    # Nothing padded: no keep mask, so no layer takes the kernels' masked path for every key block.
+    # One read of the mask per model forward (this builder runs once for all layers), as transformers'
+    # own flash-attention builder reads it; never while torch.compile traces or a CUDA graph captures.
+    return None if bool(keep.all()) else keep
+
+
+def _capturing_or_tracing(x: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 # --- attention -------------------------------------------------------------------------------------

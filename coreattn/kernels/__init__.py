@@ -5,8 +5,10 @@ Owns: ``attn_fwd.py`` / ``attn_bwd.py`` (the attention kernels and their launche
 (the ``@triton.jit`` helpers both share: masks in registers, dropout, row loads and stores),
 ``tile_map.py`` (the per-call tile map: which sequence and rows each attention program works on,
 and the one layout check per call),
-``config.py`` (launch configs per target, which target a device is, the tuner's candidate spaces
-and which config a launch picks), ``tuned_cache.py`` (the tuned-config files: reading, writing, the
+``configs/`` (launch configs, one file per concern: ``targets.py``, which target a device is;
+``base.py``, what a config is; ``dense.py``, the dense attention kernels' tables per target, one
+table file per kernel family; ``space.py``, the tuner's candidate spaces; ``pick.py``, which config
+a launch picks), ``tuned_cache.py`` (the tuned-config files: reading, writing, the
 launchers' lookup), ``descriptors.py`` (TMA descriptors for the loop loads), ``packing.py`` (how a
 side's tokens are laid out: packed, padded, spans, keep masks), ``masks.py`` (the mask
 utilities' gather/scatter and token-id kernels), ``dropout.py`` (dropout's keep mask: the
@@ -14,7 +16,10 @@ Philox definition the kernels' ``tl.philox`` follows, in torch ops, and the RNG 
 ``softmax_offset.py`` (the sink gradient's final reduction over the kernels' per-row sums),
 ``npu.py`` (Ascend detection: triton-ascend's driver and core counts, torch_npu on first use),
 ``versions.py`` (the Triton releases CI tests, the warning for an older one, and the check that
-Triton's interpreter can run the kernels).
+Triton's interpreter can run the kernels), ``sparse_index.py`` / ``sparse_fwd.py`` / ``sparse_bwd.py``
+(the sparse top-k attention of DeepSeek Sparse Attention: index preparation and the CSR by key,
+the forward and the deterministic backward kernels and their launchers ``sparse_attn_fwd`` /
+``sparse_attn_bwd``; their launch tables in ``configs/sparse.py``).
 No autograd here: ``coreattn.layers`` wraps the launchers.
 
 May import: torch and triton only; nothing from ``coreattn.layers``, ``coreattn.adapters``,

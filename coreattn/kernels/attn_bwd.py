@@ -6,7 +6,7 @@ Three kernels, all deterministic (no atomics):
    query blocks that see its keys and over every q head of its GQA group, in a fixed order, and
    stores once;
 3. ``_attn_bwd_dq_kernel``: one program per (query tile, q head) accumulates dQ.
-They take separate tile configs (kernels/config.py: a dK/dV tile has many keys and steps over
+They take separate tile configs (kernels/configs/dense.py: a dK/dV tile has many keys and steps over
 few queries, a dQ tile the reverse). Tiles, masks, block skipping, split q/k head dims, dropout
 (the forward's keep mask, regenerated), layouts, the tile maps (one layout check per call for
 both kernels: kernels/tile_map.py), the NaN answer to malformed cu_seqlens and ``PERSISTENT``
@@ -26,8 +26,11 @@ from coreattn.kernels.attn_common import (LENGTH_STRIDES, _cols, _dropout_keep, 
                                           _visible)
 from coreattn.kernels.attn_fwd import (LOG2E, RUNTIME_INTS, dot_precision, dropout_args, kernel_window, launch_grid,
                                        mask_flags)
-from coreattn.kernels.config import (bwd_configs, head_blocks, loop_flags, preprocess_config, split_dkdv, target_of,
-                                     tuned_fallback)
+from coreattn.kernels.configs.base import head_blocks
+from coreattn.kernels.configs.dense import bwd_configs, preprocess_config, split_dkdv
+from coreattn.kernels.configs.pick import tuned_fallback
+from coreattn.kernels.configs.space import loop_flags
+from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.device import on_device
 from coreattn.kernels.descriptors import row_descriptor, row_descriptors, usable
 from coreattn.kernels.packing import (Packing, keep_args, new_like, new_rowstat, rowstat_strides, seq_len_dim,

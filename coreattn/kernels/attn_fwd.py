@@ -12,7 +12,7 @@ the token count alone, max_seqlen is never needed (an underestimate cannot lose 
 program's work does not grow with the number of sequences. One query tile per program keeps the
 kernel free of an outer loop around the pipelined key loop (which made Hopper spill). Lengths and
 token counts are runtime ints that never specialize: a new packed batch never recompiles.
-``PERSISTENT`` (Ascend) runs the same programs as tasks of a core-count 1D grid (kernels/config.py).
+``PERSISTENT`` (Ascend) runs the same programs as tasks of a core-count 1D grid (kernels/configs/targets.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,11 @@ import triton.language as tl
 
 from coreattn.kernels.attn_common import (LENGTH_STRIDES, _cols, _dropout_keep, _first_gid, _first_row, _key_range,
                                           _load_keep, _load_rows, _poison, _tile_visible)
-from coreattn.kernels.config import (CDNA_TARGETS, fwd_config, head_blocks, loop_flags, persistent_grid, target_of,
-                                     tuned_fallback)
+from coreattn.kernels.configs.base import head_blocks
+from coreattn.kernels.configs.dense import fwd_config
+from coreattn.kernels.configs.pick import tuned_fallback
+from coreattn.kernels.configs.space import loop_flags
+from coreattn.kernels.configs.targets import CDNA_TARGETS, persistent_grid, target_of
 from coreattn.kernels.device import on_device
 from coreattn.kernels.descriptors import row_descriptor, row_descriptors, usable
 from coreattn.kernels.packing import (Packing, keep_args, kernel_flags, new_like, new_rowstat, rowstat_strides, seq_len_dim,
@@ -329,7 +332,7 @@ def launch_grid(device: torch.device, target: str, n_tiles: int, heads: int,
                 vector_only: bool = False) -> tuple[tuple[int], bool]:
     """(grid, PERSISTENT) for a kernel whose programs are n_tiles * heads tasks: that 1D grid on
     CUDA and the interpreter; on Ascend a persistent grid of core-count programs that loop over
-    the tasks (kernels/config.py)."""
+    the tasks (kernels/configs/targets.py)."""
     tasks = n_tiles * heads
     if tasks > MAX_TASKS:
         raise ValueError(f"{n_tiles} tiles x {heads} heads = {tasks} programs exceed the int32 grid of the Triton "

@@ -25,13 +25,17 @@ from coreattn.kernels.packing import Packing
 
 def usable(packs: tuple[Packing, ...], tensors: tuple[tuple[torch.Tensor, int], ...]) -> bool:
     """Descriptors can stand in for the pointer loads of ``tensors`` (each with the total width of
-    its head blocks) in a launch on ``packs``."""
+    its head blocks) in a launch on ``packs``. The [T, H * D] view must be a real 2D tensor: heads
+    contiguous, tokens apart by at least a token's H * D elements (a token stride of 0, e.g. a dO
+    expanded along the tokens, or tokens overlapping, would hand the descriptor encoder a layout
+    that is not one), 16-byte aligned."""
     if any(pack.fmt != "thd" for pack in packs):
         return False
     for x, width in tensors:
         elem = x.element_size()
         if not (x.dim() == 3 and x.shape[0] > 0 and x.shape[-1] == width and x.stride(-1) == 1
-                and x.stride(-2) == width and (x.stride(0) * elem) % 16 == 0 and x.data_ptr() % 16 == 0):
+                and x.stride(-2) == width and x.stride(0) >= x.shape[1] * width
+                and (x.stride(0) * elem) % 16 == 0 and x.data_ptr() % 16 == 0):
             return False
     return True
 

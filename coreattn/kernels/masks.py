@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.config import launch_options, target_of
+from coreattn.kernels.configs.targets import launch_options, target_of
 from coreattn.kernels.device import on_device
 
 MAX_PROGRAMS = 65535

@@ -35,8 +35,9 @@ import triton.language as tl
 
 from coreattn.kernels.attn_common import _cols
 from coreattn.kernels.attn_fwd import LOG2E, MAX_TASKS, dot_precision
-from coreattn.kernels.config import head_blocks, persistent_grid, target_of
+from coreattn.kernels.configs.base import head_blocks
 from coreattn.kernels.configs.sparse import sparse_config
+from coreattn.kernels.configs.targets import persistent_grid, target_of
 from coreattn.kernels.device import on_device
 from coreattn.kernels.packing import seq_len_dim, seq_strides, stand_in
 

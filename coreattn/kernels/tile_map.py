@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.config import launch_options, persistent_grid
+from coreattn.kernels.configs.targets import launch_options, persistent_grid
 from coreattn.kernels.device import on_device
 from coreattn.kernels.packing import Packing
 

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from coreattn.kernels.config import KERNELS, AttnConfig
+from coreattn.kernels.configs.base import KERNELS, AttnConfig
 
 ENV_CACHE = "COREATTN_TUNE_CACHE"
 FORMAT = "coreattn-tuned-configs/1"
@@ -292,7 +292,7 @@ def lookup(device: torch.device, kernel: str, cls: KernelClass) -> Entry | None:
 
 
 def reject(use, exc: BaseException) -> None:
-    """A launch with a tuned config (``use``: config.ConfigUse) failed to compile: drop that entry
+    """A launch with a tuned config (``use``: configs/pick.py ``ConfigUse``) failed to compile: drop that entry
     for the rest of the process, with one warning naming its file."""
     path = use.source.removeprefix("tuned: ")
     for entries in _TABLES.values():

@@ -9,8 +9,8 @@ compiles them for sm90 with each; ``MIN_TRITON``, the oldest, is pyproject's flo
   ``MIN_TRITON`` gets one ``UnsupportedTritonWarning`` naming the tested range (a warning, not an
   error: the torch backend needs no particular Triton, and an older Triton may still work). Not
   for triton-ascend, which reports its base version (3.2) and has its own CI lane.
-- ``check_interpreter()``, before the first interpreted launch (``config.target_of``): runs a
-  one-loop probe kernel once per process. Triton 3.6's interpreter (and older ones) turns a scalar,
+- ``check_interpreter()``, before the first interpreted launch (``target_of``,
+  kernels/configs/targets.py): runs a one-loop probe kernel once per process. Triton 3.6's interpreter (and older ones) turns a scalar,
   which it keeps as a 1-element numpy array, into a Python int with ``int(array)``, for every
   ``range()`` over a runtime int; numpy 2.4 removed that conversion for arrays of ndim > 0
   (deprecated since 1.25), so every such loop raised ``TypeError: only 0-dimensional arrays can be

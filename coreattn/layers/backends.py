@@ -2,22 +2,25 @@
 
 Selection rule (first match wins):
 1. an explicit override: the ``backend=`` argument, else the ``COREATTN_BACKEND`` environment
-   variable; it raises ``RuntimeError`` with the reason if that backend cannot run here;
-2. by device type: ``cuda`` -> Triton (NVIDIA, and AMD CDNA GPUs under ROCm's PyTorch, which
-   reports them as ``cuda`` devices; another AMD arch raises, naming ``backend='torch'``);
+   variable; it raises ``RuntimeError`` with the reason if that backend cannot run here (e.g.
+   ``backend="triton"`` on a GPU of compute capability 7.5 names the capability);
+2. by device type, the first backend of its list that can run on that device:
+   ``cuda`` -> Triton (NVIDIA of compute capability >= 8.0, and AMD CDNA GPUs under ROCm's
+   PyTorch, which reports them as ``cuda`` devices), else torch;
    ``cpu`` -> Triton through Triton's interpreter when ``TRITON_INTERPRET=1`` was set before
-   coreattn was imported, else the torch backend;
-   ``npu`` (Ascend) -> ``npu_fused``, torch_npu's ``npu_fusion_attention``: the vendor's fused
-   kernel is the mature path there (forward and backward, tuned per chip), while coreattn's Triton
-   kernels on Ascend (triton-ascend, persistent grid) have only been checked under Triton's CPU
-   interpreter. ``backend="triton"`` runs them on an NPU when the active Triton is triton-ascend.
-   Other device types have no default: pass ``backend="torch"``.
+   coreattn was imported, else torch;
+   ``npu`` (Ascend) -> ``npu_fused``, torch_npu's ``npu_fusion_attention`` (the vendor's fused
+   kernel is the mature path there, forward and backward, tuned per chip, while coreattn's Triton
+   kernels on Ascend, triton-ascend with a persistent grid, have only been checked under Triton's
+   CPU interpreter), else Triton when the active Triton is triton-ascend, else torch;
+   any other device type -> torch.
+   A device without kernels for it (a T4 or V100, an AMD GPU outside gfx90a/gfx942/gfx950, an NPU
+   without torch_npu) therefore falls back, never raises: the choice and the reason each
+   preferred backend was passed over are logged once on the ``coreattn`` logger.
 
-Backends: ``triton`` (CUDA; ROCm on gfx90a, gfx942 and gfx950; Ascend via triton-ascend; CPU under
-``TRITON_INTERPRET=1``), ``torch`` (any device) and ``npu_fused`` (``npu`` tensors with torch_npu
-importable).
-
-The choice for each device type is logged once on the ``coreattn`` logger.
+Backends: ``triton`` (CUDA sm80 and newer; ROCm on gfx90a, gfx942 and gfx950; Ascend via
+triton-ascend; CPU under ``TRITON_INTERPRET=1``), ``torch`` (any device) and ``npu_fused``
+(``npu`` tensors with torch_npu importable).
 """
 
 from __future__ import annotations
@@ -64,14 +67,18 @@ def _triton_available(device: torch.device) -> Availability:
         if interpreted:
             return Availability(False, "kernels were built for Triton's interpreter (TRITON_INTERPRET=1), which runs on CPU tensors")
         if torch.version.hip:  # ROCm's PyTorch: AMD GPUs are cuda devices
-            from coreattn.kernels.config import target_of
+            from coreattn.kernels.configs.targets import target_of
 
             try:
                 target = target_of(device)
             except RuntimeError as exc:
                 return Availability(False, str(exc))
             return Availability(True, f"ROCm device ({target}) through Triton's HIP backend")
-        return Availability(True, "CUDA device")
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return Availability(False, f"the Triton kernels need compute capability >= 8.0 (Ampere), this GPU has "
+                                       f"{major}.{minor}")
+        return Availability(True, f"CUDA device of compute capability {major}.{minor}")
     if device.type == "cpu":
         if interpreted:
             return Availability(True, "CPU tensors under TRITON_INTERPRET=1 (slow; for testing)")
@@ -116,24 +123,25 @@ def is_available(backend: Backend, device: torch.device) -> Availability:
     return _REGISTRY[backend](device)
 
 
-def _default_for(device: torch.device) -> Backend:
-    if device.type == "cuda":
-        avail = is_available(Backend.TRITON, device)
-        if torch.version.hip and not avail.ok:
-            raise RuntimeError(f"no default backend for this ROCm device: {avail.reason} (or set {ENV_BACKEND}=torch)")
-        return Backend.TRITON
-    if device.type == "cpu":
-        return Backend.TRITON if is_available(Backend.TRITON, device).ok else Backend.TORCH
-    if device.type == "npu":
-        avail = is_available(Backend.NPU_FUSED, device)
-        if not avail.ok:
-            raise RuntimeError(f"npu tensors default to the npu_fused backend, which cannot run: {avail.reason}; "
-                               f"pass backend='triton' (triton-ascend) or 'torch' (or set {ENV_BACKEND})")
-        return Backend.NPU_FUSED
-    raise RuntimeError(
-        f"coreattn has no default backend for device type {device.type!r} yet; "
-        f"pass backend='torch' (or set {ENV_BACKEND}=torch) to run the pure-torch backend there"
-    )
+# per device type, the backends a call prefers, in order; the first that can run is the default
+_PREFERENCES: dict[str, tuple[Backend, ...]] = {
+    "cuda": (Backend.TRITON, Backend.TORCH),
+    "cpu": (Backend.TRITON, Backend.TORCH),
+    "npu": (Backend.NPU_FUSED, Backend.TRITON, Backend.TORCH),
+}
+
+
+def _default_for(device: torch.device) -> tuple[Backend, str]:
+    """The default backend for ``device`` and why: the first of its preferences that can run (the
+    torch backend runs anywhere), with the reasons the ones before it could not."""
+    passed = []
+    for backend in _PREFERENCES.get(device.type, (Backend.TORCH,)):
+        avail = is_available(backend, device)
+        if avail.ok:
+            why = avail.reason + "".join(f"; not {b.value}: {r}" for b, r in passed)
+            return backend, why
+        passed.append((backend, avail.reason))
+    raise AssertionError("the torch backend runs on every device")  # pragma: no cover
 
 
 def select_backend(device: torch.device, override: str | Backend | None = None) -> Backend:
@@ -146,15 +154,15 @@ def select_backend(device: torch.device, override: str | Backend | None = None) 
         avail = is_available(backend, device)
         if not avail.ok:
             raise RuntimeError(f"{source}={backend.value!r} cannot run on {device.type}: {avail.reason}")
+        why = avail.reason
     else:
-        backend = _default_for(device)
+        backend, why = _default_for(device)
     key = (device.type, backend)
     # not while torch.compile traces: a logging call would break the graph, and a guard on _logged
     # would recompile once the op has logged (it selects again, and logs, when it runs)
     if not torch.compiler.is_compiling() and key not in _logged:
         _logged.add(key)
-        logger.info("coreattn: %s tensors use the %s backend (%s)", device.type, backend.value,
-                    is_available(backend, device).reason)
+        logger.info("coreattn: %s tensors use the %s backend (%s)", device.type, backend.value, why)
     return backend
 
 

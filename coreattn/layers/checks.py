@@ -31,9 +31,27 @@ class VarlenParams(NamedTuple):
     dropout_p: float = 0.0  # attention dropout on the normalized probabilities (coreattn/kernels/dropout.py)
 
 
+def _validate_setting() -> str:
+    """COREATTN_VALIDATE: "on" (1/true/yes/on), "off" (0/false/no/off) or "" (unset: the default)."""
+    value = os.environ.get(ENV_VALIDATE, "").strip().lower()
+    return "on" if value in ("1", "true", "yes", "on") else "off" if value in ("0", "false", "no", "off") else ""
+
+
 def validation_enabled() -> bool:
     """Data checks that need the values of device tensors (a host sync) run only when this is on."""
-    return os.environ.get(ENV_VALIDATE, "").strip().lower() in ("1", "true", "yes", "on")
+    return _validate_setting() == "on"
+
+
+def reads_values(x: torch.Tensor | torch.device) -> bool:
+    """Whether coreattn may read the values of tensors on ``x``'s device on the host: for checks
+    (malformed cu_seqlens, spans, masks) and for exact sizes (compact cu_seqlens from position ids,
+    the longest sequence). By default on CPU tensors (free) and not on a device (a host sync; the
+    kernels answer malformed layouts with NaN instead). ``COREATTN_VALIDATE=1`` reads on a device
+    too; ``COREATTN_VALIDATE=0`` reads nowhere, CPU included, which is how the tests run the CPU
+    paths as a device would (tests/sync_detector.py)."""
+    device = x.device if isinstance(x, torch.Tensor) else x
+    setting = _validate_setting()
+    return setting == "on" or (setting == "" and device.type == "cpu")
 
 
 def _check_tensor(name: str, t, ndim: int) -> None:
@@ -295,11 +313,6 @@ def keep_as_uint8(mask: torch.Tensor | None) -> torch.Tensor | None:
     return (mask != 0).view(torch.uint8)
 
 
-def _reads_values(device: torch.device) -> bool:
-    """Value checks run on CPU tensors (free) and, with COREATTN_VALIDATE=1, on device tensors (a host sync)."""
-    return device.type == "cpu" or validation_enabled()
-
-
 def check_layout_values(fmt: str, q_seq, q_lens, q_keep, k_seq, k_lens, k_keep, tokens_q: int, tokens_k: int,
                         max_seqlen_q: int, max_seqlen_k: int) -> None:
     """The checks of the public functions that read tensor values, run inside the attention op
@@ -307,7 +320,7 @@ def check_layout_values(fmt: str, q_seq, q_lens, q_keep, k_seq, k_lens, k_keep, 
     (coreattn/layers/function.py): thd ``seq`` cu_seqlens ``[B+1]``, with ``lens`` the seqused
     counts; bshd/sbhd ``seq``/``lens`` the spans and ``keep`` the keep masks as given.
     ``tokens_*``: T (thd) or the padded length S."""
-    if not _reads_values(q_seq.device):
+    if not reads_values(q_seq):
         return
     if fmt == "thd":
         seqused = q_lens is not None or k_lens is not None

@@ -38,8 +38,9 @@ without its format), read according to ``fmt``:
   every row of a batch of T / S rows): a sequence starts at
   each row's first token and wherever the position id does not go up by one (transformers'
   packed-sequence rule: ``DataCollatorWithFlattening``'s restarting ids, or plain per-row
-  positions). The op derives cu_seqlens from them when it runs (``cu_seqlens_from_position_ids``,
-  one host sync on a device), so traced code never needs the number of sequences.
+  positions). The op derives cu_seqlens from them when it runs (``cu_seqlens_from_position_ids``:
+  on a device a fixed capacity of T + 1 entries, no host sync), so neither traced code nor a CUDA
+  graph needs the number of sequences.
 
 Everything that reads tensor values runs inside the ops: the public functions' value checks
 (``validate=True``, coreattn.layers.checks.check_layout_values), the backend choice (``backend``:
@@ -54,7 +55,6 @@ inputs), max_logit ``[Hq]`` of the same dtype when asked for, else an empty ``[0
 from __future__ import annotations
 
 import inspect
-import weakref
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -63,7 +63,7 @@ from coreattn.layers.backends import Backend, select_backend
 from coreattn.kernels import varlen_attn_bwd, varlen_attn_fwd
 from coreattn.kernels.packing import Packing, new_rowstat
 from coreattn.kernels import dropout
-from coreattn.layers.checks import KERNEL_DTYPES, VarlenParams, check_layout_values, keep_as_uint8
+from coreattn.layers.checks import KERNEL_DTYPES, VarlenParams, check_layout_values, keep_as_uint8, reads_values
 from coreattn.kernels.softmax_offset import softmax_offset_grad
 from coreattn.layers.torch_backend import attn_torch_bwd, attn_torch_fwd
 
@@ -116,20 +116,18 @@ def _impl(q: torch.Tensor, backend: str) -> AttnImpl:
     return TRITON
 
 
-_position_cache: list = [None]  # (weakref to position ids, their version, cu_seqlens)
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor, tokens: int, compact: bool | None = None) -> torch.Tensor:
+    """int32 cu_seqlens of ``tokens`` packed tokens given as rows of ``position_ids`` (``[rows, S]``
+    or ``[S]``; one row stands for every row when tokens > rows * S): a sequence starts at each
+    row's first token and wherever the position id does not go up by one (transformers'
+    packed-sequence rule).
 
-
-def cu_seqlens_from_position_ids(position_ids: torch.Tensor, tokens: int) -> torch.Tensor:
-    """int32 cu_seqlens [B+1] of ``tokens`` packed tokens given as rows of ``position_ids``
-    (``[rows, S]`` or ``[S]``; one row stands for every row when tokens > rows * S): a sequence
-    starts at each row's first token and wherever the position id does not go up by one
-    (transformers' packed-sequence rule). Reads the number of sequences (a host sync on a device);
-    the result is kept for the last position_ids tensor seen, unmodified, so the layers of a model
-    (and their backward) share one read."""
-    hit = _position_cache[0]
-    cacheable = not position_ids.is_inference()
-    if cacheable and hit is not None and hit[0]() is position_ids and hit[1:3] == (position_ids._version, tokens):
-        return hit[3]
+    On a device the number of sequences is not read back (no host sync: the path can be captured
+    in a CUDA graph and replayed with other position ids): the result has a fixed capacity of
+    ``tokens + 1`` entries, the sequences followed by zero-length ones (the kernels' tile maps give
+    those no tiles: one idle program per head each). On CPU, where reading is free
+    (``coreattn.layers.checks.reads_values``), it holds the sequences only (``compact``: force
+    either form). Nothing is cached: each call computes from the values the tensor holds now."""
     rows = position_ids.reshape(-1, position_ids.shape[-1]) if position_ids.dim() else position_ids.reshape(1, 1)
     if rows.numel() != tokens:
         if rows.shape[0] != 1 or tokens % rows.shape[1]:
@@ -137,12 +135,14 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor, tokens: int) -> tor
         rows = rows.expand(tokens // rows.shape[1], -1)
     starts = torch.ones_like(rows, dtype=torch.bool)
     starts[:, 1:] = rows[:, 1:] - rows[:, :-1] != 1
-    begin = starts.reshape(-1).nonzero().view(-1).to(torch.int32)
-    end = torch.tensor([tokens], dtype=torch.int32, device=position_ids.device)
-    cu = torch.cat([begin, end])
-    if cacheable:
-        _position_cache[0] = (weakref.ref(position_ids), position_ids._version, tokens, cu)
-    return cu
+    starts = starts.reshape(-1)
+    end = torch.full((1,), tokens, dtype=torch.int32, device=position_ids.device)
+    if reads_values(position_ids) if compact is None else compact:
+        return torch.cat([starts.nonzero().view(-1).to(torch.int32), end])
+    # sequence number (from 1) of each token; cu[b] = the number of tokens in sequences 1..b
+    seq_of_token = starts.cumsum(0, dtype=torch.int32)
+    slots = torch.arange(tokens + 1, dtype=torch.int32, device=position_ids.device)
+    return torch.searchsorted(seq_of_token, slots, right=True).to(torch.int32)
 
 
 def _packings(fmt, q_seq, q_lens, q_keep, q_gid, k_seq, k_lens, k_keep, k_gid, tokens_q: int,
@@ -150,7 +150,7 @@ def _packings(fmt, q_seq, q_lens, q_keep, q_gid, k_seq, k_lens, k_keep, k_gid, t
     """The kernels' Packings from the op's layout arguments (see the module docstring)."""
     if fmt == POSITION_IDS:
         cu_q = cu_seqlens_from_position_ids(q_seq, tokens_q)
-        cu_k = cu_seqlens_from_position_ids(k_seq, tokens_k)
+        cu_k = cu_q if k_seq is q_seq and tokens_k == tokens_q else cu_seqlens_from_position_ids(k_seq, tokens_k)
         return Packing("thd", cu_q, gid=q_gid), Packing("thd", cu_k, gid=k_gid)
 
     def one(seq, lens, keep, gid):

@@ -46,7 +46,8 @@ import torch
 
 import coreattn
 from coreattn.kernels import runs_in_interpreter
-from coreattn.kernels.config import KERNELS, record_configs
+from coreattn.kernels.configs.base import KERNELS
+from coreattn.kernels.configs.pick import record_configs
 
 EPS = 1e-5
 CPU_MESSAGE = "CPU run under the Triton interpreter: checks the kernels' logic, not your GPU"

@@ -130,7 +130,7 @@ def launch_trace(log: EventLog | None = None, sync: bool = True, site: str = "")
     so a fault raises at the launch that caused it (never on hot paths: only the self-check's,
     bench's and tuner's children trace). ``site`` words the place for ``inject`` (``<site> launch
     <kernel>``; the yielded ``Trace``'s ``site`` may change it later)."""
-    from coreattn.kernels.config import record_configs
+    from coreattn.kernels.configs.pick import record_configs
 
     trace = Trace(site)
     saved = [(cls, cls.__dict__.get("run")) for cls in _kernel_classes()]

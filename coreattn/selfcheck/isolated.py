@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from coreattn.kernels.config import record_configs
+from coreattn.kernels.configs.pick import record_configs
 from coreattn.selfcheck import (CASES, STATUS, Check, case_dtypes, check_from_json, check_recompiles,
                                 configs_report, dtype_arg, dtype_name, environment, preamble, recompile_line,
                                 row_line, run_case, summarize, table_header)

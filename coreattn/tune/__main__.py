@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from coreattn.kernels import runs_in_interpreter, tuned_cache
-from coreattn.kernels.config import KERNELS, target_of
+from coreattn.kernels.configs.base import KERNELS
+from coreattn.kernels.configs.targets import target_of
 from coreattn.tune import batches as batch_defs
 from coreattn.tune import space
 from coreattn.tune.report import after_table, share_hint

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from coreattn.kernels import varlen_attn_bwd, varlen_attn_fwd
-from coreattn.kernels.config import forced_configs
+from coreattn.kernels.configs.pick import forced_configs
 from coreattn.kernels.dropout import keep_mask, rng_state
 from coreattn.kernels.packing import packed
 from coreattn.kernels.softmax_offset import softmax_offset_grad

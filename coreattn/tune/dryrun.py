@@ -1,6 +1,6 @@
 """The dry run: every candidate compiled for an architecture without a GPU (``--dry-run --arch``).
 
-Each candidate is forced into the real launchers (kernels/config.py ``forced_configs``) inside
+Each candidate is forced into the real launchers (kernels/configs/pick.py ``forced_configs``) inside
 coreattn/tune/compiler.py's emulation of the arch, so it compiles exactly as a launch on that GPU
 would, and is described: registers, spill bytes, shared memory against the arch's per-block
 limit, MMA instructions by kind, warp-specialized regions and TMA loads in the compiled kernel.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from coreattn.kernels.config import forced_configs
+from coreattn.kernels.configs.pick import forced_configs
 from coreattn.kernels.tuned_cache import config_to_json
 from coreattn.tune import compiler
 from coreattn.tune.space import kernel_candidates, kernel_classes

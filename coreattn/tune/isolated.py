@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from coreattn.kernels.config import AttnConfig, target_of
+from coreattn.kernels.configs.base import AttnConfig
+from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.tuned_cache import KernelClass
 from coreattn.selfcheck.faults import (Child, EventLog, child_env, device_healthy, inject, is_device_fault,
                                        launch_trace, short_error, traceback_tail, where)

@@ -4,14 +4,15 @@ A class (kernels/tuned_cache.py ``KernelClass``) is head dims, dtype, mask (caus
 most one feature (dropout, sink, max_logit). Each kernel sees a class through ``for_kernel``: the
 features that do not change its code drop out (the dK/dV kernel of the sink class is the plain
 one), so ``kernel_classes`` tunes each (kernel, class) pair once. The candidates are
-kernels/config.py's ``candidates`` for the class's blocks, the shipped config first.
+kernels/configs/space.py's ``candidates`` for the class's blocks, the shipped config first.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from coreattn.kernels.config import KERNELS, AttnConfig, candidates, head_blocks
+from coreattn.kernels.configs.base import KERNELS, AttnConfig, head_blocks
+from coreattn.kernels.configs.space import candidates
 from coreattn.kernels.tuned_cache import KernelClass
 
 MAIN_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))

@@ -21,7 +21,9 @@ from typing import Callable, NamedTuple
 import torch
 
 from coreattn.kernels import varlen_attn_bwd, varlen_attn_fwd
-from coreattn.kernels.config import AttnConfig, forced_configs, target_of
+from coreattn.kernels.configs.base import AttnConfig
+from coreattn.kernels.configs.pick import forced_configs
+from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.dropout import rng_state
 from coreattn.kernels.tuned_cache import KernelClass, config_to_json
 from coreattn.selfcheck.faults import KERNEL_NAMES, device_healthy, is_device_fault

@@ -5,7 +5,7 @@ run as a script, TRITON_INTERPRET must be unset.
 ``python tests/kernels/pipeline_hazards.py sm90:128,192/128+gqa+dropout,128+gqa@tma sm100:128@ws canary``:
 arch, then cases: head dims (q/k[/v]), ``+`` features (compiler.FEATURES, ``gqa``: 4 q heads per kv
 head, ``full``: not causal) and ``@tma`` / ``@ws`` for the tuner's TMA or warp-specialized TMA loop
-variant of each attention kernel (kernels/config.py ``candidates``), compiled through the real
+variant of each attention kernel (kernels/configs/space.py ``candidates``), compiled through the real
 launchers in bf16; each arch also compiles the mask utilities' kernels. A launch that does not
 compile is listed under ``errors``, not fatal. ``canary``: a small kernel
 with the dK/dV loop's shape, its divisor unclamped and clamped with ``tl.maximum(n, 1)``, compiled
@@ -23,14 +23,20 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from coreattn.kernels import config  # noqa: E402
+from coreattn.kernels.configs.base import head_blocks  # noqa: E402
+from coreattn.kernels.configs.pick import forced_configs  # noqa: E402
+from coreattn.kernels.configs.space import candidates  # noqa: E402
 from coreattn.tune import compiler, hazards  # noqa: E402
 
 FLAGS = ("DK", "DV", "TMA", "WARP_SPEC", "HAS_LEFT", "HAS_RIGHT", "PACKED", "SPANS", "HAS_Q_KEEP", "HAS_K_KEEP",
-         "DROPOUT", "HAS_SINK", "RETURN_MAX", "SINK_GRAD", "GATHER", "WRITE_POS", "WRITE_SEQ")
+         "DROPOUT", "HAS_SINK", "RETURN_MAX", "SINK_GRAD", "GATHER", "WRITE_POS", "WRITE_SEQ", "ATOMIC", "V_IS_K")
 
 
-def parse_case(case: str) -> tuple[compiler.Problem, str]:
+def parse_case(case: str) -> tuple:
+    """A dense case (compiler.Problem and its loop variant) or a sparse one, ``s576/512a128``
+    (compiler.sparse_problem_of; no variant)."""
+    if case.startswith("s"):
+        return compiler.sparse_problem_of(case[1:]), ""
     case, _, variant = case.partition("@")
     dims, *features = case.split("+")
     qk, _, v = dims.partition("/")
@@ -45,11 +51,11 @@ def variant_configs(arch: str, problem: compiler.Problem, variant: str) -> dict:
     if not variant:
         return {}
     target = compiler.arch_target(arch)
-    block_dqk, block_dqk2, block_dv = config.head_blocks(problem.dim_qk, problem.dim_v)
+    block_dqk, block_dqk2, block_dv = head_blocks(problem.dim_qk, problem.dim_v)
     wanted = dict(tma=(True, False), ws=(True, True))[variant]
     forced = {}
     for kernel in ("fwd", "dkdv", "dq"):
-        found = [c for c in config.candidates(target, kernel, block_dqk + block_dqk2, block_dv,
+        found = [c for c in candidates(target, kernel, block_dqk + block_dqk2, block_dv,
                                               dropout="dropout" in problem.features)
                  if (c.tma, c.warp_specialize) == wanted]
         if not found:
@@ -71,8 +77,11 @@ def rows_for(arch: str, cases: list[str], errors: list[dict]) -> list[dict]:
             for kernels in ([{k} for k in forced] if forced else [None]):
                 start = len(launches)
                 try:
-                    with config.forced_configs(**{k: forced[k] for k in kernels or ()}):
-                        compiler.launch_problem(problem, kernels)
+                    with forced_configs(**{k: forced[k] for k in kernels or ()}):
+                        if isinstance(problem, compiler.SparseProblem):
+                            compiler.launch_sparse_problem(problem)
+                        else:
+                            compiler.launch_problem(problem, kernels)
                 except Exception as exc:  # reported, and asserted on by the test
                     last = (str(exc).strip().splitlines() or [""])[-1]
                     errors.append(dict(arch=arch, case=case, kernels=sorted(kernels or ()),

@@ -12,9 +12,9 @@ import coreattn
 from attn_cases import (CASES, KERNEL_DEVICE, LENS_K, Case, assert_flash_criterion, assert_grad_criterion,
                         assert_lse_criterion, make_inputs)
 from coreattn.kernels import attn_bwd, attn_fwd, varlen_attn_bwd, varlen_attn_fwd
-from coreattn.kernels.config import (ASCEND_STEP_BUDGET, ENV_TRITON_TARGET, INTERPRETER_ASCEND_CORES, bwd_configs,
-                                     bwd_step_bytes, fwd_config, fwd_step_bytes, head_block,
-                                     split_head_block)
+from coreattn.kernels.configs.base import head_block, split_head_block
+from coreattn.kernels.configs.dense import bwd_configs, bwd_step_bytes, fwd_config, fwd_step_bytes
+from coreattn.kernels.configs.targets import ASCEND_STEP_BUDGET, ENV_TRITON_TARGET, INTERPRETER_ASCEND_CORES
 from coreattn.kernels.packing import Packing, packed
 from oracle import attention_ref, padded_attention_ref
 

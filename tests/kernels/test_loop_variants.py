@@ -15,8 +15,11 @@ import torch
 
 import coreattn
 from attn_cases import KERNEL_DEVICE, Case, assert_flash_criterion, make_inputs
-from coreattn.kernels import attn_bwd, attn_fwd, config
-from coreattn.kernels.config import AttnConfig, forced_configs
+from coreattn.kernels import attn_bwd, attn_fwd
+from coreattn.kernels.configs.base import KERNELS, AttnConfig
+from coreattn.kernels.configs.dense import shipped_config
+from coreattn.kernels.configs.pick import forced_configs
+from coreattn.kernels.configs.space import candidates, loop_flags
 from oracle import attention_ref
 
 pytestmark = pytest.mark.skipif(KERNEL_DEVICE != "cpu", reason="interpreter runs of forced configs")
@@ -130,23 +133,23 @@ def test_launches_without_descriptors_fall_back_to_pointer_loads(descriptors):
 
 def test_warp_specialization_needs_the_descriptor_loop():
     cfg = AttnConfig(64, 64, 4, 2, warp_specialize=True, tma=True)
-    assert config.loop_flags(cfg, "sm100", True) == dict(TMA=True, WARP_SPEC=True)
-    assert config.loop_flags(cfg, "sm100", False) == dict(TMA=False, WARP_SPEC=False)
-    assert config.loop_flags(cfg, "sm80", True) == dict(TMA=False, WARP_SPEC=False)
-    assert config.loop_flags(cfg._replace(tma=False), "sm90", True) == dict(TMA=False, WARP_SPEC=False)
+    assert loop_flags(cfg, "sm100", True) == dict(TMA=True, WARP_SPEC=True)
+    assert loop_flags(cfg, "sm100", False) == dict(TMA=False, WARP_SPEC=False)
+    assert loop_flags(cfg, "sm80", True) == dict(TMA=False, WARP_SPEC=False)
+    assert loop_flags(cfg._replace(tma=False), "sm90", True) == dict(TMA=False, WARP_SPEC=False)
 
 
 def test_candidate_spaces():
     for target in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120"):
-        for kernel in config.KERNELS:
+        for kernel in KERNELS:
             for widths in ((64, 64), (128, 128), (192, 128), (256, 256)):
-                found = config.candidates(target, kernel, *widths)
-                assert found[0] == config.shipped_config(target, kernel, *widths)
+                found = candidates(target, kernel, *widths)
+                assert found[0] == shipped_config(target, kernel, *widths)
                 assert len(found) == len(set(found)) >= 3
                 assert all(c.tma == c.warp_specialize == False for c in found) or target in ("sm90", "sm100")
                 assert not any(c.warp_specialize and not c.tma for c in found)
-    assert config.candidates("sm90", "fwd", 128, 128, elem=4) == [config.shipped_config("sm90", "fwd", 128, 128, 4)]
-    assert config.candidates("ascend", "fwd", 128, 128) == [config.shipped_config("ascend", "fwd", 128, 128)]
+    assert candidates("sm90", "fwd", 128, 128, elem=4) == [shipped_config("sm90", "fwd", 128, 128, 4)]
+    assert candidates("ascend", "fwd", 128, 128) == [shipped_config("ascend", "fwd", 128, 128)]
 
 
 def test_fused_qkv_views_take_descriptors(descriptors):
@@ -172,3 +175,41 @@ def test_fused_qkv_views_take_descriptors(descriptors):
     (ref_grad,) = torch.autograd.grad(ref, leaf, g.double())
     (naive_grad,) = torch.autograd.grad(naive, naive_leaf, g.to(naive.dtype))
     assert_flash_criterion("dqkv", grad, naive_grad, ref_grad)
+
+
+def test_descriptors_reject_zero_and_overlapping_token_strides():
+    """usable(): a token stride of 0 (a dO expanded along the tokens) or tokens closer than H * D
+    elements (overlapping rows) is not a [T, H * D] tensor a descriptor can describe."""
+    from coreattn.kernels.descriptors import usable
+    from coreattn.kernels.packing import packed
+
+    pack = (packed(torch.tensor([0, 8], dtype=torch.int32)),)
+    base = torch.randn(8, 2, 32, dtype=torch.float16)
+    assert usable(pack, ((base, 32),))
+    expanded = torch.randn(1, 2, 32, dtype=torch.float16).expand(8, 2, 32)  # token stride 0
+    assert expanded.stride(0) == 0 and not usable(pack, ((expanded, 32),))
+    overlapping = torch.randn(288, dtype=torch.float16).as_strided((8, 2, 32), (32, 32, 1))  # token stride < H * D
+    assert not usable(pack, ((overlapping, 32),))
+    wider = torch.randn(8, 3, 2, 32, dtype=torch.float16)[:, 0]  # token stride 3 * H * D: fine
+    assert usable(pack, ((wider, 32),))
+
+
+def test_expanded_dout_takes_pointer_loads(descriptors):
+    """A dO expanded along the tokens (out.sum() over a broadcast, or a user's expand) reaches the
+    backward with token stride 0: the dK/dV kernel takes the pointer loads, and the result matches the
+    same gradient materialized."""
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 9, 25], dtype=torch.int32)
+    q, k, v = (torch.randn(25, 2, 32, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    cfg = AttnConfig(16, 16, 1, 1, tma=True)
+    g = torch.randn(1, 2, 32, dtype=torch.float16)
+    with forced_configs(fwd=cfg, dkdv=cfg, dq=cfg):
+        out = coreattn.varlen_attn(q, k, v, cu, cu, 16, 16, causal=True, backend="triton")
+        descriptors.clear()
+        got = torch.autograd.grad(out, (q, k, v), g.expand(25, 2, 32), retain_graph=True)
+        assert len(descriptors) == 2  # the dQ kernel's k and v; no q or dO descriptor for dK/dV
+        descriptors.clear()
+        want = torch.autograd.grad(out, (q, k, v), g.expand(25, 2, 32).contiguous())
+        assert len(descriptors) == 4
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

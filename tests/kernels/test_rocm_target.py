@@ -5,12 +5,15 @@ backend options (no ``maxnreg``; a dot precision the arch accepts)."""
 
 from types import SimpleNamespace
 
+import logging
+
 import pytest
 import torch
 
 import coreattn.kernels
-from coreattn.kernels import attn_bwd, attn_fwd, config
-from coreattn.kernels.config import CDNA_TARGETS, hip_target, target_of
+from coreattn.kernels import attn_bwd, attn_fwd
+from coreattn.kernels.configs import dense, targets
+from coreattn.kernels.configs.targets import CDNA_TARGETS, hip_target, target_of
 from coreattn.kernels.packing import packed
 from coreattn.layers import backends
 from coreattn.layers.backends import Backend, is_available, select_backend
@@ -29,7 +32,7 @@ def rocm(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (props.major, props.minor))
     monkeypatch.setattr(coreattn.kernels, "runs_in_interpreter", lambda: False)
-    monkeypatch.delenv(config.ENV_TRITON_TARGET, raising=False)
+    monkeypatch.delenv(targets.ENV_TRITON_TARGET, raising=False)
     monkeypatch.delenv(backends.ENV_BACKEND, raising=False)
     return lambda name: setattr(props, "gcnArchName", name)
 
@@ -42,14 +45,20 @@ def test_rocm_device_gets_its_cdna_target_not_a_cuda_one(rocm, arch):
 
 
 @pytest.mark.parametrize("name", ["gfx908:sramecc+:xnack-", "gfx1100", "gfx1201", "gfx1250"])
-def test_unknown_amd_arch_raises_and_suggests_the_torch_backend(rocm, name):
+def test_unknown_amd_arch_falls_back_to_the_torch_backend(rocm, name, caplog, monkeypatch):
+    from coreattn.layers import backends
+
     rocm(name)
+    monkeypatch.setattr(backends, "_logged", set())
     with pytest.raises(RuntimeError, match=rf"{name.split(':')[0]}.*backend='torch'"):
         target_of(CUDA0)
     avail = is_available(Backend.TRITON, CUDA0)
     assert not avail.ok and "backend='torch'" in avail.reason
-    with pytest.raises(RuntimeError, match="no default backend for this ROCm device"):
-        select_backend(CUDA0)
+    with caplog.at_level(logging.INFO, logger="coreattn"):
+        assert select_backend(CUDA0) is Backend.TORCH  # a device without kernels falls back, never raises
+    assert any(name.split(":")[0] in r.getMessage() for r in caplog.records)
+    with pytest.raises(RuntimeError, match=rf"backend='triton' cannot run on cuda.*{name.split(':')[0]}"):
+        select_backend(CUDA0, "triton")
     assert select_backend(CUDA0, "torch") is Backend.TORCH
 
 
@@ -72,13 +81,13 @@ def test_cuda_device_still_gets_a_cuda_target(rocm, monkeypatch):
 @pytest.mark.parametrize("elem", [2, 4])
 @pytest.mark.parametrize("arch", CDNA_TARGETS)
 def test_cdna_configs_carry_no_cuda_option(monkeypatch, arch, elem):
-    monkeypatch.setattr(config, "target_of", lambda device: arch)
+    monkeypatch.setattr(dense, "target_of", lambda device: arch)
     for dims in ((64, 64), (128, 128), (192, 128), (256, 256)):
         for dropout in (False, True):
-            for cfg in (config.fwd_config(CUDA0, *dims, elem, dropout), *config.bwd_configs(CUDA0, *dims, elem, dropout)):
+            for cfg in (dense.fwd_config(CUDA0, *dims, elem, dropout), *dense.bwd_configs(CUDA0, *dims, elem, dropout)):
                 assert "maxnreg" not in cfg.launch()
-    monkeypatch.setattr(config, "target_of", lambda device: "sm90")
-    assert config.fwd_config(CUDA0, 128, 128).launch()["maxnreg"] == config.MAXNREG
+    monkeypatch.setattr(dense, "target_of", lambda device: "sm90")
+    assert dense.fwd_config(CUDA0, 128, 128).launch()["maxnreg"] == targets.MAXNREG
 
 
 
@@ -87,11 +96,11 @@ def test_small_kernels_launch_options_are_their_backends(target):
     """The tile scan and map and the mask kernels: the register ceiling on CUDA targets (Triton
     3.8.0's ptxas held the eight-warp tile scan to 64 registers on sm90 without it, and spilled),
     never on AMD ones; nothing where the launch takes no options (interpreter, Ascend)."""
-    opts = config.launch_options(target)
+    opts = targets.launch_options(target)
     if target in ("interpreter", "ascend"):
         assert opts == {}
         return
-    assert opts["enable_fp_fusion"] == config.FP_FUSION
+    assert opts["enable_fp_fusion"] == targets.FP_FUSION
     assert ("maxnreg" in opts) == (target not in CDNA_TARGETS)
     options = _backend(target).parse_options(dict(opts))
     assert all(getattr(options, k) == v for k, v in opts.items()), opts
@@ -108,7 +117,7 @@ class _Recorder:
 
 def _launches(monkeypatch, target: str, dtype: torch.dtype, dims, feature: str) -> list:
     log = []
-    for module in (attn_fwd, attn_bwd, config):
+    for module in (attn_fwd, attn_bwd, dense):
         monkeypatch.setattr(module, "target_of", lambda device: target)
     for module, name in ((attn_fwd, "_varlen_attn_fwd_kernel"), (attn_bwd, "_attn_bwd_preprocess_kernel"),
                          (attn_bwd, "_attn_bwd_dkdv_kernel"), (attn_bwd, "_attn_bwd_dq_kernel")):

@@ -8,7 +8,7 @@ import torch
 
 import coreattn
 from attn_cases import KERNEL_DEVICE, assert_flash_criterion, assert_grad_criterion
-from coreattn.kernels.config import ENV_TRITON_TARGET
+from coreattn.kernels.configs.targets import ENV_TRITON_TARGET
 from coreattn.kernels.packing import Packing, packed
 from coreattn.kernels.tile_map import MAP_FIELDS, SCAN_CHUNK, tile_bound, tile_maps
 from oracle import attention_ref, padded_attention_ref

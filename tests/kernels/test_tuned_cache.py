@@ -1,5 +1,5 @@
 """The tuned-config cache the launchers read (coreattn/kernels/tuned_cache.py) and the pick order in
-kernels/config.py: forced > tuned (CUDA) > shipped; a round trip through a file, GQA fallback, and
+kernels/configs/pick.py: forced > tuned (CUDA) > shipped; a round trip through a file, GQA fallback, and
 each way a file or entry is ignored with one warning naming the file. No GPU: the device key is
 faked, and lookups run against ``torch.device("cuda", 0)`` objects (which need no CUDA)."""
 
@@ -9,8 +9,11 @@ import warnings
 import pytest
 import torch
 
-from coreattn.kernels import config, tuned_cache
-from coreattn.kernels.config import AttnConfig, forced_configs, pick_config, record_configs, tuned_fallback
+from coreattn.kernels import tuned_cache
+from coreattn.kernels.configs import dense, pick
+from coreattn.kernels.configs.base import AttnConfig
+from coreattn.kernels.configs.pick import forced_configs, pick_config, record_configs, tuned_fallback
+from coreattn.kernels.configs.targets import FP_FUSION
 from coreattn.kernels.tuned_cache import DeviceKey, KernelClass, TunedConfigWarning
 
 KEY = DeviceKey("NVIDIA H100 80GB HBM3", "9.0", "3.9.0", "0.1.0")
@@ -86,7 +89,7 @@ def test_pick_order_forced_then_tuned_then_shipped(cache):
     _write(tuned_cache.user_cache_file(KEY))
     with record_configs() as uses:
         got = pick_config("fwd", CUDA, "sm90", CLS, SHIPPED)
-    assert got == TUNED._replace(fp_fusion=config.FP_FUSION)  # launches set fp fusion whatever the file says
+    assert got == TUNED._replace(fp_fusion=FP_FUSION)  # launches set fp fusion whatever the file says
     assert uses[("fwd", CLS.id)].source == f"tuned: {tuned_cache.user_cache_file(KEY)}"
     forced = AttnConfig(32, 32, 4, 2)
     with forced_configs(fwd=forced), record_configs() as uses:
@@ -259,17 +262,17 @@ def test_forced_configs_that_fail_propagate(cache):
 
 
 def test_launch_options_set_fp_fusion_on_cuda_only():
-    assert config.shipped_config("sm90", "fwd", 128, 128).launch()["enable_fp_fusion"] is True
-    assert config.shipped_config("sm90", "preprocess", 128, 128).launch() == dict(num_warps=8, maxnreg=255,
+    assert dense.shipped_config("sm90", "fwd", 128, 128).launch()["enable_fp_fusion"] is True
+    assert dense.shipped_config("sm90", "preprocess", 128, 128).launch() == dict(num_warps=8, maxnreg=255,
                                                                                 enable_fp_fusion=True)
-    assert "enable_fp_fusion" not in config.shipped_config("ascend", "fwd", 128, 128).launch()
-    assert "enable_fp_fusion" not in config.shipped_config("interpreter", "dq", 128, 128).launch()
+    assert "enable_fp_fusion" not in dense.shipped_config("ascend", "fwd", 128, 128).launch()
+    assert "enable_fp_fusion" not in dense.shipped_config("interpreter", "dq", 128, 128).launch()
 
 
 @pytest.mark.interpreter_only("a CPU device's launch target is the interpreter only under TRITON_INTERPRET=1")
 def test_interpreter_launches_pass_no_cuda_option():
     dev = torch.device("cpu")
-    assert config.preprocess_config(dev, 128, 128).launch() == {"num_warps": config._INTERPRETER.num_warps}
+    assert dense.preprocess_config(dev, 128, 128).launch() == {"num_warps": dense._INTERPRETER.num_warps}
 
 
 def test_nested_recorders_each_see_their_launches():
@@ -280,7 +283,7 @@ def test_nested_recorders_each_see_their_launches():
         assert inner == outer
         pick_config("fwd", torch.device("cpu"), "sm90", CLS, SHIPPED)
     assert set(outer) == {("dq", CLS.id), ("fwd", CLS.id)} and set(inner) == {("dq", CLS.id)}
-    assert config._RECORDERS == []
+    assert pick._RECORDERS == []
 
 
 def test_tuned_files_ship_as_package_data():

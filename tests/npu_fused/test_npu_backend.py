@@ -20,7 +20,7 @@ from attn_cases import (CASES, KERNEL_DEVICE, LENS_K, Case, assert_flash_criteri
 from coreattn.layers import backends
 from coreattn.kernels import npu
 from coreattn.layers.backends import Backend, is_available, select_backend
-from coreattn.kernels.config import ENV_TRITON_TARGET, target_of
+from coreattn.kernels.configs.targets import ENV_TRITON_TARGET, target_of
 from coreattn.kernels.packing import Packing, packed
 from coreattn.layers import dispatch
 from coreattn.layers.checks import VarlenParams
@@ -498,10 +498,13 @@ def test_npu_defaults_to_npu_fused(fake_npu, monkeypatch):
     assert select_backend(NPU, "torch") is Backend.TORCH
 
 
-def test_npu_without_torch_npu_has_no_default(no_npu, monkeypatch):
+def test_npu_without_torch_npu_falls_back(no_npu, monkeypatch):
+    """No torch_npu: the kernels through triton-ascend if it is the active Triton, else torch."""
     monkeypatch.delenv(backends.ENV_BACKEND, raising=False)
-    with pytest.raises(RuntimeError, match="npu_fused backend, which cannot run: torch_npu cannot be imported"):
-        select_backend(NPU)
+    expected = Backend.TRITON if is_available(Backend.TRITON, NPU).ok else Backend.TORCH
+    assert select_backend(NPU) is expected
+    with pytest.raises(RuntimeError, match="backend='npu_fused' cannot run on npu: torch_npu cannot be imported"):
+        select_backend(NPU, "npu_fused")
 
 
 def test_npu_fused_override_needs_an_npu_tensor(fake_npu, monkeypatch):

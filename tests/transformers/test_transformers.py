@@ -247,21 +247,60 @@ def test_supported_mask_patterns_give_the_padding_mask():
         assert coreattn_hf.padding_mask(2, 4, 4, mask_function=fn, attention_mask=None) is None
 
 
+def test_no_keep_mask_when_nothing_is_padded(monkeypatch):
+    """An all-ones attention mask builds no keep mask (the kernels' masked path for every key block
+    of every layer otherwise), a padded one does; under torch.compile the mask is kept (no read)."""
+    ones = torch.ones(2, 4, dtype=torch.long)
+    assert coreattn_hf.padding_mask(2, 4, 4, attention_mask=ones) is None
+    padded = ones.clone()
+    padded[1, 0] = 0
+    assert torch.equal(coreattn_hf.padding_mask(2, 4, 4, attention_mask=padded), padded.bool())
+    # a longer mask (a cache) sliced to kv_length is kept as it is
+    assert coreattn_hf.padding_mask(2, 4, 3, attention_mask=ones).shape == (2, 3)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert torch.equal(coreattn_hf.padding_mask(2, 4, 4, attention_mask=ones), ones.bool())
+
+
+def test_unpadded_batch_with_a_mask_runs_without_keep_masks(monkeypatch):
+    """What the layers see for a right-padded model call whose mask keeps everything: no keep mask."""
+    from coreattn.layers import function
+
+    seen = []
+    real = function._packings
+
+    def spy(*args):
+        packs = real(*args)
+        seen.extend(pack.keep for pack in packs)
+        return packs
+
+    monkeypatch.setattr(function, "_packings", spy)
+    model = hm.build("llama", torch.float32, TORCH_IMPL)
+    ids = torch.randint(0, model.config.vocab_size, (2, 6))
+    model(input_ids=ids, attention_mask=torch.ones(2, 6, dtype=torch.long), use_cache=False)
+    assert seen and all(keep is None for keep in seen)
+    seen.clear()
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, 4:] = 0
+    model(input_ids=ids, attention_mask=mask, use_cache=False)
+    assert seen and all(keep is not None for keep in seen)
+
+
 # --- torch.compile ---------------------------------------------------------------------------------
 
-def test_position_ids_are_read_once_per_step(monkeypatch):
-    """The op derives cu_seqlens from the position ids once; the other layer and the backward reuse it."""
+def test_position_ids_are_read_when_the_op_runs(monkeypatch):
+    """The op derives cu_seqlens from the position ids each time it runs (q and k share one
+    derivation); nothing is cached on the tensor, so new ids copied into the same tensor (a CUDA
+    graph's static input) are read afresh."""
     from coreattn.layers import function
 
     results = []
     real = function.cu_seqlens_from_position_ids
     monkeypatch.setattr(function, "cu_seqlens_from_position_ids",
-                        lambda pos, tokens: results.append(real(pos, tokens)) or results[-1])
+                        lambda pos, tokens, compact=None: results.append(real(pos, tokens, compact)) or results[-1])
     model = hm.build("llama", torch.float32, TORCH_IMPL)
     hm.run(model, _batch("packed"), hm.weights(hm.sequences()))
-    assert len(results) == 8  # q and k, 2 layers, forward and backward...
-    assert len({id(cu) for cu in results}) == 1  # ...all given the first read's tensor
-    assert results[0].tolist() == [0, 7, 10, 19]
+    assert len(results) == 4  # 2 layers, forward and backward
+    assert all(cu.tolist() == [0, 7, 10, 19] for cu in results)
 
 
 @pytest.mark.parametrize("layout", ["right", "packed", "packed-flash-kwargs"])

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA
-from coreattn.kernels import config, tuned_cache
-from coreattn.kernels.config import AttnConfig
+from coreattn.kernels import tuned_cache
+from coreattn.kernels.configs import dense, pick
+from coreattn.kernels.configs.base import KERNELS, AttnConfig
 from coreattn.kernels.tuned_cache import DeviceKey, KernelClass
 from coreattn.tune import __main__ as cli
 from coreattn.tune import accept as acceptance
@@ -21,7 +22,7 @@ from coreattn.tune.space import KernelTask, classes, kernel_classes, parse_dims
 pytestmark = pytest.mark.skipif(HAS_CUDA, reason="CPU tests of the tuner's logic (the interpreter runs the kernels)")
 
 CPU = torch.device("cpu")
-SHIPPED = config._INTERPRETER  # (16, 32): the interpreter's shipped config
+SHIPPED = dense._INTERPRETER  # (16, 32): the interpreter's shipped config
 FAST, FASTER = AttnConfig(32, 16, 1, 1), AttnConfig(16, 16, 1, 1, tma=True)
 TINY = [Batch("tiny-a", (5, 17)), Batch("tiny-b", (3,) * 4)]
 KEY = DeviceKey("NVIDIA H100 80GB HBM3", "9.0", "3.9.0", "0.1.0")
@@ -30,7 +31,7 @@ KEY = DeviceKey("NVIDIA H100 80GB HBM3", "9.0", "3.9.0", "0.1.0")
 def scripted(ms: dict, seen: list):
     """A timer that returns ``ms[config][batch]`` and checks the config it is asked about is the one forced."""
     def timer(fn, case):
-        assert config._FORCED[case.kernel] == case.config
+        assert pick._FORCED[case.kernel] == case.config
         seen.append(case)
         return ms[case.config][case.batch]
     return timer
@@ -116,7 +117,7 @@ def test_a_candidate_that_does_not_compile_is_dropped(monkeypatch):
     ("fwd", KernelClass(64, 64, "fp16", True, False, ("max_logit",))),
 ], ids=["dkdv-192x128-gqa-causal", "fwd-dropout", "dq-sink", "fwd-max-logit"])
 def test_acceptance_of_a_good_candidate(kernel, cls):
-    shipped = {k: SHIPPED for k in config.KERNELS}
+    shipped = {k: SHIPPED for k in KERNELS}
     verdict = acceptance.accept(kernel, cls, FASTER, shipped, CPU)
     assert verdict.passed, verdict.note
     names = {c.name for c in verdict.checks}
@@ -134,7 +135,7 @@ def test_acceptance_rejects_wrong_outputs():
             res["dq"] = res["dq"] * 1.01
         return res
 
-    verdict = acceptance.accept("dq", cls, FASTER, {k: SHIPPED for k in config.KERNELS}, CPU, runner=runner)
+    verdict = acceptance.accept("dq", cls, FASTER, {k: SHIPPED for k in KERNELS}, CPU, runner=runner)
     assert not verdict.passed and "dq" in verdict.note and "out:" not in verdict.note
 
 
@@ -202,7 +203,7 @@ def test_the_whole_run_writes_the_cache_the_launchers_read(tmp_path, monkeypatch
     tuned_cache.reload()
     try:
         cls = KernelClass(32, 16, "bf16", True)
-        assert config.pick_config("fwd", torch.device("cuda", 0), "sm90", cls, SHIPPED) == FAST._replace(fp_fusion=True)
+        assert pick.pick_config("fwd", torch.device("cuda", 0), "sm90", cls, SHIPPED) == FAST._replace(fp_fusion=True)
     finally:
         tuned_cache.reload()
 

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
 def test_every_spill_free_candidate_is_accepted(kernel):
-    from coreattn.kernels.config import target_of
+    from coreattn.kernels.configs.targets import target_of
     from coreattn.kernels.tuned_cache import KernelClass
     from coreattn.tune.accept import accept
     from coreattn.tune.space import kernel_candidates, shipped_configs

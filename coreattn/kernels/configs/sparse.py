@@ -15,9 +15,20 @@ the group class (heads per kv head: the 16-row tiles of GQA and the 64-row ones 
 64-128 heads take different warps).
 
 How the CUDA and CDNA entries were picked: by compiling (``python -m bench --what kernels``,
-coreattn/tune/compiler.py; docs/compile-report.md has the figures per arch and Triton): 0 spill
-bytes, shared memory within the arch's per-block limit, every tl.dot an MMA of the input type.
-None has been timed.
+coreattn/tune/compiler.py; docs/compile-report.md has the figures per arch and Triton, the run in
+bench/results/compile-report-sparse_2026-11-28/): with these tables every sparse kernel of the
+report (absorbed 576/512 at 16-128 heads, GQA 4 at 192/128, 128 and 64, bf16, fp16 and fp32) has
+0 spill bytes and fits its arch's shared memory (LDS) on sm80, sm86, sm89, sm90, sm100 and sm120
+under Triton 3.6.0, 3.7.1, 3.8.0 and 3.9.0 and on gfx90a, gfx942 and gfx950 under 3.9.0, and every
+16-bit tl.dot is an MMA of its input type (mma.sync; tcgen05 for sm100's 64-head forward; 16x16
+MFMAs). The comments below say what each choice avoided. What is left is MMA work: the score dots
+of 16- and 32-row tiles repeat on 2-4 warps (CDNA waves), and a GQA group smaller than 16 pads the
+16-row tile with masked heads. None has been timed.
+
+Ascend (triton-ascend: one warp, a persistent grid) sizes the tiles by the on-chip buffer as the
+dense tables do (``step_bytes``); the kernels run under triton-ascend 3.2's interpreter in the
+Ascend CI lane. At 576/512 the backward's accumulators exceed the 96 KB step budget even at
+16 x 16, which relies on the count's overestimate (the dense fp32 kernels at 256 do the same).
 """
 
 from __future__ import annotations
@@ -26,7 +37,8 @@ import functools
 
 import triton
 
-from coreattn.kernels.config import (ASCEND_STEP_BUDGET, CDNA_TARGETS, FP_FUSION, MAXNREG, AttnConfig)
+from coreattn.kernels.configs.base import AttnConfig
+from coreattn.kernels.configs.targets import ASCEND_STEP_BUDGET, CDNA_TARGETS, FP_FUSION, MAXNREG
 
 KERNELS = ("fwd", "dq", "dkv", "reduce", "pre")
 MIN_BLOCK_H = 16  # tl.dot's smallest M
@@ -34,8 +46,9 @@ MIN_BLOCK_H = 16  # tl.dot's smallest M
 _C = AttnConfig
 _W = functools.partial(AttnConfig, matrix_instr_nonkdim=16)
 
-# The interpreter: small tiles, so tests cross slot blocks (K up to 40) and head blocks (groups > 16).
-_INTERPRETER = {"fwd": _C(16, 16, 1, 1), "dq": _C(16, 16, 1, 1), "dkv": _C(16, 16, 1, 1), "reduce": _C(0, 64, 1, 1),
+# The interpreter: small tiles, so tests cross slot blocks (K up to 40) and head blocks (groups > 16), and
+# unequal (16 heads x 32 slots), so a kernel that mixed up the two would fail on shapes.
+_INTERPRETER = {"fwd": _C(16, 32, 1, 1), "dq": _C(16, 32, 1, 1), "dkv": _C(16, 32, 1, 1), "reduce": _C(0, 64, 1, 1),
                 "pre": _C(16, 0, 1, None)}
 
 # CUDA and CDNA tables: kernel -> target -> ((max width, max group, AttnConfig), ...), first match wins;
@@ -44,23 +57,47 @@ _TABLES: dict = {"fwd": {}, "dq": {}, "dkv": {}}
 _REDUCE = {"cuda": _C(0, 512, 4, 2), "cdna": _W(0, 512, 4, 1)}
 # the delta preprocess (the dense kernel): rows per program and warps by v's block
 _PRE = ((128, _C(64, 0, 4, None)), (256, _C(32, 0, 4, None)), (512, _C(16, 0, 8, None)))
-_FP32 = {"fwd": _C(16, 16, 4, 1), "dq": _C(16, 16, 4, 1), "dkv": _C(16, 16, 4, 1)}
-_FP32_CDNA = {kernel: cfg._replace(matrix_instr_nonkdim=16) for kernel, cfg in _FP32.items()}
+_FP32 = {"fwd": _C(16, 16, 4, 1), "dq": _C(16, 16, 8, 2), "dkv": _C(16, 16, 4, 1)}
+# CDNA's fp32 MFMAs (IEEE): one or two waves per 16-row tile as for 16-bit (dK/dV on 4: 1-2 waves took 256
+# VGPRs, one wave per SIMD)
+_FP32_CDNA = {"fwd": _W(16, 16, 1, 1), "dq": _W(16, 16, 2, 1), "dkv": _W(16, 16, 4, 1)}
 
-_GENERIC = {
-    "fwd": ((256, 16, _C(16, 64, 4, 2)), (256, 1 << 30, _C(64, 32, 4, 2)),
-            (1024, 16, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(64, 16, 8, 2))),
-    "dq": ((256, 16, _C(16, 64, 4, 2)), (256, 1 << 30, _C(64, 32, 4, 2)),
-           (1024, 16, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(64, 16, 8, 2))),
-    "dkv": ((256, 16, _C(16, 32, 4, 2)), (256, 1 << 30, _C(32, 32, 4, 2)),
-            (1024, 16, _C(16, 16, 4, 2)), (1024, 1 << 30, _C(32, 16, 8, 2))),
+# (max width, max group, config), by the MMA family. mma.sync (every CUDA arch at 16- and 32-row tiles:
+# sm90's wgmma needs 64 rows per warpgroup) holds both operands of a dot in registers, and q (the
+# dK/dV kernel's) or the gathered keys (dQ's) take two roles, so the head blocks of the backward stay
+# at 16 rows; a 512-column fp32 accumulator (absorbed MLA's V and dK) needs 4-8 warps beside it.
+_CUDA = {
+    # GQA (<= 256): 16 q heads per step over 64 slots, 4 warps splitting the columns (no duplicated MMA).
+    # 576/512: 16 heads on 4 warps; 32 and more on 8 (64 on sm100's tcgen05). The 32-row tile repeats its
+    # score dot on 2 warps (Triton lays a chained dot's warps along its rows); a layout without any
+    # repeat would hold 256 registers of 512-column accumulator per thread.
+    "fwd": ((256, 1 << 30, _C(16, 64, 4, 2)), (1024, 16, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(32, 32, 8, 2))),
+    "dq": ((256, 1 << 30, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(16, 32, 8, 2))),
+    # dK/dV: 16 slots by 16 heads per step (32 slots took 226-255 registers and spilled 36 B in the atomic
+    # variant at 192/128 under Triton 3.9.0; 16: 154-166); at 576/512, 16 slots by 32 heads on 8 warps
+    "dkv": ((256, 1 << 30, _C(16, 16, 4, 2)), (1024, 1 << 30, _C(32, 16, 8, 2))),
 }
-for _kernel, _rows in _GENERIC.items():
+for _kernel, _rows in _CUDA.items():
     for _target in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120"):
         _TABLES[_kernel][_target] = _rows
+# sm100: 64 heads per forward step (64-128 heads) on tcgen05 over 16 slots (32 slots took 208 KB and 255
+# registers and spilled 12 B under Triton 3.7.1). sm90's wgmma at 64 heads (64 x 32 on two warpgroups:
+# 234-244 registers and no spill under 3.6.0-3.8.0) spilled 144 B under 3.9.0 (64 x 16: 64 B; one
+# stage: 360 B), so sm90 keeps mma.sync's 32-head tile.
+_TABLES["fwd"]["sm100"] = _CUDA["fwd"][:2] + ((1024, 32, _C(32, 32, 8, 2)), (1024, 1 << 30, _C(64, 16, 8, 2)))
+# AMD CDNA (wave64, 16x16 MFMAs, single-stage loops): a chained dot's waves go along its rows too, so
+# a 16-row tile takes 1-2 waves (each more repeats the score dots: 8 waves on the 576/512 backward
+# were spill-free at 2 waves per SIMD but repeated them 8 times); at 576/512 the backward's two
+# waves hold their accumulators partly in AGPRs, one wave per SIMD. Same table for gfx90a, gfx942
+# and gfx950.
+_CDNA = {
+    "fwd": ((256, 1 << 30, _W(16, 64, 1, 1)), (1024, 16, _W(16, 32, 2, 1)), (1024, 1 << 30, _W(64, 16, 8, 1))),
+    "dq": ((256, 1 << 30, _W(16, 32, 2, 1)), (1024, 1 << 30, _W(16, 16, 2, 1))),
+    "dkv": ((256, 1 << 30, _W(16, 32, 2, 1)), (1024, 1 << 30, _W(16, 16, 2, 1))),
+}
+for _kernel, _rows in _CDNA.items():
     for _target in CDNA_TARGETS:
-        _TABLES[_kernel][_target] = tuple((w, g, c._replace(num_stages=1, matrix_instr_nonkdim=16))
-                                          for w, g, c in _rows)
+        _TABLES[_kernel][_target] = _rows
 
 
 def block_h_for(group: int, block_h: int) -> int:

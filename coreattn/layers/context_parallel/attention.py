@@ -29,7 +29,7 @@ from coreattn.layers.backends import Backend, select_backend
 from coreattn.kernels.packing import Packing
 from coreattn.kernels import dropout
 from coreattn.layers.checks import (VarlenParams, check_cu_seqlens, check_flag, check_max_seqlen, check_options,
-                                    check_qkv, check_softmax_offset, validation_enabled)
+                                    check_qkv, check_softmax_offset, reads_values)
 from coreattn.layers.context_parallel.a2a import a2a_attn, whole_sequences
 from coreattn.layers.context_parallel.groups import HIERARCHICAL, cp_groups
 from coreattn.layers.context_parallel.layout import make_layout
@@ -311,8 +311,9 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
             then be multiples of 2*cp). Real tokens sit at the start of each padded sequence.
         max_seqlen_q, max_seqlen_kv: ints >= the longest GLOBAL padded sequence (thd; what
             PackedSeqParams carries), or 0-dim integer tensors, which are never read (the global
-            token count stands in for them: nothing is sized by max_seqlen). None: computed with
-            one host sync. Ignored for sbhd (the padded length is s_local * cp).
+            token count stands in for them: nothing is sized by max_seqlen). None: the longest
+            sequence where reading is free (CPU), else the global token count (no host sync).
+            Ignored for sbhd (the padded length is s_local * cp).
         causal: global causal mask (top-left = bottom-right here: q and k are the same tokens).
         window_size: ``(left, 0)`` or ``(left, -1)`` with causal (sliding window) or ``(-1, -1)``;
             other windows raise NotImplementedError when cp_size > 1, except with ``comm="a2a"``
@@ -343,8 +344,8 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
     a2a+p2p (a-1)/a of them inside the a2a group, then p2p's volumes for b ranks on a*n tokens of
     Hkv/a K/V heads over the p2p group.
 
-    Host syncs: none with max_seqlen given and device tensors (spans and reorder indices are built
-    with vectorized torch ops). Value checks (lengths multiples of 2*cp, token counts, max_seqlen)
+    Host syncs: none on device tensors (spans and reorder indices are built with vectorized torch
+    ops; max_seqlen is never read). Value checks (lengths multiples of 2*cp, token counts, max_seqlen)
     run when cu_seqlens are on the CPU or with ``COREATTN_VALIDATE=1`` (a sync on GPU).
     """
     if layout not in LAYOUTS:
@@ -375,7 +376,7 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
             check = cu if check is None else check
             if cu.numel() != check.numel():
                 raise ValueError(f"{name} has {cu.numel()} entries but cu_seqlens_q has {check.numel()}")
-    reads = q.device.type == "cpu" or validation_enabled()
+    reads = reads_values(q)
 
     if layout == "thd":
         if cu_seqlens_q is None:
@@ -384,7 +385,9 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
         pad_q = cu_seqlens_q_padded if cu_seqlens_q_padded is not None else cu_seqlens_q
         pad_kv = cu_seqlens_kv_padded if cu_seqlens_kv_padded is not None else cu_seqlens_kv
         if max_seqlen_q is None or max_seqlen_kv is None:
-            longest = int(_lens(pad_q).max())  # one host sync on a device
+            # read where reading is free, else the global token count, which bounds every sequence
+            # (max_seqlen sizes nothing: no host sync)
+            longest = int(_lens(pad_q).max()) if reads else n_local * cp_size
             max_seqlen_q = longest if max_seqlen_q is None else max_seqlen_q
             max_seqlen_kv = longest if max_seqlen_kv is None else max_seqlen_kv
         # a 0-dim tensor is not read: the global token count bounds every sequence

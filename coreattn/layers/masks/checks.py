@@ -1,7 +1,8 @@
 """Argument checks for the mask utilities: clear errors that name the argument.
 
 Shape and dtype checks are free and always run. Checks that read values run when the tensor
-is on the CPU (free) or when COREATTN_VALIDATE=1 (a host sync on a device).
+is on the CPU (free) or when COREATTN_VALIDATE=1 (a host sync on a device): ``reads_values``,
+coreattn.layers.checks'.
 """
 
 from __future__ import annotations
@@ -10,16 +11,11 @@ import operator
 
 import torch
 
-from coreattn.layers.checks import check_binary_values, validation_enabled
+from coreattn.layers.checks import check_binary_values, reads_values  # noqa: F401 (the mask modules' checks.reads_values)
 
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 MASK_DTYPES = (torch.bool,) + INT_DTYPES
 INT32_MAX = 2**31 - 1
-
-
-def reads_values(t: torch.Tensor) -> bool:
-    """Value checks run for CPU tensors and, with COREATTN_VALIDATE=1, for device tensors."""
-    return t.device.type == "cpu" or validation_enabled()
 
 
 def check_tensor(name: str, t, ndims: tuple[int, ...]) -> None:

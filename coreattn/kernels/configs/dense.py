@@ -1,12 +1,9 @@
-"""Launch configurations per target, in one place.
+"""The dense attention kernels' launch tables per target (forward, dK/dV, dQ and the backward
+preprocess; kernels/attn_fwd.py, kernels/attn_bwd.py) and the launchers' calls into them.
 
-Targets: the Triton interpreter (CPU, tests), CUDA sm80 (A100: 163 KB of shared memory per
-block), sm86/sm89 (RTX 30/40, A10, L4, L40S: 99 KB), sm90 (H100/H200: 227 KB, wgmma), sm100
-(B200: 227 KB), sm120 (RTX 50 / RTX PRO Blackwell: 99 KB), AMD CDNA under ROCm gfx90a
-(MI210/MI250X: 64 KB of LDS per workgroup), gfx942 (MI300X/MI325X: 64 KB), gfx950
-(MI350X/MI355X: 160 KB), and Ascend (triton-ascend). Lengths
-never enter a config key: packed batches change every step and must not trigger recompiles; only
-head dims, dtype and the target do. The forward, the dK/dV kernel and the dQ kernel each have
+``shipped_config`` reads the tables; ``fwd_config``, ``bwd_configs`` and ``preprocess_config`` are
+what the launchers call (through configs/pick.py: forced > tuned > these tables); ``split_dkdv``
+says when dK and dV take two passes. The forward, the dK/dV kernel and the dQ kernel each have
 their own tile: dK/dV holds many keys and steps over few queries, dQ the reverse, so each dot's
 rows are the tile's long side and no warp computes another warp's rows.
 
@@ -75,25 +72,7 @@ bench/results/compile-report_2026-11-27/):
   dK/dV kernel at 256 (2 waves on 16 x 32).
 - None of these tiles has been timed: no AMD GPU was available. The tuner may search the rest.
 
-None of these tables has been timed: they come from compiler output alone. Which config a launch
-uses (``pick_config``): one the tuner forces (``forced_configs``), else on a CUDA device the tuned
-cache's entry for the launch's class (kernels/tuned_cache.py: files ``python -m coreattn.tune``
-writes on the user's GPU, or shipped in the package for named GPUs), else the table above, the
-shipped default. ``candidates`` lists what the tuner may try per target and kernel: the shipped
-entry first, tiles from ``_SPACES`` and the loop variants of ``_VARIANTS``, which are kernel
-constexprs (``loop_flags``): TMA descriptor loads in the key (dK/dV: query) loops on sm90 and
-sm100 (kernels/descriptors.py: host-side descriptors over the packed tensors, no
-``triton.set_allocator``; launches whose tensors do not allow them take the pointer loads), and a
-warp-specialized loop over those descriptor loads. The defaults (TMA and WARP_SPEC off) compile to
-the same PTX instructions as before the variants existed. A tuned config that fails to compile at
-launch is dropped with a warning and the launch reruns on the table (``tuned_fallback``). Every
-CUDA launch sets ``enable_fp_fusion`` explicitly (``FP_FUSION``).
-
-Ascend runs a persistent grid: as many programs as the device has AI cores (``num_aicore`` for
-kernels with ``tl.dot``, ``num_vectorcore`` for element-wise ones), each looping over
-(block, sequence, head) tasks inside the kernel (``PERSISTENT``). ``COREATTN_TRITON_TARGET=ascend``
-forces that launch on any device, so tests and CI run it under the interpreter on CPU, with
-``INTERPRETER_ASCEND_CORES`` standing in for the core counts.
+None of these tables has been timed: they come from compiler output alone.
 
 Ascend block sizes come from the on-chip buffer: 192 KB per core, halved by double buffering
 (the compiler's multibuffer), so a step's live tiles must fit in 96 KB. ``fwd_step_bytes`` and
@@ -111,137 +90,17 @@ over-count.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-from typing import NamedTuple
 
 import torch
-import triton
 
-ENV_TRITON_TARGET = "COREATTN_TRITON_TARGET"
-CDNA_TARGETS = ("gfx90a", "gfx942", "gfx950")  # AMD Instinct MI200, MI300X/MI325X, MI350X/MI355X
-TARGETS = ("interpreter", "sm80", "sm86", "sm89", "sm90", "sm100", "sm120", *CDNA_TARGETS, "ascend")
+from coreattn.kernels.configs.base import AttnConfig
+from coreattn.kernels.configs.pick import pick_config
+from coreattn.kernels.configs.targets import ASCEND_STEP_BUDGET, CDNA_TARGETS, FP_FUSION, MAXNREG, target_of
 
-ASCEND_BUFFER_BYTES = 192 * 1024  # unified buffer per AI core
-ASCEND_STEP_BUDGET = ASCEND_BUFFER_BYTES // 2  # double buffering
 # (BLOCK_M, BLOCK_N) candidates, largest first; the first whose step fits the budget wins
 _ASCEND_BLOCKS = ((128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64), (32, 32), (32, 16), (16, 32),
                   (16, 16))
-INTERPRETER_ASCEND_CORES = (4, 8)  # (aicore, vectorcore) standing in under TRITON_INTERPRET=1
-MAX_PERSISTENT_GRID = 65535
-
-
-class AttnConfig(NamedTuple):
-    block_m: int
-    block_n: int  # 0 for the backward preprocess kernel, which has rows only
-    num_warps: int
-    num_stages: int | None  # None: Triton's default (the preprocess kernel has no loop to pipeline)
-    maxnreg: int | None = None  # CUDA: ptxas's register ceiling per thread (.maxnreg); None: ptxas's choice
-    matrix_instr_nonkdim: int | None = None  # AMD: the MFMA instruction's M = N (16, 32); None: Triton's choice
-    warp_specialize: bool = False  # the key (dK/dV: query) loop as tl.range(..., warp_specialize=True)
-    tma: bool = False  # that loop's q/k/v/dO loads through TMA descriptors where allowed (kernels/descriptors.py)
-    fp_fusion: bool | None = None  # the enable_fp_fusion launch option; None: not passed (interpreter, Ascend)
-
-    def launch(self) -> dict:
-        """The kernel launch options of this config, each backend's own (the HIP backend rejects
-        ``maxnreg``, the CUDA backend the AMD ones); warp_specialize and tma are constexprs, not options."""
-        opts = dict(num_warps=self.num_warps, num_stages=self.num_stages, maxnreg=self.maxnreg,
-                    matrix_instr_nonkdim=self.matrix_instr_nonkdim, enable_fp_fusion=self.fp_fusion)
-        return {k: v for k, v in opts.items() if v is not None}
-
-
-def head_block(dim: int) -> int:
-    """Padded power-of-two block for a real head dim (tl.dot needs >= 16; triton-ascend's
-    frontend also requires power-of-two tl.arange)."""
-    return max(16, triton.next_power_of_2(dim))
-
-
-def split_head_block(dim: int) -> tuple[int, int]:
-    """A q/k head dim as one power-of-two block, or two (the largest power of two below it and a
-    block for the rest) when two cost less than the padded one: 192 -> (128, 64), not 256; 96 ->
-    (64, 32); 111 -> (128, 0): two blocks would cover 128 as well."""
-    full = head_block(dim)
-    if dim <= 16 or full == dim:
-        return full, 0
-    first = full // 2
-    second = head_block(dim - first)
-    return (first, second) if first + second < full else (full, 0)
-
-
-def head_blocks(dim_qk: int, dim_v: int) -> tuple[int, int, int]:
-    """(BLOCK_DQK, BLOCK_DQK2, BLOCK_DV): the q/k dim, split where that saves work, and the v dim
-    padded to its own power of two (never to q/k's)."""
-    return (*split_head_block(dim_qk), head_block(dim_v))
-
-
-def target_of(device: torch.device) -> str:
-    """The launch target for tensors on ``device``: "ascend" for npu tensors or when
-    ``COREATTN_TRITON_TARGET=ascend`` (read at every call), else "interpreter", a CUDA family
-    ("sm90", "sm80", ...) or, on ROCm's PyTorch (whose AMD GPUs are ``cuda`` devices), the CDNA arch
-    ("gfx942", ...). Under the interpreter, the first call checks that it can run the kernels
-    (kernels/versions.py ``check_interpreter``: Triton 3.6's needs numpy<2.4)."""
-    from coreattn.kernels import runs_in_interpreter
-
-    interpreted = runs_in_interpreter()
-    if interpreted:  # once per process: RuntimeError naming the fix where this interpreter cannot run them
-        from coreattn.kernels.versions import check_interpreter
-
-        check_interpreter()
-    forced = os.environ.get(ENV_TRITON_TARGET, "").strip().lower()
-    if forced:
-        if forced != "ascend":
-            raise ValueError(f"{ENV_TRITON_TARGET}={forced!r}: only 'ascend' can be forced")
-        return "ascend"
-    if device.type == "npu":
-        return "ascend"
-    if interpreted:
-        return "interpreter"
-    if device.type == "cuda":
-        if torch.version.hip:  # ROCm: the capability (9, 4 on an MI300X) says nothing about CUDA archs
-            return hip_target(torch.cuda.get_device_properties(device).gcnArchName)
-        return cuda_target(*torch.cuda.get_device_capability(device))
-    raise RuntimeError(f"no Triton launch config for device {device}")
-
-
-def hip_target(arch_name: str) -> str:
-    """The config family of a ROCm device from its ``gcnArchName`` ("gfx942:sramecc+:xnack-" ->
-    "gfx942"). Only the CDNA archs whose tables were checked by compiling for them are accepted:
-    another arch (MI100's gfx908, the RDNA parts' wave32 and WMMA, a future CDNA) could spill or
-    exceed its LDS with them, and an error now beats a kernel that fails or crawls at launch."""
-    arch = arch_name.split(":", 1)[0].strip().lower()
-    if arch in CDNA_TARGETS:
-        return arch
-    raise RuntimeError(f"coreattn's Triton kernels have launch configs for AMD {', '.join(CDNA_TARGETS)} only, "
-                       f"this device is {arch_name!r}; use backend='torch'")
-
-
-def cuda_target(major: int, minor: int) -> str:
-    """The config family of a CUDA compute capability (by shared memory per block and MMA kind)."""
-    if major < 8:
-        raise RuntimeError(f"coreattn's Triton kernels need compute capability >= 8.0 (Ampere), this device has "
-                           f"{major}.{minor}; use backend='torch'")
-    if major == 8:
-        return {6: "sm86", 9: "sm89"}.get(minor, "sm80")  # 8.0 and 8.7 (Orin) have 163 KB per block
-    if major == 9:
-        return "sm90"
-    if major in (10, 11):
-        return "sm100"
-    return "sm120"  # 12.x and anything newer: the smallest shared memory of the Blackwell parts
-
-
-def persistent_grid(device: torch.device, tasks: int, vector_only: bool = False) -> int:
-    """Programs of a persistent (Ascend) launch: the core count, never more than the tasks."""
-    from coreattn.kernels import runs_in_interpreter
-
-    if runs_in_interpreter():
-        aicore, vectorcore = INTERPRETER_ASCEND_CORES
-    else:
-        from coreattn.kernels.npu import ascend_core_counts
-
-        aicore, vectorcore = ascend_core_counts(device.index or 0)
-    cores = vectorcore if vector_only else aicore
-    return max(1, min(cores, tasks, MAX_PERSISTENT_GRID))
 
 
 def fwd_step_bytes(block_m: int, block_n: int, block_dqk: int, block_dv: int, elem: int) -> int:
@@ -355,26 +214,6 @@ _FWD["gfx90a"] = ((64, _W(128, 64, 8, 1)), (128, _W(128, 32, 8, 1)), (192, _W(12
 _DKDV["gfx90a"] = _DKDV["gfx942"][:3] + ((256, _W(16, 32, 2, 1)),)
 # fp32 takes CDNA's IEEE fp32 MFMAs; one small tile for every kernel (see the module docstring)
 _FP32_CDNA = ((128, _W(32, 32, 2, 1)), (256, _W(16, 16, 1, 1)))
-# Left to itself, ptxas often capped registers well below the register file and spilled (sm120's dQ
-# at 64: 128 registers and 4 B spilled, 184 and none with the ceiling at 255; sm80's fp32 forward
-# at 64: 48 registers and a spill): every CUDA launch sets the ceiling to the file's 255.
-MAXNREG = 255
-# Floating-point fusion (a * b + c as one FMA), set explicitly on every CUDA launch: Triton 3.9
-# fuses by default and warns that 3.10 will not. Fusion keeps the numerics every test and the
-# compile report were checked with (the softmax's s * scale - m is one FMA) and saves the separate
-# multiplies and adds. The interpreter ignores launch options and triton-ascend 3.2 does not know
-# this one, so their configs leave it unset.
-FP_FUSION = True
-
-
-def launch_options(target: str) -> dict:
-    """Launch options for a kernel without an AttnConfig (the tile scan and map, the mask kernels):
-    ``enable_fp_fusion`` on GPU targets and, on CUDA, the register ceiling every CUDA launch sets
-    (left to itself, Triton 3.8.0's ptxas held the eight-warp tile scan to 64 registers for sm90
-    and spilled 4 B); nothing where the launch does not take them."""
-    if target in ("interpreter", "ascend"):
-        return {}
-    return {"enable_fp_fusion": FP_FUSION} | ({} if target in CDNA_TARGETS else {"maxnreg": MAXNREG})
 
 
 def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, elem: int,
@@ -450,195 +289,3 @@ def preprocess_config(device: torch.device, block_dqk: int, block_dv: int, elem:
     target = target_of(device)
     return pick_config("preprocess", device, target, cls,
                        shipped_config(target, "preprocess", block_dqk, block_dv, elem, dropout))
-
-
-# ---- the tuner's candidate spaces (python -m coreattn.tune)
-#
-# Tiles per kernel and width class (block_m, block_n, num_warps, num_stages; the preprocess kernel:
-# rows, 0, warps, None), by MMA family; ``candidates`` puts the shipped entry first and adds each
-# target's loop variants. Which candidates compile spill-free and fit shared memory is the dry run's
-# answer (python -m coreattn.tune --dry-run --arch ...), not assumed here: the tuner times only those.
-# New targets (e.g. AMD's gfx*) join with a _SPACES entry (and _VARIANTS where they have any).
-KERNELS = ("fwd", "dkdv", "dq", "preprocess")
-_PREPROCESS_SPACE = {256: ((32, 0, 4, None), (64, 0, 4, None), (128, 0, 8, None), (64, 0, 8, None))}
-_WGMMA_SPACE = {  # sm90, sm100: 227 KB per block; a warpgroup (4 warps) per 64 rows of a dot
-    "fwd": {64: ((128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3), (64, 128, 4, 2)),
-            128: ((128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)),
-            192: ((128, 32, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3)),
-            256: ((128, 32, 8, 2), (128, 16, 8, 3), (64, 32, 4, 2), (64, 16, 4, 3))},
-    # the dK/dV dots have the key tile's rows: 64 per warpgroup; at 192 and 256 its accumulators fill
-    # the registers, so the space there is mostly pipeline depth
-    "dkdv": {64: ((64, 128, 8, 2), (32, 64, 4, 3), (16, 128, 8, 3), (64, 64, 4, 2)),
-             128: ((32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 2), (16, 64, 4, 3)),
-             192: ((16, 128, 8, 4), (16, 128, 8, 5), (32, 128, 8, 2), (16, 64, 4, 3), (32, 64, 4, 2)),
-             256: ((16, 128, 8, 3), (16, 128, 8, 4), (32, 128, 8, 2), (16, 64, 4, 2))},
-    "dq": {64: ((128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3), (64, 128, 4, 2)),
-           128: ((128, 32, 8, 2), (64, 64, 4, 2), (128, 128, 8, 2), (64, 32, 4, 3)),
-           192: ((128, 64, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2)),
-           256: ((128, 16, 8, 2), (128, 16, 8, 3), (64, 16, 4, 3), (64, 32, 4, 2))},
-    "preprocess": _PREPROCESS_SPACE,
-}
-_MMA_SYNC_SPACE = {  # sm80 (163 KB) and the 99 KB parts: accumulators in registers, smaller tiles
-    "fwd": {64: ((64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3)),
-            128: ((64, 32, 4, 2), (32, 64, 4, 2), (64, 64, 8, 2), (32, 32, 4, 3)),
-            256: ((32, 16, 4, 2), (16, 32, 4, 2), (32, 32, 4, 3), (64, 64, 8, 2))},
-    "dkdv": {64: ((32, 128, 8, 2), (16, 64, 4, 2), (32, 64, 4, 3)),
-             128: ((32, 64, 4, 2), (64, 64, 8, 2), (16, 64, 4, 2)),
-             192: ((16, 32, 4, 2), (32, 32, 4, 2), (32, 16, 4, 1)),
-             256: ((16, 32, 4, 1), (32, 64, 8, 1), (16, 64, 4, 1))},
-    "dq": {64: ((128, 64, 8, 2), (64, 32, 4, 3), (32, 64, 4, 2)),
-           128: ((64, 64, 4, 2), (32, 32, 4, 2), (64, 32, 4, 3)),
-           192: ((16, 32, 4, 1), (32, 16, 4, 1), (32, 32, 4, 2), (16, 64, 4, 1)),
-           256: ((16, 32, 4, 1), (32, 16, 4, 1), (32, 32, 4, 2), (64, 32, 8, 1))},
-    "preprocess": _PREPROCESS_SPACE,
-}
-_SPACES = {"sm80": _MMA_SYNC_SPACE, "sm86": _MMA_SYNC_SPACE, "sm89": _MMA_SYNC_SPACE, "sm120": _MMA_SYNC_SPACE,
-           "sm90": _WGMMA_SPACE, "sm100": _WGMMA_SPACE}
-# Loop variants, as (warp_specialize, tma), where Triton 3.9 compiles them for these kernels:
-# - TMA descriptors on every tile of sm90 and sm100 (sm80 and the 99 KB parts: not offered; Triton
-#   rewrites descriptors into pointer loads below sm90);
-# - warp specialization only on TMA loops: with pointer loads the loop compiled without a
-#   warp-specialized region on sm90 and sm100 (Hopper's pass also rejects pointer loads in its
-#   producer). With TMA, sm100 compiles one region per key loop, but every tile tried spilled
-#   (20 B to 3.5 KB of stores, with or without the 255-register ceiling), so it is offered on the
-#   shipped tile only, for the dry run to show; sm90 compiled no region at all (8 warps, or 4 warps
-#   with 64-row tiles), so it has none. Warp-specializing only the unmasked middle loop crashed
-#   Triton 3.9's TritonGPUHoistTMEMAlloc pass on sm100.
-_VARIANTS = {
-    "sm90": {kernel: (((False, True), ()),) for kernel in ("fwd", "dkdv", "dq")},
-    "sm100": {kernel: (((False, True), ()), ((True, True), ("shipped",))) for kernel in ("fwd", "dkdv", "dq")},
-}
-TMA_TARGETS = ("sm90", "sm100", "interpreter")  # where a config's tma is honoured (the interpreter emulates TMA)
-
-
-def _width_entry(classes: dict, widest: int):
-    for width in sorted(classes):
-        if widest <= width:
-            return classes[width]
-    return ()
-
-
-def candidates(target: str, kernel: str, block_dqk: int, block_dv: int, elem: int = 2,
-               dropout: bool = False) -> list[AttnConfig]:
-    """The configs the tuner may try for ``kernel`` on ``target``, the shipped one first (always a
-    candidate); fp32 and targets without a space have the shipped one only."""
-    shipped = shipped_config(target, kernel, block_dqk, block_dv, elem, dropout)
-    if elem == 4 or target not in _SPACES:
-        return [shipped]
-    opts = dict(maxnreg=MAXNREG, fp_fusion=FP_FUSION)
-    tiles = [shipped] + [AttnConfig(*tile, **opts) for tile in _width_entry(_SPACES[target][kernel],
-                                                                            max(block_dqk, block_dv))]
-    out = []
-    for i, tile in enumerate(tiles):
-        for (ws, tma), only in (((False, False), ()), *_VARIANTS.get(target, {}).get(kernel, ())):
-            cfg = tile._replace(warp_specialize=ws, tma=tma)
-            if (not only or i == 0) and cfg not in out:  # only: ("shipped",) = on the shipped tile alone
-                out.append(cfg)
-    return out
-
-
-def loop_flags(cfg: AttnConfig, target: str, tma_possible: bool) -> dict:
-    """The kernels' TMA and WARP_SPEC constexprs for ``cfg``: TMA where the config asks for it, the
-    target has it and the launch's tensors allow it (``tma_possible``: kernels/descriptors.py);
-    warp specialization only on a TMA loop (see _VARIANTS)."""
-    tma = cfg.tma and tma_possible and target in TMA_TARGETS
-    return dict(TMA=tma, WARP_SPEC=cfg.warp_specialize and tma)
-
-
-# ---- which config a launch uses: forced (the tuner) > tuned cache (CUDA) > shipped table
-
-class ConfigUse(NamedTuple):
-    kernel: str
-    cls: str | None  # the launch's class id as the kernel sees it (kernels/tuned_cache.py KernelClass.for_kernel)
-    config: AttnConfig
-    source: str  # "shipped table (sm90)", "tuned: <file>", "forced by the tuner", ...
-
-    def as_json(self) -> dict:
-        return {"kernel": self.kernel, "class": self.cls, "config": self.config._asdict(), "source": self.source}
-
-
-_FORCED: dict[str, AttnConfig] = {}
-_RECORDERS: list[dict] = []
-
-
-@contextlib.contextmanager
-def forced_configs(**configs: AttnConfig):
-    """Inside, the launchers use these configs (by kernel: fwd, dkdv, dq, preprocess) whatever the
-    target, table or cache say: how the tuner times and compiles candidates, and how tests run a
-    variant under the interpreter."""
-    unknown = set(configs) - set(KERNELS)
-    if unknown:
-        raise ValueError(f"unknown kernels {sorted(unknown)}; expected some of {KERNELS}")
-    saved = dict(_FORCED)
-    _FORCED.update(configs)
-    try:
-        yield
-    finally:
-        _FORCED.clear()
-        _FORCED.update(saved)
-
-
-@contextlib.contextmanager
-def record_configs():
-    """Yields a dict that receives, keyed by (kernel, class id), the ConfigUse of every config the
-    launchers pick inside (the last one for each key): what the self-check and the bench report."""
-    uses: dict = {}
-    _RECORDERS.append(uses)
-    try:
-        yield uses
-    finally:  # by identity: two recorders may hold equal dicts
-        del _RECORDERS[next(i for i, r in enumerate(_RECORDERS) if r is uses)]
-
-
-def pick_config(kernel: str, device: torch.device, target: str, cls, shipped: AttnConfig) -> AttnConfig:
-    """``kernel``'s config for a launch of class ``cls`` on ``device``: forced, else tuned (CUDA
-    devices only, kernels/tuned_cache.py), else ``shipped``."""
-    if kernel in _FORCED:
-        cfg, source = _FORCED[kernel], "forced by the tuner"
-    else:
-        hit = None
-        if cls is not None and device.type == "cuda" and target not in ("interpreter", "ascend"):
-            from coreattn.kernels import tuned_cache
-
-            hit = tuned_cache.lookup(device, kernel, cls)
-        if hit is not None:
-            cfg, source = hit.config._replace(fp_fusion=FP_FUSION), f"tuned: {hit.path}"
-        else:
-            cfg, source = shipped, f"shipped table ({target})"
-    if _RECORDERS:
-        use = ConfigUse(kernel, None if cls is None else cls.for_kernel(kernel).id, cfg, source)
-        for uses in _RECORDERS:
-            uses[(kernel, use.cls)] = use
-    return cfg
-
-
-def _compile_failure(exc: BaseException) -> bool:
-    """Triton failed to compile or load a kernel (a config that does not fit this GPU or Triton)."""
-    from triton.errors import TritonError
-    from triton.runtime.errors import InterpreterError
-
-    if isinstance(exc, TritonError):
-        return not isinstance(exc, InterpreterError)
-    return isinstance(exc, RuntimeError) and "PassManager::run failed" in str(exc)
-
-
-def tuned_fallback(launcher):
-    """Wraps a launcher: when a launch that used tuned configs fails to compile, those cache entries
-    are dropped (one warning naming their file, kernels/tuned_cache.py ``reject``) and the launch runs
-    again on the shipped table. Any other failure propagates."""
-    @functools.wraps(launcher)
-    def launch(*args, **kwargs):
-        with record_configs() as uses:
-            try:
-                return launcher(*args, **kwargs)
-            except Exception as exc:
-                tuned_uses = [u for u in uses.values() if u.source.startswith("tuned: ")]
-                if not tuned_uses or not _compile_failure(exc):
-                    raise
-                from coreattn.kernels import tuned_cache
-
-                for use in tuned_uses:
-                    tuned_cache.reject(use, exc)
-        return launcher(*args, **kwargs)
-
-    return launch
