@@ -163,6 +163,40 @@ def mask_utilities(device, group):
     masks.cp_partition_indices_sbhd(8, 2, 1)
 
 
+def _topk(device, *token_dims, topk=4, heads=()):
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(-1, 9, (*token_dims, *heads, topk), generator=gen).to(device)
+
+
+def sparse_varlen(device, group):
+    """Top-k sparse attention, packed: indices with -1, key bounds and topk_length derived and given on
+    the device; absorbed MLA (v None) and per-kv-head indices."""
+    q, k, v = _qkv(device)
+    lengths = torch.full((19,), 3, dtype=torch.int32, device=device)
+    bounds = (torch.zeros(19, dtype=torch.int64, device=device), torch.full((19,), 12, device=device))
+    out = coreattn.sparse_varlen_attn(q, k, v, _topk(device, 19, heads=(HKV,)), _cu(device), _cu(device),
+                                      topk_length=lengths, key_bounds=bounds, backend="triton")
+    _backward(out, q, k, v)
+    out = coreattn.sparse_varlen_attn(q, k, None, _topk(device, 19), _cu(device), _cu(device), v_head_dim=D // 2,
+                                      causal_alignment="top_left", backend="triton")
+    _backward(out, q, k)
+
+
+def sparse_padded(device, group):
+    """Top-k sparse attention on padded batches: bshd with spans, sbhd with Megatron's [b, s, K] indices
+    as their transposed view."""
+    q, k, v = _qkv(device, 9, (2,))
+    span = dict(q_start=torch.tensor([0, 2], dtype=torch.int32, device=device),
+                q_len=torch.tensor([9, 5], dtype=torch.int32, device=device))
+    out = coreattn.sparse_padded_attn(q, k, v, _topk(device, 2, 9), backend="triton", **span)
+    _backward(out, q, k, v)
+    q, k = _sbhd(q), _sbhd(k)
+    out = coreattn.sparse_padded_attn(q, k, None, _topk(device, 2, 9).transpose(0, 1), layout="sbhd",
+                                      v_head_dim=D, backend="triton")
+    _backward(out, q, k)
+
+
 PATHS = {fn.__name__: fn for fn in (varlen_plain, varlen_seqused_dropout, varlen_sink_maxlogit_window,
                                     padded_keep_masks, padded_spans, position_ids, transformers_attention,
-                                    cp_attention, megatron_core_attention, mask_utilities)}
+                                    cp_attention, megatron_core_attention, mask_utilities, sparse_varlen,
+                                    sparse_padded)}

@@ -39,7 +39,7 @@ from coreattn.layers.backends import Backend, select_sparse_backend
 from coreattn.kernels.sparse_bwd import sparse_attn_bwd as launch_sparse_bwd
 from coreattn.kernels.sparse_fwd import sparse_attn_fwd as launch_sparse_fwd
 from coreattn.kernels.sparse_index import prepare_topk
-from coreattn.layers.checks import KERNEL_DTYPES, check_layout_values, validation_enabled
+from coreattn.layers.checks import KERNEL_DTYPES, check_layout_values
 from coreattn.layers.torch_backend.sparse import new_lse, sparse_attn_torch_bwd, sparse_attn_torch_fwd
 
 
@@ -113,7 +113,7 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
                     validate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, topk, key_lo, key_hi): the output, and the prepared indices and bounds it used."""
     seqlen_q, seqlen_k = _tokens(q, fmt), _tokens(k, fmt)
-    if validate and (seq_q.device.type == "cpu" or validation_enabled()):
+    if validate:  # reads cu_seqlens / spans only where coreattn may (checks.reads_values)
         check_layout_values(fmt, seq_q, len_q, None, seq_k, len_k, None, seqlen_q, seqlen_k, seqlen_q, seqlen_k)
     impl = _impl(q, backend)
     topk = prepare_topk(topk_indices, "thd", topk_length)  # [N, Hidx, K] is thd's form of the token dims
