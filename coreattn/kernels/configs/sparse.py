@@ -1,0 +1,129 @@
+"""Launch tables of the sparse (top-k) attention kernels (kernels/sparse_fwd.py, sparse_bwd.py).
+
+Four kernels: ``fwd`` and ``dq`` (a program per (query token, kv head, block of BLOCK_H q heads)
+stepping over BLOCK_N of the token's top-k slots), ``dkv`` (a program per (query token, kv head,
+block of BLOCK_N slots) stepping over the group's heads in blocks of BLOCK_H) and ``reduce`` (a
+program per (key row, kv head) summing its CSR entries: no tile, warps only). A config is an
+``AttnConfig`` whose ``block_m`` is BLOCK_H (q heads: the rows of the forward's and dQ's dots, the
+inner dimension of dK's) and ``block_n`` BLOCK_N (slots).
+
+BLOCK_H is the table's for the widest heads (``block_m``) or, for a smaller GQA group, the group
+rounded up to a power of two, at least 16 (tl.dot's minimum; a group smaller than 16 is padded
+with masked rows): ``sparse_config``. Tables are keyed by target and the width class of the
+padded head dims (q/k blocks summed, e.g. 576 for 512 + 64, and v's), like the dense ones, and by
+the group class (heads per kv head: the 16-row tiles of GQA and the 64-row ones of absorbed MLA's
+64-128 heads take different warps).
+
+How the CUDA and CDNA entries were picked: by compiling (``python -m bench --what kernels``,
+coreattn/tune/compiler.py; docs/compile-report.md has the figures per arch and Triton): 0 spill
+bytes, shared memory within the arch's per-block limit, every tl.dot an MMA of the input type.
+None has been timed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import triton
+
+from coreattn.kernels.config import (ASCEND_STEP_BUDGET, CDNA_TARGETS, FP_FUSION, MAXNREG, AttnConfig)
+
+KERNELS = ("fwd", "dq", "dkv", "reduce", "pre")
+MIN_BLOCK_H = 16  # tl.dot's smallest M
+
+_C = AttnConfig
+_W = functools.partial(AttnConfig, matrix_instr_nonkdim=16)
+
+# The interpreter: small tiles, so tests cross slot blocks (K up to 40) and head blocks (groups > 16).
+_INTERPRETER = {"fwd": _C(16, 16, 1, 1), "dq": _C(16, 16, 1, 1), "dkv": _C(16, 16, 1, 1), "reduce": _C(0, 64, 1, 1),
+                "pre": _C(16, 0, 1, None)}
+
+# CUDA and CDNA tables: kernel -> target -> ((max width, max group, AttnConfig), ...), first match wins;
+# width = the larger of the q/k blocks' sum and the v block. fp32 takes _FP32 (no tensor-core MMA at IEEE).
+_TABLES: dict = {"fwd": {}, "dq": {}, "dkv": {}}
+_REDUCE = {"cuda": _C(0, 512, 4, 2), "cdna": _W(0, 512, 4, 1)}
+# the delta preprocess (the dense kernel): rows per program and warps by v's block
+_PRE = ((128, _C(64, 0, 4, None)), (256, _C(32, 0, 4, None)), (512, _C(16, 0, 8, None)))
+_FP32 = {"fwd": _C(16, 16, 4, 1), "dq": _C(16, 16, 4, 1), "dkv": _C(16, 16, 4, 1)}
+_FP32_CDNA = {kernel: cfg._replace(matrix_instr_nonkdim=16) for kernel, cfg in _FP32.items()}
+
+_GENERIC = {
+    "fwd": ((256, 16, _C(16, 64, 4, 2)), (256, 1 << 30, _C(64, 32, 4, 2)),
+            (1024, 16, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(64, 16, 8, 2))),
+    "dq": ((256, 16, _C(16, 64, 4, 2)), (256, 1 << 30, _C(64, 32, 4, 2)),
+           (1024, 16, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(64, 16, 8, 2))),
+    "dkv": ((256, 16, _C(16, 32, 4, 2)), (256, 1 << 30, _C(32, 32, 4, 2)),
+            (1024, 16, _C(16, 16, 4, 2)), (1024, 1 << 30, _C(32, 16, 8, 2))),
+}
+for _kernel, _rows in _GENERIC.items():
+    for _target in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120"):
+        _TABLES[_kernel][_target] = _rows
+    for _target in CDNA_TARGETS:
+        _TABLES[_kernel][_target] = tuple((w, g, c._replace(num_stages=1, matrix_instr_nonkdim=16))
+                                          for w, g, c in _rows)
+
+
+def block_h_for(group: int, block_h: int) -> int:
+    """BLOCK_H for a group of ``group`` q heads per kv head: the config's, or the group rounded up
+    to a power of two when smaller, at least MIN_BLOCK_H."""
+    return max(MIN_BLOCK_H, min(block_h, triton.next_power_of_2(max(group, 1))))
+
+
+# Ascend: tiles sized by the on-chip buffer (configs of the dense kernels: kernels/config.py), 1 warp.
+_ASCEND_TILES = ((64, 64), (64, 32), (32, 64), (32, 32), (16, 64), (16, 32), (16, 16))
+
+
+def step_bytes(kernel: str, block_h: int, block_n: int, block_dqk: int, block_dv: int, elem: int) -> int:
+    """On-chip bytes one step of ``kernel`` holds at once, as kernels/config.py counts the dense
+    kernels' (every tile as if in one buffer: a conservative bound). fwd: q, the gathered k and v,
+    p (input dtype); scores and acc (fp32). dq: q, dO, k, v, p and ds; scores, dp and the dq
+    accumulator. dkv: k, v, q, dO, p and ds; scores, dp and the dk/dv accumulators."""
+    tiles = block_h * block_dqk + block_n * block_dqk + block_n * block_dv + block_h * block_n
+    if kernel == "fwd":
+        return elem * tiles + 4 * (block_h * block_n + block_h * block_dv + 3 * block_h)
+    tiles += block_h * block_dv + block_h * block_n
+    acc = block_h * block_dqk if kernel == "dq" else block_n * (block_dqk + block_dv)
+    return elem * tiles + 4 * (2 * block_h * block_n + acc + 2 * block_h)
+
+
+def _ascend(kernel: str, block_dqk: int, block_dv: int, elem: int) -> AttnConfig:
+    if kernel == "reduce":
+        return _C(0, 64, 1, 1)
+    if kernel == "pre":
+        return _C(16, 0, 1, None)
+    for block_h, block_n in _ASCEND_TILES:
+        if step_bytes(kernel, block_h, block_n, block_dqk, block_dv, elem) <= ASCEND_STEP_BUDGET:
+            return _C(block_h, block_n, 1, 1)
+    return _C(*_ASCEND_TILES[-1], 1, 1)  # tl.dot's minimum: relies on the over-count
+
+
+def sparse_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem: int = 2,
+                  group: int = 1) -> AttnConfig:
+    """The config of sparse ``kernel`` ("fwd", "dq", "dkv", "reduce") on ``target``: ``block_dqk``
+    the q/k blocks' total width (576 for 512 + 64), ``block_dv`` v's block, ``elem`` bytes per input
+    element, ``group`` q heads per kv head. ``block_m`` is BLOCK_H, fitted to the group
+    (``block_h_for``)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown sparse kernel {kernel!r}; expected one of {KERNELS}")
+    if target == "interpreter":
+        cfg = _INTERPRETER[kernel]
+    elif target == "ascend":
+        cfg = _ascend(kernel, block_dqk, block_dv, elem)
+    else:
+        cdna = target in CDNA_TARGETS
+        if kernel == "reduce":
+            cfg = _REDUCE["cdna" if cdna else "cuda"]
+        elif kernel == "pre":
+            cfg = next(c for w, c in _PRE if block_dv <= w)
+        elif elem == 4:
+            cfg = (_FP32_CDNA if cdna else _FP32)[kernel]
+        else:
+            widest = max(block_dqk, block_dv)
+            rows = [c for w, g, c in _TABLES[kernel][target] if widest <= w and group <= g]
+            if not rows:
+                raise ValueError(f"no sparse {kernel} config for head blocks {block_dqk}/{block_dv} on {target}")
+            cfg = rows[0]
+        cfg = cfg._replace(fp_fusion=FP_FUSION) if cdna else cfg._replace(maxnreg=MAXNREG, fp_fusion=FP_FUSION)
+    if kernel in ("reduce", "pre"):
+        return cfg
+    return cfg._replace(block_m=block_h_for(group, cfg.block_m))

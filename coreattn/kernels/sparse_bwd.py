@@ -1,0 +1,454 @@
+"""Top-k sparse attention backward: kernels and launcher (the forward: kernels/sparse_fwd.py).
+
+Deterministic by default (no float atomics; two runs are bitwise equal):
+
+1. delta = rowsum(dO * O) per (token, q head), fp32: the dense backward's preprocess kernel
+   (kernels/attn_bwd.py), which reads any of the three layouts;
+2. ``_sparse_attn_dq_kernel``, a program per (query token, kv head, block of BLOCK_H q heads) as
+   in the forward: it recomputes P from the saved lse over the token's slot blocks, dP = dO V^T,
+   dS = P (dP - delta), dQ += dS K, and stores dQ once;
+3. ``_sparse_attn_dkv_kernel``, a program per (query token, kv head, block of BLOCK_N slots): it
+   gathers the slots' keys (and values) once and steps over the group's q heads in blocks of
+   BLOCK_H: S^T, P^T, dP^T, dS^T; partial[n, g, slot] = scale * dS^T q (dK) and P^T dO (dV: in
+   absorbed MLA where the key block is V, added into the same accumulator's first columns; else
+   Dv more columns), fp32, one write per valid (token, slot);
+4. ``_sparse_attn_reduce_kernel``, a program per (key row, kv head, column block): it adds its
+   key's partial rows into an fp32 dK/dV accumulator one at a time, in the order of the CSR by
+   key (kernels/sparse_index.py ``transpose_topk``: (token, slot) order), so the sums do not
+   depend on timing; one writer per accumulator row per launch.
+(3) and (4) run per chunk of query tokens whose partial buffer fits ``PARTIAL_BUDGET_BYTES``
+(env ``COREATTN_SPARSE_BWD_BYTES``); a key's entries are added in (token, slot) order across
+chunks too, so any chunking gives bitwise the same gradients. At the end the accumulator is cast
+into dk (and dv) in k's (v's) dtype and layout; absorbed MLA has no dv: its V gradient is in dk's
+first v_dim columns.
+
+``atomic=True`` (an option for the tuner or an explicit opt-in): (3) adds its rows atomically into
+the fp32 accumulator; no partial buffer, no CSR, no (4). Float atomics add in whatever order the
+programs run: results vary in the last bits from run to run (not bitwise reproducible).
+
+Saved by the forward for this (the caller keeps them): q, k, v, out, lse, the prepared indices and
+the bounds: O(T * K) beyond the inputs and output (int32 indices, 4 B per slot). Recomputed: the
+scores and probabilities (from lse), in both (2) and (3). Memory of this launcher beyond its
+outputs: delta (4 B per (token, q head)); the fp32 accumulator, (Dqk + Dv) x 4 B per (key row, kv
+head) (absorbed with the key block as V: Dqk x 4 B); and per chunk of C tokens the partial buffer,
+Hkv x C x K x (its row width, padded to 4 columns) x 4 B (<= the budget: C is the largest that
+fits, at least 1), plus the CSR: 12-24 B per (token, index head, slot) of the chunk while it is
+built (int64 sort keys and order) and 4 B kept. The atomic variant needs the accumulator only.
+Every (token, slot) is gathered twice (dQ and dK/dV kernels) as the forward gathers it once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from coreattn.kernels.attn_bwd import _attn_bwd_preprocess_kernel
+from coreattn.kernels.attn_fwd import LOG2E, dot_precision
+from coreattn.kernels.config import target_of
+from coreattn.kernels.configs.sparse import sparse_config
+from coreattn.kernels.device import on_device
+from coreattn.kernels.packing import seq_strides
+from coreattn.kernels.sparse_fwd import (SPARSE_RUNTIME_INTS, _gather, _head_rows, _program_heads, _slot_rows,
+                                         _store_head_rows, _token, _token_bounds, key_side, lse_strides, new_lse,
+                                         slots_of, sparse_problem, token_grid)
+from coreattn.kernels.sparse_index import transpose_topk
+
+PARTIAL_BUDGET_BYTES = 1 << 30  # the deterministic backward's partial buffer per chunk of query tokens
+ENV_PARTIAL_BUDGET = "COREATTN_SPARSE_BWD_BYTES"
+COLUMN_ALIGN = 4  # partial and accumulator rows are padded to 16 bytes
+
+
+def partial_budget() -> int:
+    """Bytes the partial buffer of one chunk may take: ``COREATTN_SPARSE_BWD_BYTES`` if set, else
+    ``PARTIAL_BUDGET_BYTES`` (read at each call)."""
+    value = os.environ.get(ENV_PARTIAL_BUDGET, "").strip()
+    if not value:
+        return PARTIAL_BUDGET_BYTES
+    try:
+        budget = int(value)
+    except ValueError:
+        raise ValueError(f"{ENV_PARTIAL_BUDGET}={value!r}: expected a number of bytes") from None
+    if budget <= 0:
+        raise ValueError(f"{ENV_PARTIAL_BUDGET}={value!r}: expected a positive number of bytes")
+    return budget
+
+
+@triton.jit
+def _head_stats(lse_ptr, delta_ptr, b64, s64, heads, head_ok, stride_lb, stride_lh):
+    """lse (log2 domain; -inf, a token without a visible key, and masked heads as +inf: P = 0) and
+    delta of the heads [H] of token (b, s)."""
+    at = b64 * stride_lb + heads.to(tl.int64) * stride_lh + s64
+    lse = tl.load(lse_ptr + at, mask=head_ok, other=float("inf")) * 1.4426950408889634
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    delta = tl.load(delta_ptr + at, mask=head_ok, other=0.0)
+    return lse, delta
+
+
+@triton.jit
+def _sparse_dq_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, topk_ptr, lo_ptr, hi_ptr,
+                       seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, idx_heads, sm_scale,
+                       sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                       stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt,
+                       stride_dqh, stride_lb, stride_lh,
+                       HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                       BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    n, g, heads, head_ok = _program_heads(task, n_hblocks, heads_kv, group, BLOCK_H)
+    b, s = _token(n, seqlen_q)
+    b64, s64, g64 = b.to(tl.int64), s.to(tl.int64), g.to(tl.int64)
+    lo, hi = _token_bounds(lo_ptr, hi_ptr, n, seqlen_k)
+    idx_row = topk_ptr + (n.to(tl.int64) * idx_heads + tl.minimum(g, idx_heads - 1)) * n_slots
+    q_base = q_ptr + b64 * stride_qb + s64 * stride_qt
+    q = _head_rows(q_base, heads, head_ok, stride_qh, HEAD_DIM_QK, 0, BLOCK_DQK)  # [H, DQK]
+    q2 = q
+    if BLOCK_DQK2 > 0:
+        q2 = _head_rows(q_base, heads, head_ok, stride_qh, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
+    do = _head_rows(do_ptr + b64 * stride_dob + s64 * stride_dot, heads, head_ok, stride_doh, HEAD_DIM_V, 0,
+                    BLOCK_DV)  # [H, DV]
+    lse, delta = _head_stats(lse_ptr, delta_ptr, b64, s64, heads, head_ok, stride_lb, stride_lh)
+    k_base = k_ptr + b64 * stride_kb + g64 * stride_kh
+    v_base = v_ptr + b64 * stride_vb + g64 * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+    dq = tl.zeros([BLOCK_H, BLOCK_DQK], tl.float32)
+    dq2 = tl.zeros([BLOCK_H, BLOCK_DQK2], tl.float32)
+    for s0 in range(0, n_slots, BLOCK_N):
+        valid, row = _slot_rows(idx_row, s0, offs_n, n_slots, lo, hi, k_last)
+        kb = _gather(k_base, row, valid, stride_kt, HEAD_DIM_QK, 0, BLOCK_DQK)  # [N, DQK]
+        scores = tl.dot(q, tl.trans(kb), input_precision=DOT_PRECISION)  # [H, N]
+        kb2 = kb
+        if BLOCK_DQK2 > 0:
+            kb2 = _gather(k_base, row, valid, stride_kt, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
+            scores = tl.dot(q2, tl.trans(kb2), scores, input_precision=DOT_PRECISION)
+        if V_IS_K:
+            vb = kb
+        else:
+            vb = _gather(v_base, row, valid, stride_vt, HEAD_DIM_V, 0, BLOCK_DV)  # [N, DV]
+        p = tl.math.exp2(scores * sm_scale_log2 - lse[:, None])
+        p = tl.where(valid[None, :], p, 0.0)
+        dp = tl.dot(do, tl.trans(vb), input_precision=DOT_PRECISION)  # [H, N]
+        ds = (p * (dp - delta[:, None])).to(kb.dtype)
+        dq = tl.dot(ds, kb, dq, input_precision=DOT_PRECISION)
+        if BLOCK_DQK2 > 0:
+            dq2 = tl.dot(ds, kb2, dq2, input_precision=DOT_PRECISION)
+    dq_base = dq_ptr + b64 * stride_dqb + s64 * stride_dqt
+    _store_head_rows(dq_base, heads, head_ok, stride_dqh, dq * sm_scale, HEAD_DIM_QK, 0, BLOCK_DQK)
+    if BLOCK_DQK2 > 0:
+        _store_head_rows(dq_base, heads, head_ok, stride_dqh, dq2 * sm_scale, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
+
+
+@triton.jit(do_not_specialize=SPARSE_RUNTIME_INTS)
+def _sparse_attn_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, topk_ptr, lo_ptr, hi_ptr,
+    n_tasks, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, idx_heads, sm_scale, sm_scale_log2,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh, stride_lb, stride_lh,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    # tasks as the forward's: n_tokens x heads_kv x n_hblocks; PERSISTENT: over a core-count grid
+    if PERSISTENT:
+        for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
+            t = tl.minimum(task, n_tasks - 1)
+            _sparse_dq_program(t, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, topk_ptr, lo_ptr, hi_ptr,
+                               seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, idx_heads, sm_scale,
+                               sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                               stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_dqb,
+                               stride_dqt, stride_dqh, stride_lb, stride_lh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
+                               BLOCK_DQK2, BLOCK_DV, BLOCK_H, BLOCK_N, V_IS_K, DOT_PRECISION)
+    else:
+        _sparse_dq_program(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, topk_ptr,
+                           lo_ptr, hi_ptr, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, idx_heads,
+                           sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                           stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_dqb,
+                           stride_dqt, stride_dqh, stride_lb, stride_lh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
+                           BLOCK_DQK2, BLOCK_DV, BLOCK_H, BLOCK_N, V_IS_K, DOT_PRECISION)
+
+
+@triton.jit
+def _put_cols(base, rows_off, row_ok, x, width, COL0: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC: tl.constexpr):
+    """Columns [COL0, COL0 + BLOCK_D) of fp32 rows at ``base + rows_off`` [N] (int64 element
+    offsets), the first ``width`` of them: stored, or atomically added (ATOMIC)."""
+    offs_d = COL0 + tl.arange(0, BLOCK_D)
+    ptrs = base + rows_off[:, None] + tl.minimum(offs_d, width - 1)[None, :]
+    mask = row_ok[:, None] & (offs_d[None, :] < width)
+    if ATOMIC:
+        tl.atomic_add(ptrs, x, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptrs, x, mask=mask)
+
+
+@triton.jit
+def _sparse_dkv_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, topk_ptr, lo_ptr, hi_ptr,
+                        token0, chunk, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_sblocks, idx_heads,
+                        sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                        stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
+                        stride_row,
+                        HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                        BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr, ATOMIC: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+    """Slot block ``task % n_sblocks`` of kv head g of token ``token0 + n_local``. Writes the
+    slots' fp32 dK (and dV) rows: into the partial buffer ``[Hkv, chunk, K, stride_row]`` at
+    (g, n_local, slot), or (ATOMIC) added into the accumulator ``[key rows, Hkv, stride_row]`` at
+    (the slot's key row, g)."""
+    sb = task % n_sblocks
+    rest = task // n_sblocks
+    g = rest % heads_kv
+    n_local = rest // heads_kv
+    n = token0 + n_local
+    b, s = _token(n, seqlen_q)
+    b64, s64, g64 = b.to(tl.int64), s.to(tl.int64), g.to(tl.int64)
+    lo, hi = _token_bounds(lo_ptr, hi_ptr, n, seqlen_k)
+    idx_row = topk_ptr + (n.to(tl.int64) * idx_heads + tl.minimum(g, idx_heads - 1)) * n_slots
+    offs_n = tl.arange(0, BLOCK_N)
+    valid, row = _slot_rows(idx_row, sb * BLOCK_N, offs_n, n_slots, lo, hi, k_last)
+    k_base = k_ptr + b64 * stride_kb + g64 * stride_kh
+    kb = _gather(k_base, row, valid, stride_kt, HEAD_DIM_QK, 0, BLOCK_DQK)  # [N, DQK]
+    kb2 = kb
+    if BLOCK_DQK2 > 0:
+        kb2 = _gather(k_base, row, valid, stride_kt, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)  # [N, DQK2]
+    if V_IS_K:
+        vb = kb
+    else:
+        vb = _gather(v_ptr + b64 * stride_vb + g64 * stride_vh, row, valid, stride_vt, HEAD_DIM_V, 0, BLOCK_DV)
+    q_base = q_ptr + b64 * stride_qb + s64 * stride_qt
+    do_base = do_ptr + b64 * stride_dob + s64 * stride_dot
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
+    dk2 = tl.zeros([BLOCK_N, BLOCK_DQK2], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    for h0 in range(0, group, BLOCK_H):  # group >= 1
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        head_ok = offs_h < group
+        heads = g * group + tl.minimum(offs_h, group - 1)
+        q = _head_rows(q_base, heads, head_ok, stride_qh, HEAD_DIM_QK, 0, BLOCK_DQK)  # [H, DQK]
+        do = _head_rows(do_base, heads, head_ok, stride_doh, HEAD_DIM_V, 0, BLOCK_DV)  # [H, DV]
+        lse, delta = _head_stats(lse_ptr, delta_ptr, b64, s64, heads, head_ok, stride_lb, stride_lh)
+        scores = tl.dot(kb, tl.trans(q), input_precision=DOT_PRECISION)  # [N, H]
+        q2 = q
+        if BLOCK_DQK2 > 0:
+            q2 = _head_rows(q_base, heads, head_ok, stride_qh, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
+            scores = tl.dot(kb2, tl.trans(q2), scores, input_precision=DOT_PRECISION)
+        p = tl.math.exp2(scores * sm_scale_log2 - lse[None, :])
+        p = tl.where(valid[:, None], p, 0.0)
+        dp = tl.dot(vb, tl.trans(do), input_precision=DOT_PRECISION)  # [N, H]
+        ds = (p * (dp - delta[None, :]) * sm_scale).to(kb.dtype)
+        dk = tl.dot(ds, q, dk, input_precision=DOT_PRECISION)
+        if BLOCK_DQK2 > 0:
+            dk2 = tl.dot(ds, q2, dk2, input_precision=DOT_PRECISION)
+        if V_IS_K:  # absorbed MLA: dV joins dK's first block
+            dk = tl.dot(p.to(do.dtype), do, dk, input_precision=DOT_PRECISION)
+        else:
+            dv = tl.dot(p.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    if ATOMIC:
+        rows_off = ((b64 * seqlen_k + row) * heads_kv + g) * stride_row  # [N] accumulator rows
+    else:
+        slots = tl.minimum(sb * BLOCK_N + offs_n, n_slots - 1)
+        rows_off = ((g64 * chunk + n_local) * n_slots + slots) * stride_row  # [N] partial rows
+    _put_cols(out_ptr, rows_off, valid, dk, HEAD_DIM_QK, 0, BLOCK_DQK, ATOMIC)
+    if BLOCK_DQK2 > 0:
+        _put_cols(out_ptr, rows_off, valid, dk2, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, ATOMIC)
+    if not V_IS_K:
+        _put_cols(out_ptr + HEAD_DIM_QK, rows_off, valid, dv, HEAD_DIM_V, 0, BLOCK_DV, ATOMIC)
+
+
+@triton.jit(do_not_specialize=SPARSE_RUNTIME_INTS + ("token0", "chunk"))
+def _sparse_attn_dkv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, topk_ptr, lo_ptr, hi_ptr,
+    n_tasks, token0, chunk, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_sblocks, idx_heads, sm_scale,
+    sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_row,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr,
+    ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    # tasks: the chunk's tokens x heads_kv x n_sblocks slot blocks (slot blocks fastest); PERSISTENT:
+    # over a core-count grid
+    if PERSISTENT:
+        for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
+            t = tl.minimum(task, n_tasks - 1)
+            _sparse_dkv_program(t, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, topk_ptr, lo_ptr,
+                                hi_ptr, token0, chunk, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group,
+                                n_sblocks, idx_heads, sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh,
+                                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob,
+                                stride_dot, stride_doh, stride_lb, stride_lh, stride_row, HEAD_DIM_QK, HEAD_DIM_V,
+                                BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_H, BLOCK_N, V_IS_K, ATOMIC, DOT_PRECISION)
+    else:
+        _sparse_dkv_program(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, topk_ptr,
+                            lo_ptr, hi_ptr, token0, chunk, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group,
+                            n_sblocks, idx_heads, sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh,
+                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob,
+                            stride_dot, stride_doh, stride_lb, stride_lh, stride_row, HEAD_DIM_QK, HEAD_DIM_V,
+                            BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_H, BLOCK_N, V_IS_K, ATOMIC, DOT_PRECISION)
+
+
+@triton.jit
+def _sparse_reduce_program(task, part_ptr, acc_ptr, row_ptr, entries_ptr, heads_kv, idx_heads, key_rows,
+                           chunk_slots, n_entries, width, n_cblocks, stride_row, BLOCK_W: tl.constexpr):
+    """Columns [cb * BLOCK_W, ...) of key row r, kv head g: acc += its partial rows, one at a time in
+    the CSR's order. Entries are positions in the chunk's [C, K] slots, clamped into them (any
+    value read, a pipelined prefetch's included, addresses a partial row)."""
+    cb = task % n_cblocks
+    rest = task // n_cblocks
+    g = rest % heads_kv
+    r = rest // heads_kv
+    seg = tl.minimum(g, idx_heads - 1) * key_rows + r
+    start = tl.load(row_ptr + seg)
+    end = tl.load(row_ptr + seg + 1)
+    offs_w = cb * BLOCK_W + tl.arange(0, BLOCK_W)
+    cols = tl.minimum(offs_w, width - 1)
+    some = (offs_w < width) & (end > start)  # a key without entries in this chunk: no traffic
+    acc_row = acc_ptr + (r.to(tl.int64) * heads_kv + g) * stride_row
+    acc = tl.load(acc_row + cols, mask=some, other=0.0)
+    part_g = part_ptr + g.to(tl.int64) * chunk_slots * stride_row
+    for e in range(start, end):
+        ent = tl.load(entries_ptr + tl.minimum(e, n_entries - 1))
+        ent = tl.minimum(tl.maximum(ent, 0), chunk_slots - 1)
+        acc += tl.load(part_g + ent.to(tl.int64) * stride_row + cols, mask=some, other=0.0)
+    tl.store(acc_row + cols, acc, mask=some)
+
+
+@triton.jit(do_not_specialize=("n_tasks", "key_rows", "chunk_slots", "n_entries"))
+def _sparse_attn_reduce_kernel(part_ptr, acc_ptr, row_ptr, entries_ptr, n_tasks, heads_kv, idx_heads, key_rows,
+                               chunk_slots, n_entries, width, n_cblocks, stride_row, BLOCK_W: tl.constexpr,
+                               PERSISTENT: tl.constexpr):
+    # tasks: key rows x heads_kv x n_cblocks column blocks; PERSISTENT: over a core-count grid
+    if PERSISTENT:
+        for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
+            t = tl.minimum(task, n_tasks - 1)
+            _sparse_reduce_program(t, part_ptr, acc_ptr, row_ptr, entries_ptr, heads_kv, idx_heads, key_rows,
+                                   chunk_slots, n_entries, width, n_cblocks, stride_row, BLOCK_W)
+    else:
+        _sparse_reduce_program(tl.program_id(0), part_ptr, acc_ptr, row_ptr, entries_ptr, heads_kv, idx_heads,
+                               key_rows, chunk_slots, n_entries, width, n_cblocks, stride_row, BLOCK_W)
+
+
+def _aligned(width: int) -> int:
+    return triton.cdiv(width, COLUMN_ALIGN) * COLUMN_ALIGN
+
+
+def chunk_tokens(n_tokens: int, heads_kv: int, n_slots: int, stride_row: int, budget: int) -> int:
+    """Query tokens per chunk: the most whose partial buffer (Hkv x C x K rows of stride_row fp32)
+    fits ``budget`` bytes, at least 1, at most n_tokens; its row count also stays within int32."""
+    per_token = heads_kv * n_slots * stride_row * 4
+    rows_cap = max(1, (2**31 - 1) // max(heads_kv * n_slots, 1))
+    return max(1, min(n_tokens, budget // per_token, rows_cap))
+
+
+@on_device
+def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, out: torch.Tensor,
+                    lse: torch.Tensor, topk: torch.Tensor, key_lo: torch.Tensor, key_hi: torch.Tensor, fmt: str,
+                    softmax_scale: float, *, v_dim: int | None = None, atomic: bool = False):
+    """Launch the sparse backward; returns (dq, dk, dv), each in its input's dtype and layout (dv
+    None when v is None: absorbed MLA's V gradient is in dk's first v_dim columns).
+
+    Arguments as for ``sparse_attn_fwd`` (kernels/sparse_fwd.py), plus ``dout`` (any strided view
+    with last stride 1; made so if not) and the forward's ``out`` and ``lse``. Deterministic unless
+    ``atomic`` (see the module docstring for the memory each takes).
+    """
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    prob = sparse_problem(q, k, v, fmt, v_dim)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv_out = None if v is None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if prob.n_tokens == 0 or prob.heads_q == 0:
+        dk_out.zero_()
+        if dv_out is not None:
+            dv_out.zero_()
+        return dq, dk_out, dv_out
+    target = target_of(q.device)
+    block_dqk, block_dqk2, block_dv = prob.blocks
+    widths = (block_dqk + block_dqk2, block_dv, q.element_size(), prob.group)
+    cfg_dq, cfg_dkv, cfg_reduce, cfg_pre = (sparse_config(target, kernel, *widths)
+                                            for kernel in ("dq", "dkv", "reduce", "pre"))
+    k, v = key_side(k, v, prob)
+    topk = slots_of(topk)
+    n_slots, idx_heads = topk.shape[-1], topk.shape[1]
+    scale = dict(sm_scale=softmax_scale, sm_scale_log2=softmax_scale * LOG2E)
+    consts = dict(HEAD_DIM_QK=prob.dim_qk, HEAD_DIM_V=prob.dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2,
+                  BLOCK_DV=block_dv, V_IS_K=prob.v_is_k, DOT_PRECISION=dot_precision(q.dtype, target))
+    qkv_strides = (*seq_strides(q, fmt), *seq_strides(k, fmt), *seq_strides(v, fmt), *seq_strides(dout, fmt))
+
+    # (1) delta = rowsum(dO * O), in lse's layout
+    delta = new_lse(prob, q.device)
+    pre_batch = 1 if fmt == "thd" else prob.batch
+    grid_m = triton.cdiv(prob.seqlen_q, cfg_pre.block_m)
+    grid, persistent, _ = token_grid(q.device, target, grid_m * pre_batch, prob.heads_q, vector_only=True)
+    _attn_bwd_preprocess_kernel[grid](
+        out, dout, delta, prob.seqlen_q, grid_m, pre_batch, prob.heads_q, *seq_strides(out, fmt),
+        *seq_strides(dout, fmt), *lse_strides(delta, fmt), HEAD_DIM_V=prob.dim_v, BLOCK_DV=block_dv,
+        BLOCK_M=cfg_pre.block_m, PERSISTENT=persistent, **cfg_pre.launch(),
+    )
+    common = dict(seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, k_last=max(prob.seqlen_k, 1) - 1, n_slots=n_slots,
+                  heads_kv=prob.heads_kv, group=prob.group, idx_heads=idx_heads, **scale)
+
+    # (2) dQ
+    n_hblocks = triton.cdiv(prob.group, cfg_dq.block_m)
+    grid, persistent, tasks = token_grid(q.device, target, prob.n_tokens, prob.heads_kv * n_hblocks)
+    _sparse_attn_dq_kernel[grid](
+        q, k, v, dout, lse, delta, dq, topk, key_lo, key_hi, tasks, n_hblocks=n_hblocks, **common,
+        **dict(zip(("stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb",
+                    "stride_vt", "stride_vh", "stride_dob", "stride_dot", "stride_doh"), qkv_strides)),
+        **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, fmt))),
+        **dict(zip(("stride_lb", "stride_lh"), lse_strides(lse, fmt))),
+        BLOCK_H=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, PERSISTENT=persistent, **consts, **cfg_dq.launch(),
+    )
+
+    # (3) + (4) dK (dV) into an fp32 accumulator [key rows, Hkv, stride_row]
+    width = prob.dim_qk + (0 if prob.v_is_k else prob.dim_v)
+    stride_row = _aligned(width)
+    key_rows = prob.key_rows
+    acc = torch.zeros((max(key_rows, 1), prob.heads_kv, stride_row), dtype=torch.float32, device=q.device)
+    if key_rows > 0:
+        n_sblocks = triton.cdiv(n_slots, cfg_dkv.block_n)
+        dkv_args = dict(**common, n_sblocks=n_sblocks, stride_row=stride_row,
+                        **dict(zip(("stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh",
+                                    "stride_vb", "stride_vt", "stride_vh", "stride_dob", "stride_dot", "stride_doh"),
+                                   qkv_strides)),
+                        **dict(zip(("stride_lb", "stride_lh"), lse_strides(lse, fmt))),
+                        BLOCK_H=cfg_dkv.block_m, BLOCK_N=cfg_dkv.block_n, **consts, **cfg_dkv.launch())
+        if atomic:
+            grid, persistent, tasks = token_grid(q.device, target, prob.n_tokens, prob.heads_kv * n_sblocks)
+            _sparse_attn_dkv_kernel[grid](q, k, v, dout, lse, delta, acc, topk, key_lo, key_hi, tasks, 0,
+                                          prob.n_tokens, ATOMIC=True, PERSISTENT=persistent, **dkv_args)
+        else:
+            chunk = chunk_tokens(prob.n_tokens, prob.heads_kv, n_slots, stride_row, partial_budget())
+            part = torch.empty((prob.heads_kv, chunk, n_slots, stride_row), dtype=torch.float32, device=q.device)
+            n_cblocks = triton.cdiv(width, cfg_reduce.block_n)
+            for token0 in range(0, prob.n_tokens, chunk):
+                token1 = min(prob.n_tokens, token0 + chunk)
+                grid, persistent, tasks = token_grid(q.device, target, token1 - token0, prob.heads_kv * n_sblocks)
+                _sparse_attn_dkv_kernel[grid](q, k, v, dout, lse, delta, part, topk, key_lo, key_hi, tasks, token0,
+                                              chunk, ATOMIC=False, PERSISTENT=persistent, **dkv_args)
+                csr = transpose_topk(topk, key_lo, key_hi, token0, token1, seqlen_q=prob.seqlen_q,
+                                     seqlen_k=prob.seqlen_k, batch=prob.batch)
+                grid, persistent, tasks = token_grid(q.device, target, key_rows, prob.heads_kv * n_cblocks,
+                                                     vector_only=True)
+                _sparse_attn_reduce_kernel[grid](part, acc, csr.row_ptr, csr.entries, tasks, prob.heads_kv,
+                                                 idx_heads, key_rows, chunk * n_slots, csr.entries.numel(), width,
+                                                 n_cblocks, stride_row, BLOCK_W=cfg_reduce.block_n,
+                                                 PERSISTENT=persistent, **cfg_reduce.launch())
+    # the accumulator [B * Sk, Hkv, stride_row] into k's (v's) dtype and layout
+    acc = acc[:key_rows].view(prob.batch, prob.seqlen_k, prob.heads_kv, stride_row)
+    dk = acc[..., :prob.dim_qk]
+    dv = acc[..., prob.dim_qk:prob.dim_qk + prob.dim_v]
+    if prob.absorbed and not prob.v_is_k:
+        dk = dk.clone()
+        dk[..., :prob.dim_v] += dv
+    _copy_layout(dk_out, dk, fmt)
+    if dv_out is not None:
+        _copy_layout(dv_out, dv, fmt)
+    return dq, dk_out, dv_out
+
+
+def _copy_layout(dst: torch.Tensor, src: torch.Tensor, fmt: str) -> None:
+    """dst (thd [T, H, D], bshd [B, S, H, D], sbhd [S, B, H, D]) = src [B, S, H, D] (thd: B = 1), cast."""
+    if fmt == "thd":
+        src = src[0]
+    elif fmt == "sbhd":
+        src = src.transpose(0, 1)
+    dst.copy_(src)

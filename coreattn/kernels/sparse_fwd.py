@@ -1,0 +1,333 @@
+"""Top-k sparse attention forward (DeepSeek Sparse Attention): kernel and launcher.
+
+Each query token attends to the key positions its prepared index row names
+(kernels/sparse_index.py ``prepare_topk``: int32 ``[N, Hidx, K]``, -1 = unused), intersected with
+its bounds ``key_lo[n] <= j < key_hi[n]`` (positions in its sample; causality is folded into
+key_hi) and with the key rows of its sample.
+
+Program = (query token n, kv head g, block of BLOCK_H q heads of g's group), head blocks fastest.
+All heads of a group share the token's key set, so one gathered key block serves BLOCK_H rows of
+the MMA (absorbed MLA: one kv head and 16-128 q heads; a group smaller than 16 is padded with
+masked rows). The program loops over the token's K slots in blocks of BLOCK_N: it loads the
+indices (slots clamped to the row), marks the valid ones, gathers their key rows at addresses
+clamped into the token's bounds and then into the tensor (``_slot_rows``: every lane's address is
+inside k for any index value, also in the pipeliner's prologue and prefetches), masks the values,
+and runs the online softmax in the log2 domain as kernels/attn_fwd.py does.
+
+Absorbed MLA (``v`` None, ``v_dim`` given): V is the first ``v_dim`` columns of k. Where v's block
+is the q/k dims' first block (576 = 512 + 64 with v_dim 512: the 512 block IS V) the gathered key
+block serves as V with no second load (``V_IS_K``); its columns past v_dim only reach output
+columns that are not stored. Otherwise V is gathered from k's first columns (a second load of rows
+the first has just brought into the cache).
+
+Row offsets of gathers and per-token bases are int64 (absorbed q is [T, 128, 576]: T * stride
+passes 2^31 at about 29k tokens). A token without a visible key gets out 0 and lse -inf.
+Lengths, token counts and K are runtime ints that never specialize.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from coreattn.kernels.attn_common import _cols
+from coreattn.kernels.attn_fwd import LOG2E, MAX_TASKS, dot_precision
+from coreattn.kernels.config import head_blocks, persistent_grid, target_of
+from coreattn.kernels.configs.sparse import sparse_config
+from coreattn.kernels.device import on_device
+from coreattn.kernels.packing import seq_len_dim, seq_strides, stand_in
+
+# runtime ints that follow the batch, its lengths or the top-k: never specialized
+SPARSE_RUNTIME_INTS = ("n_tasks", "seqlen_q", "seqlen_k", "k_last", "n_slots", "stride_lb", "stride_lh")
+
+
+@triton.jit
+def _token(n, seqlen_q):
+    """(sample, position) of query token n = b * seqlen_q + s (thd: seqlen_q is the token count, b = 0)."""
+    b = n // seqlen_q
+    return b, n - b * seqlen_q
+
+
+@triton.jit
+def _token_bounds(lo_ptr, hi_ptr, n, seqlen_k):
+    """Token n's visible key positions [lo, hi), intersected with its sample's key rows [0, seqlen_k)."""
+    lo = tl.maximum(tl.load(lo_ptr + n), 0)
+    hi = tl.minimum(tl.load(hi_ptr + n), seqlen_k)
+    return lo, hi
+
+
+@triton.jit
+def _slot_rows(idx_row, s0, offs_n, n_slots, lo, hi, k_last):
+    """Slots [s0, s0 + BLOCK_N) of a token's index row: (valid [N], key row [N] to read).
+
+    The slot is clamped to the row's last (n_slots >= 1), so the index load's address is inside for
+    any s0, a prefetch past the last block included; the key row is clamped into the token's bounds
+    [lo, max(hi, lo + 1) - 1] and then into the sample's rows [0, k_last], whatever value the index
+    load returned (a masked-off asynchronous copy may leave anything): the gather never leaves k, and
+    a valid entry's row is its own."""
+    slots = s0 + offs_n
+    slot_ok = slots < n_slots
+    idx = tl.load(idx_row + tl.minimum(slots, n_slots - 1), mask=slot_ok, other=-1)
+    valid = slot_ok & (idx >= lo) & (idx < hi)
+    row = tl.minimum(tl.maximum(idx, lo), tl.maximum(hi, lo + 1) - 1)
+    row = tl.minimum(tl.maximum(row, 0), k_last)
+    return valid, row
+
+
+@triton.jit
+def _gather(base, row, valid, stride_t, HEAD_DIM: tl.constexpr, COL0: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Key (or value) rows ``row`` [N] of a [rows, HEAD_DIM] view, columns [COL0, COL0 + BLOCK_D),
+    as one [N, BLOCK_D] block; invalid slots and columns past the head dim read as 0 (their
+    addresses wrap into the row: kernels/attn_common.py ``_cols``)."""
+    offs_d = COL0 + tl.arange(0, BLOCK_D)
+    rows = base + row.to(tl.int64)[:, None] * stride_t
+    if COL0 + BLOCK_D <= HEAD_DIM:  # a whole column block: only the rows need a mask
+        return tl.load(rows + offs_d[None, :], mask=valid[:, None], other=0.0)
+    # kernels/attn_common.py _cols, inline (each helper call costs the interpreter milliseconds)
+    return tl.load(rows + (offs_d % HEAD_DIM)[None, :], mask=valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+
+@triton.jit
+def _head_rows(base, heads, head_ok, stride_h, HEAD_DIM: tl.constexpr, COL0: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``heads`` [H] (clamped into the group by the caller) of a token's [heads, HEAD_DIM]
+    view, columns [COL0, COL0 + BLOCK_D); masked rows and columns read as 0."""
+    offs_d = COL0 + tl.arange(0, BLOCK_D)
+    ptrs = base + heads.to(tl.int64)[:, None] * stride_h + _cols(offs_d, HEAD_DIM, COL0 + BLOCK_D)[None, :]
+    return tl.load(ptrs, mask=head_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+
+@triton.jit
+def _store_head_rows(base, heads, head_ok, stride_h, x, HEAD_DIM: tl.constexpr, COL0: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    offs_d = COL0 + tl.arange(0, BLOCK_D)
+    ptrs = base + heads.to(tl.int64)[:, None] * stride_h + _cols(offs_d, HEAD_DIM, COL0 + BLOCK_D)[None, :]
+    tl.store(ptrs, x.to(base.dtype.element_ty), mask=head_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _program_heads(task, n_hblocks, heads_kv, group, BLOCK_H: tl.constexpr):
+    """Task -> (token n, kv head g, the block's q heads [H] clamped into the group, head_ok [H]);
+    head blocks fastest, then kv heads."""
+    hb = task % n_hblocks
+    rest = task // n_hblocks
+    g = rest % heads_kv
+    n = rest // heads_kv
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = offs_h < group
+    heads = g * group + tl.minimum(offs_h, group - 1)
+    return n, g, heads, head_ok
+
+
+@triton.jit
+def _sparse_fwd_program(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, lo_ptr, hi_ptr,
+                        seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, idx_heads, sm_scale_log2,
+                        stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                        stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+                        HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                        BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    n, g, heads, head_ok = _program_heads(task, n_hblocks, heads_kv, group, BLOCK_H)
+    b, s = _token(n, seqlen_q)
+    b64, s64, g64 = b.to(tl.int64), s.to(tl.int64), g.to(tl.int64)
+    lo, hi = _token_bounds(lo_ptr, hi_ptr, n, seqlen_k)
+    idx_row = topk_ptr + (n.to(tl.int64) * idx_heads + tl.minimum(g, idx_heads - 1)) * n_slots
+    q_base = q_ptr + b64 * stride_qb + s64 * stride_qt
+    q = _head_rows(q_base, heads, head_ok, stride_qh, HEAD_DIM_QK, 0, BLOCK_DQK)  # [H, DQK]
+    q2 = q
+    if BLOCK_DQK2 > 0:
+        q2 = _head_rows(q_base, heads, head_ok, stride_qh, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)  # [H, DQK2]
+    k_base = k_ptr + b64 * stride_kb + g64 * stride_kh
+    v_base = v_ptr + b64 * stride_vb + g64 * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for s0 in range(0, n_slots, BLOCK_N):
+        valid, row = _slot_rows(idx_row, s0, offs_n, n_slots, lo, hi, k_last)
+        kb = _gather(k_base, row, valid, stride_kt, HEAD_DIM_QK, 0, BLOCK_DQK)  # [N, DQK]
+        scores = tl.dot(q, tl.trans(kb), input_precision=DOT_PRECISION)  # [H, N]
+        if BLOCK_DQK2 > 0:
+            kb2 = _gather(k_base, row, valid, stride_kt, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
+            scores = tl.dot(q2, tl.trans(kb2), scores, input_precision=DOT_PRECISION)
+        if V_IS_K:
+            vb = kb  # absorbed MLA: V is k's first block
+        else:
+            vb = _gather(v_base, row, valid, stride_vt, HEAD_DIM_V, 0, BLOCK_DV)  # [N, DV]
+        scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # a row that has seen no key yet keeps m = -inf; subtract 0 instead so p and alpha are 0, not NaN
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(scores - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=DOT_PRECISION)
+        m_i = m_new
+    empty = l_i == 0.0  # no visible key: output 0 and lse = -inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    o_base = out_ptr + b64 * stride_ob + s64 * stride_ot
+    _store_head_rows(o_base, heads, head_ok, stride_oh, out, HEAD_DIM_V, 0, BLOCK_DV)
+    tl.store(lse_ptr + b64 * stride_lb + heads.to(tl.int64) * stride_lh + s64, lse, mask=head_ok)
+
+
+@triton.jit(do_not_specialize=SPARSE_RUNTIME_INTS)
+def _sparse_attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, lo_ptr, hi_ptr,
+    n_tasks, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, idx_heads, sm_scale_log2,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    # tasks: n_tokens x heads_kv x n_hblocks (= n_tasks); PERSISTENT (Ascend): those tasks over a
+    # core-count 1D grid.
+    if PERSISTENT:
+        for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
+            t = tl.minimum(task, n_tasks - 1)  # addresses inside for any task (see attn_common)
+            _sparse_fwd_program(t, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, lo_ptr, hi_ptr, seqlen_q,
+                                seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, idx_heads, sm_scale_log2,
+                                stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb,
+                                stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+                                HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_H, BLOCK_N, V_IS_K,
+                                DOT_PRECISION)
+    else:
+        _sparse_fwd_program(tl.program_id(0), q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, lo_ptr, hi_ptr,
+                            seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, idx_heads,
+                            sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                            stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+                            HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_H, BLOCK_N, V_IS_K,
+                            DOT_PRECISION)
+
+
+class SparseProblem(NamedTuple):
+    """What the sparse launchers derive from their arguments (host ints from shapes: no sync)."""
+
+    fmt: str
+    batch: int  # samples (thd: 1)
+    seqlen_q: int  # query tokens per sample (thd: all)
+    seqlen_k: int  # key rows per sample (thd: all); 0 when there is none
+    n_tokens: int  # N = batch * seqlen_q
+    heads_q: int
+    heads_kv: int
+    dim_qk: int
+    dim_v: int
+    blocks: tuple  # (BLOCK_DQK, BLOCK_DQK2, BLOCK_DV)
+    absorbed: bool  # v None: V = k's first dim_v columns
+    v_is_k: bool  # absorbed and v's block is k's first block: the gathered key block serves as V
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def key_rows(self) -> int:
+        return self.batch * self.seqlen_k
+
+
+def sparse_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, fmt: str,
+                   v_dim: int | None) -> SparseProblem:
+    heads_q, dim_qk = q.shape[-2:]
+    heads_kv = k.shape[-2]
+    absorbed = v is None
+    if absorbed:
+        if v_dim is None or not 0 < v_dim <= dim_qk:
+            raise ValueError(f"v None (absorbed MLA) needs 0 < v_dim <= the q/k head dim {dim_qk}, got {v_dim}")
+        dim_v = v_dim
+    else:
+        dim_v = v.shape[-1]
+    blocks = head_blocks(dim_qk, dim_v)
+    batch = 1 if fmt == "thd" else q.shape[0 if fmt == "bshd" else 1]
+    seqlen_q = seq_len_dim(q, fmt)
+    return SparseProblem(fmt, batch, seqlen_q, seq_len_dim(k, fmt), batch * seqlen_q, heads_q, heads_kv, dim_qk,
+                         dim_v, blocks, absorbed, absorbed and blocks[2] == blocks[0])
+
+
+def key_side(k: torch.Tensor, v: torch.Tensor | None, prob: SparseProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v) as the kernels read them: v None (absorbed) is k's first dim_v columns (a view); a
+    side without any key row gets a one-row stand-in (packing.stand_in: the kernels' clamped
+    gathers address row 0 of the sample, masked off)."""
+    dim = 1 if prob.fmt == "bshd" else 0
+    k = stand_in(k, dim)
+    v = k[..., :prob.dim_v] if v is None else stand_in(v, dim)
+    return k, v
+
+
+def slots_of(topk: torch.Tensor) -> torch.Tensor:
+    """The prepared indices, with K = 0 as one unused slot (the kernels clamp slots to K - 1)."""
+    if topk.shape[-1] > 0:
+        return topk
+    return torch.full((*topk.shape[:-1], 1), -1, dtype=torch.int32, device=topk.device)
+
+
+def lse_strides(lse: torch.Tensor, fmt: str) -> tuple[int, int]:
+    """(stride_lb, stride_lh) of lse [Hq, T] (thd) or [B, Hq, S]; its token stride is 1."""
+    if fmt == "thd":
+        return 0, lse.stride(0)
+    return lse.stride(0), lse.stride(1)
+
+
+def new_lse(prob: SparseProblem, device: torch.device) -> torch.Tensor:
+    shape = (prob.heads_q, prob.n_tokens) if prob.fmt == "thd" else (prob.batch, prob.heads_q, prob.seqlen_q)
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def token_grid(device: torch.device, target: str, n_tokens: int, per_token: int,
+               vector_only: bool = False) -> tuple[tuple[int], bool, int]:
+    """(grid, PERSISTENT, tasks) for n_tokens x per_token tasks, as kernels/attn_fwd.py ``launch_grid``
+    (Ascend: a core-count grid; ``vector_only`` for kernels without tl.dot)."""
+    tasks = n_tokens * per_token
+    if tasks > MAX_TASKS:
+        raise ValueError(f"{n_tokens} tokens x {per_token} programs each = {tasks} programs exceed the int32 grid of "
+                         "the Triton kernels; split the batch")
+    if target != "ascend":
+        return (tasks,), False, tasks
+    return (persistent_grid(device, tasks, vector_only),), True, tasks
+
+
+@on_device
+def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, topk: torch.Tensor,
+                    key_lo: torch.Tensor, key_hi: torch.Tensor, fmt: str, softmax_scale: float, *,
+                    v_dim: int | None = None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+    """Launch the sparse forward; returns (out, lse).
+
+    q ``[.., Hq, Dqk]``, k ``[.., Hkv, Dqk]``, v ``[.., Hkv, Dv]`` or None (absorbed MLA: V = k's first
+    ``v_dim`` columns; the kernel reads it from the gathered key block where it can) in layout
+    ``fmt`` (thd, bshd, sbhd: kernels/packing.py; last strides 1, views used in place; k may have
+    its own length in the padded layouts); ``topk`` prepared int32 ``[N, Hidx, K]``
+    (kernels/sparse_index.py ``prepare_topk``; Hidx 1 or Hkv); ``key_lo``/``key_hi`` int32 ``[N]``,
+    the positions each query token may see. Returns out ``[.., Hq, Dv]`` (q's dtype and layout)
+    and lse float32 natural log, ``[Hq, T]`` (thd) or ``[B, Hq, S]``; -inf (out 0) for a token
+    without a visible key. ``out``/``lse`` may be given as preallocated buffers (every element is
+    written). Inputs are assumed checked by the caller (coreattn.layers).
+    """
+    prob = sparse_problem(q, k, v, fmt, v_dim)
+    if out is None:
+        out = torch.empty((*q.shape[:-1], prob.dim_v), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = new_lse(prob, q.device)
+    if prob.n_tokens == 0 or prob.heads_q == 0:
+        return out, lse
+    target = target_of(q.device)
+    block_dqk, block_dqk2, block_dv = prob.blocks
+    cfg = sparse_config(target, "fwd", block_dqk + block_dqk2, block_dv, q.element_size(), prob.group)
+    k, v = key_side(k, v, prob)
+    topk = slots_of(topk)
+    n_hblocks = triton.cdiv(prob.group, cfg.block_m)
+    grid, persistent, tasks = token_grid(q.device, target, prob.n_tokens, prob.heads_kv * n_hblocks)
+    _sparse_attn_fwd_kernel[grid](
+        q, k, v, out, lse, topk, key_lo, key_hi,
+        tasks, prob.seqlen_q, prob.seqlen_k, max(prob.seqlen_k, 1) - 1, topk.shape[-1], prob.heads_kv, prob.group,
+        n_hblocks, topk.shape[1], softmax_scale * LOG2E,
+        *seq_strides(q, fmt), *seq_strides(k, fmt), *seq_strides(v, fmt), *seq_strides(out, fmt),
+        *lse_strides(lse, fmt),
+        HEAD_DIM_QK=prob.dim_qk, HEAD_DIM_V=prob.dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2,
+        BLOCK_DV=block_dv, BLOCK_H=cfg.block_m, BLOCK_N=cfg.block_n, V_IS_K=prob.v_is_k,
+        DOT_PRECISION=dot_precision(q.dtype, target), PERSISTENT=persistent, **cfg.launch(),
+    )
+    return out, lse
