@@ -6,9 +6,10 @@ MLA, the q/kv down-projections) with ``backend.linear()``, which takes Transform
 TE's ``TELinear`` there (a full, replicated weight), and ``absorbed_mla.TELinear`` names it so
 absorbed MLA passes it that argument as it passes TELinear. Megatron's torch norms refuse sequence
 parallelism (its SP norms are Transformer Engine's or Apex's): ``CPUNorm`` is the same torch norm
-without that refusal (replicated weights applied to this rank's rows, as TE's are). Under context parallelism, rotary
-embeddings on sbhd cut this rank's positions with a pinned-memory CUDA index (needs a GPU):
-``cp_share_of_positions`` cuts the same zig-zag share on CPU.
+without that refusal (replicated weights applied to this rank's rows, as TE's are). Under context
+parallelism, rotary embeddings on sbhd cut this rank's positions with a pinned-memory CUDA index
+(needs a GPU): ``cp_share_of_positions`` cuts the same zig-zag share on CPU. megatron-core 0.16's
+indexer always applies a CUDA-only Hadamard rotation: the identity stands in for it.
 """
 
 from __future__ import annotations
@@ -80,11 +81,20 @@ def install_shims(monkeypatch=None) -> None:
     """absorbed MLA passes ``parallel_mode="duplicated"`` to its down-projections when they are
     TELinear; rotary tables are cut per CP rank on CPU."""
     import megatron.core.models.common.embeddings.rotary_pos_embedding as rotary
-    import megatron.core.transformer.experimental_attention_variant.absorbed_mla as absorbed
+    import megatron.core.transformer.experimental_attention_variant.dsa as dsa
 
     patch = monkeypatch.setattr if monkeypatch is not None else setattr
+    try:
+        import megatron.core.transformer.experimental_attention_variant.absorbed_mla as absorbed
+    except ImportError:  # megatron-core 0.16: DSA runs in MLA, whose down-projections are built alike
+        import megatron.core.transformer.multi_latent_attention as absorbed
     patch(absorbed, "TELinear", DuplicatedLinear)
     patch(rotary, "get_pos_emb_on_this_cp_rank", cp_share_of_positions)
+    if not hasattr(MLATransformerConfig, "dsa_indexer_rotate_activation"):
+        # megatron-core 0.16 always rotates the indexer's q and k with a Hadamard transform from a
+        # CUDA-only library, in bf16: identity here (an orthogonal rotation of both q and k, which
+        # leaves their products, the index scores, unchanged)
+        patch(dsa, "rotate_activation", lambda x: x)
 
 
 def dsa_config(**kw) -> MLATransformerConfig:
@@ -98,17 +108,25 @@ def dsa_config(**kw) -> MLATransformerConfig:
                 dsa_indexer_topk=8, dsa_indexer_loss_coeff=0.5, dsa_indexer_rotate_activation=False,
                 dsa_indexer_scoring_relu=False, dsa_kernel_backend="none")
     base.update(kw)
-    return MLATransformerConfig(**base)
+    fields = MLATransformerConfig.__dataclass_fields__  # megatron-core 0.16 has fewer DSA options
+    return MLATransformerConfig(**{k: v for k, v in base.items() if k in fields or k in kw})
 
 
-def dsa_block_spec(config) -> TransformerBlockSubmodules:
-    """Megatron's own DSA layer specs (absorbed MLA + DSAttention) as a decoder block."""
-    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
-        get_transformer_layer_with_experimental_attention_variant_spec)
+def dsa_block_spec(config):
+    """Megatron's own DSA layer specs as a decoder block: absorbed MLA + DSAttention on 0.19
+    (``get_transformer_layer_with_experimental_attention_variant_spec``); on 0.16 Megatron's MLA +
+    DSAttention attention spec (``get_dsa_module_spec_for_backend``) in its local GPT layer spec."""
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as specs
 
     provider = CPUSpecProvider()
-    layers = get_transformer_layer_with_experimental_attention_variant_spec(config, backend=provider)
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=provider.layer_norm(rms_norm=True))
+    if hasattr(specs, "get_transformer_layer_with_experimental_attention_variant_spec"):
+        layers = specs.get_transformer_layer_with_experimental_attention_variant_spec(config, backend=provider)
+        return TransformerBlockSubmodules(layer_specs=layers, layer_norm=provider.layer_norm(rms_norm=True))
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    layer = get_gpt_layer_local_spec(multi_latent_attention=True, normalization="RMSNorm")
+    layer.submodules.self_attention = specs.get_dsa_module_spec_for_backend(config, backend=provider)
+    return layer
 
 
 def build(config, spec, seed: int = 0) -> GPTModel:

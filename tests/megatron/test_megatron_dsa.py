@@ -51,6 +51,7 @@ needs_019 = pytest.mark.skipif(not V019, reason=f"megatron-core {MEGATRON_VERSIO
 needs_016 = pytest.mark.skipif(V019, reason=f"megatron-core {MEGATRON_VERSION} has 0.19's _run_sparse_attention, "
                                             "not the 0.16-0.18 unfused_dsa_fn")
 F64 = dict(rtol=1e-9, atol=1e-11)
+ORACLE_STEP = run_sparse_attention_ref if V019 else unfused_dsa_fn_ref  # Megatron's step from the definition
 INIT_STD = 0.2  # weights large enough for peaked attention and indexer distributions
 
 
@@ -305,7 +306,7 @@ class _IndexerLossInFloat32:
     """Megatron's indexer loss computes in float32 whatever its inputs' dtype (and its backward raises
     on float64 ones): the float64 reference model runs it on float32 copies, as it would run."""
 
-    megatron = dsa.FusedDSAIndexerLoss
+    megatron = getattr(dsa, "FusedDSAIndexerLoss", None)  # 0.17+
 
     @classmethod
     def apply(cls, q, weights, k, query, key, *rest):
@@ -313,13 +314,24 @@ class _IndexerLossInFloat32:
         return topk, loss.to(q.dtype)
 
 
+def _indexer_in_float32(forward_with_scores):
+    """megatron-core 0.16's indexer adds a float32 mask to scores of its own dtype (float64 raises):
+    the float64 reference keeps the indexer in float32 and hands it float32 inputs."""
+    def run(self, x, qr, *args, **kwargs):
+        index_scores, topk = forward_with_scores(self, x.float(), qr.float(), *args, **kwargs)
+        return index_scores.to(x.dtype), topk
+
+    return run
+
+
 def _recording(fn, seen: list, calls: list | None):
-    """``fn`` (Megatron's step, or coreattn's with the module first) recording the top-k indices it
-    gets (and, into ``calls``, its keyword arguments)."""
+    """``fn`` (Megatron's step, or with ``calls`` coreattn's, module first) recording the top-k
+    indices it gets (and, into ``calls``, the module and all its arguments by name)."""
     def record(*args, **kwargs):
-        seen.append(kwargs["topk_indices"] if "topk_indices" in kwargs else args[-2])
+        named = dict(zip(SEAM.params, args[1:] if calls is not None else args), **kwargs)
+        seen.append(named["topk_indices"])
         if calls is not None:
-            calls.append((args[0], {n: v.detach() if torch.is_tensor(v) else v for n, v in kwargs.items()}))
+            calls.append((args[0], {n: v.detach() if torch.is_tensor(v) else v for n, v in named.items()}))
         return fn(*args, **kwargs)
 
     return record
@@ -335,8 +347,10 @@ def run_model(model, batch: Batch, monkeypatch, step=None, calls: list | None = 
             patch.setattr(SEAM, "replacement", _recording(SEAM.replacement, seen, calls))
         else:
             patch.setattr(dsa, SEAM.name, _recording(step or getattr(dsa, SEAM.name), seen, None))
-        if model.output_layer.weight.dtype == torch.float64:
+        if model.output_layer.weight.dtype == torch.float64 and hasattr(dsa, "FusedDSAIndexerLoss"):
             patch.setattr(dsa, "FusedDSAIndexerLoss", _IndexerLossInFloat32)
+        elif model.output_layer.weight.dtype == torch.float64:  # 0.16
+            patch.setattr(dsa.DSAIndexer, "forward_with_scores", _indexer_in_float32(dsa.DSAIndexer.forward_with_scores))
         dsa.DSAIndexerLossLoggingHelper.clean_loss_in_tracker()
         model.zero_grad(set_to_none=True)
         logits = model(batch.ids, batch.pos, attention_mask=batch.mask, packed_seq_params=batch.params)
@@ -350,9 +364,9 @@ def assert_seam_criterion(layer: int, module, kwargs: dict, gen) -> None:
     """One layer's sparse-attention step on the inputs Megatron handed it in the model: coreattn's
     against the float64 oracle, relative to Megatron's own step in float32 (flash criterion), the
     output and the gradients of query, key and value / up_v_weight under a random incoming gradient."""
-    names = [n for n in ("query", "key", "value", "up_v_weight") if kwargs[n] is not None]
+    names = [n for n in ("query", "key", "value", "up_v_weight") if kwargs.get(n) is not None]
     results = []
-    steps = ((torch.float32, functools.partial(SEAM.replacement, module)), (torch.float64, run_sparse_attention_ref),
+    steps = ((torch.float32, functools.partial(SEAM.replacement, module)), (torch.float64, ORACLE_STEP),
              (torch.float32, getattr(dsa, SEAM.name)))
     for dtype, fn in steps:
         kw = dict(kwargs, **{n: kwargs[n].to(dtype).requires_grad_(True) for n in names})
@@ -386,17 +400,21 @@ def compare_with_megatron(config, spec, backend: str, batch: Batch, monkeypatch)
     model.load_state_dict(megatron_model.state_dict())  # the same parameters and state-dict keys
     reference = build(config, spec)
     reference.load_state_dict(megatron_model.state_dict())
+    reference.double()
+    if not hasattr(dsa, "FusedDSAIndexerLoss"):  # 0.16: its indexer runs in float32 (_indexer_in_float32)
+        for layer in reference.decoder.layers:
+            layer.self_attention.core_attention.indexer.float()
     attentions = [layer.self_attention.core_attention for layer in model.decoder.layers]
     assert all(isinstance(attention, CoreDSAttention) for attention in attentions)
 
     calls = []
     got = run_model(model, batch, monkeypatch, calls=calls)
     naive = run_model(megatron_model, batch, monkeypatch)
-    ref = run_model(reference.double(), batch, monkeypatch, step=run_sparse_attention_ref)
+    ref = run_model(reference, batch, monkeypatch, step=ORACLE_STEP)
     assert len(calls) == config.num_layers, "each layer's sparse attention ran on coreattn"
     for i, (a, r, n) in enumerate(zip(got[3], ref[3], naive[3])):  # else a near-tie moved: change the seed
         assert torch.equal(a, r) and torch.equal(n, r), f"layer {i + 1}: the indexers picked different keys"
-    if config.dsa_indexer_topk_freq > 1:  # layer 2 reuses layer 1's top-k
+    if getattr(config, "dsa_indexer_topk_freq", 1) > 1:  # layer 2 reuses layer 1's top-k
         assert torch.equal(got[3][1], got[3][0]) and attentions[1].indexer is None
     assert_flash_criterion("logits", got[0], naive[0], ref[0])
     computing = torch.tensor([attention.indexer is not None for attention in attentions])
@@ -419,6 +437,14 @@ def test_model_matches_megatron(layout, backend, variant, monkeypatch):
     per_head = dict(q_lora_rank=None) if variant == "per-head" else {}
     config = dsa_config(init_method_std=INIT_STD, **share, **per_head)
     compare_with_megatron(config, model_spec(variant, config), backend, make_batch(layout), monkeypatch)
+
+
+@needs_016
+@pytest.mark.usefixtures("dsa_cpu")
+def test_model_matches_megatron_v016(monkeypatch):
+    """megatron-core 0.16's DSA (MLA with per-head K and V, sbhd only, causal)."""
+    config = dsa_config(init_method_std=INIT_STD)
+    compare_with_megatron(config, dsa_block_spec(config), "torch", make_batch("sbhd"), monkeypatch)
 
 
 @needs_019
@@ -447,7 +473,8 @@ def test_the_fully_fused_hook_is_declined(monkeypatch):
 
 
 def _core_attentions(spec) -> list:
-    return [layer.submodules.self_attention.submodules.core_attention for layer in spec.layer_specs]
+    layers = spec.layer_specs if hasattr(spec, "layer_specs") else [spec]  # 0.16: one layer spec
+    return [layer.submodules.self_attention.submodules.core_attention for layer in layers]
 
 
 @pytest.mark.usefixtures("dsa_cpu")
@@ -459,7 +486,7 @@ def test_use_coreattn_swaps_dsattention(caplog):
         swapped = use_coreattn(spec)
         pinned = use_coreattn(spec, backend="torch")
     assert "kept" not in caplog.text
-    assert [e.module for e in _core_attentions(spec)] == [dsa.DSAttention] * 2, "the input spec must not change"
+    assert all(e.module is dsa.DSAttention for e in _core_attentions(spec)), "the input spec must not change"
     for entry, old in zip(_core_attentions(swapped), before):
         assert entry.module is CoreDSAttention and entry.params == old.params and entry.submodules == old.submodules
     assert all(e.params == {"backend": dsa_attention.Backend.TORCH} for e in _core_attentions(pinned))
@@ -468,7 +495,7 @@ def test_use_coreattn_swaps_dsattention(caplog):
                for e in _core_attentions(again))
 
     custom = type("MyDSAttention", (dsa.DSAttention,), {})  # someone's own subclass: not replaced
-    spec.layer_specs[0].submodules.self_attention.submodules.core_attention.module = custom
+    _core_attentions(spec)[0].module = custom
     with caplog.at_level("WARNING", logger="coreattn"):
         kept = use_coreattn(spec)
     assert _core_attentions(kept)[0].module is custom and "MyDSAttention" in caplog.text
