@@ -165,7 +165,8 @@ _DECLINED = (("dsa_kernels", "run_fused_dsa_attention"),)  # 0.19: fused indexer
 
 
 def _find_seam() -> _Seam:
-    called = set(_dsa.DSAttention.forward.__code__.co_names)  # globals and attributes forward looks up
+    forward = inspect.unwrap(_dsa.DSAttention.forward)  # through decorators to Megatron's own code
+    called = set(forward.__code__.co_names)  # the globals and attributes forward looks up
     for seam in _SEAMS:
         fn = getattr(_dsa, seam.name, None)
         if seam.name not in called or not callable(fn):
@@ -247,7 +248,8 @@ class CoreDSAttention(_dsa.DSAttention):
 
     Takes Megatron's constructor arguments, plus ``backend`` (``"triton"``/``"torch"``/``Backend``),
     which overrides the per-device choice; so do ``config.coreattn_backend`` and the
-    ``COREATTN_BACKEND`` environment variable, in that order. Parameters, buffers and state-dict
+    ``COREATTN_BACKEND`` environment variable, in that order (``"npu_fused"``, dense attention's
+    Ascend op, leaves the sparse default: torch on an NPU). Parameters, buffers and state-dict
     keys are Megatron's: checkpoints move between the two unchanged.
     """
 
@@ -256,6 +258,8 @@ class CoreDSAttention(_dsa.DSAttention):
         override = backend if backend is not None else getattr(self.config, CONFIG_BACKEND_ATTR, None)
         source = "backend" if backend is not None else f"config.{CONFIG_BACKEND_ATTR}"
         self.backend = None if override is None else parse_backend(override, source)
+        if self.backend is Backend.NPU_FUSED:  # dense attention's choice (one pin for a whole spec or config):
+            self.backend = None  # sparse attention has no npu_fused; its default, as COREATTN_BACKEND=npu_fused
 
     def forward(self, *args, **kwargs):
         with routed(self):

@@ -509,6 +509,9 @@ def test_backend_override_reaches_the_module(monkeypatch):
     config.coreattn_backend = "triton"
     model = build(config, use_coreattn(dsa_block_spec(config)))
     assert model.decoder.layers[0].self_attention.core_attention.backend.value == "triton"
+    config.coreattn_backend = "npu_fused"  # dense attention's Ascend op: the sparse default instead
+    model = build(config, use_coreattn(dsa_block_spec(config)))
+    assert model.decoder.layers[0].self_attention.core_attention.backend is None
     with pytest.raises(ValueError, match="not a coreattn backend"):
         config.coreattn_backend = "cuda"
         build(config, use_coreattn(dsa_block_spec(config)))
