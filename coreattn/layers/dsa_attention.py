@@ -235,11 +235,13 @@ def routed(module):
     """Within this context, calls of Megatron's sparse-attention seam in this thread or task run
     ``module``'s coreattn replacement."""
     token = _active.set(module)
-    _install()
     try:
-        yield
+        _install()
+        try:
+            yield
+        finally:
+            _uninstall()
     finally:
-        _uninstall()
         _active.reset(token)
 
 
