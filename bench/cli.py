@@ -2,6 +2,9 @@
 
 ``python -m bench --what cpu`` runs the CPU attention section alone (bench/cpu_attention.py):
 performance data for the torch backend, written to bench/results/<cpu>_<date>/ by default.
+``python -m bench --what sparse`` runs the sparse (top-k, DeepSeek Sparse Attention) section alone
+(bench/sparse.py): time and peak memory over T at fixed top-k, coreattn against Megatron-Core's own
+DSA path and dense attention (Megatron's rows need megatron-core >= 0.19 in the interpreter).
 ``python -m bench --what kernels [--arch sm90 gfx942 ...]`` is the compile report (bench/kernels.py):
 static compiler output per CUDA or AMD CDNA architecture, no GPU needed, written to
 bench/results/compile-report_<date>/ (compile-report-cdna_<date>/ when every arch is a CDNA one)."""
@@ -17,6 +20,7 @@ from pathlib import Path
 import torch
 
 from bench import configs, cpu_attention, masks
+from bench import sparse as sparse_bench
 from bench import kernels as kernels_report
 from bench import layer as layer_bench
 from bench import context_parallel as cp_bench
@@ -28,8 +32,8 @@ from bench.flops import MODES
 from bench.providers import PRIMARY, PROVIDERS
 from bench.report import NOT_PERF, add_speedups, format_table, write_json
 
-WHAT = ("attention", "masks", "cp", "layer", "cpu", "kernels")
-# cpu (minutes of CPU time) and kernels (the compile report, minutes of compiling) run when asked for
+WHAT = ("attention", "masks", "cp", "layer", "cpu", "sparse", "kernels")
+# cpu and sparse (minutes of CPU time) and kernels (the compile report, minutes of compiling) run when asked for
 DEFAULT_WHAT = ("attention", "masks", "cp", "layer")
 
 
@@ -54,8 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mask-providers", nargs="+", choices=list(masks.PROVIDERS), default=list(masks.PROVIDERS))
     p.add_argument("--cpu-providers", nargs="+", choices=list(cpu_attention.PROVIDERS),
                    default=list(cpu_attention.PROVIDERS), help="providers of the CPU attention section")
-    p.add_argument("--cpu-threads", type=int, help="torch threads in the CPU section's workers (default: torch's "
-                   "choice, one per core); 1 gives steadier ratios on a loaded machine")
+    p.add_argument("--sparse-providers", nargs="+", choices=list(sparse_bench.PROVIDERS),
+                   default=list(sparse_bench.PROVIDERS), help="providers of the sparse attention section")
+    p.add_argument("--cpu-threads", type=int, help="torch threads in the CPU and sparse sections' workers (default: "
+                   "torch's choice, one per core); 1 gives steadier ratios on a loaded machine")
     p.add_argument("--arch", nargs="+", choices=list(kernels_report.ALL_ARCHS), default=list(kernels_report.ALL_ARCHS),
                    help="CUDA and AMD CDNA architectures of the compile report (--what kernels)")
     p.add_argument("--configs", nargs="+", metavar="SUBSTR",
@@ -109,15 +115,19 @@ def main(argv=None) -> int:
     cp_cfgs = [c for c in cp_bench.cp_configs() if configs.matches(c.id, args.configs)]
     layer_cfgs = [c for c in layer_bench.layer_configs(on_gpu, args.quick) if configs.matches(c.id, args.configs)]
     cpu_cases = [c for c in cpu_attention.cpu_cases(args.quick) if configs.matches(c.id, args.configs)]
+    sparse_cases = [c for c in sparse_bench.sparse_cases(args.quick, on_gpu) if configs.matches(c.id, args.configs)]
     modes = tuple(args.modes or configs.attention_modes(args.quick))
     run_attn, run_masks, run_cp = "attention" in args.what, "masks" in args.what, "cp" in args.what
     run_layer, run_cpu, run_kernels = "layer" in args.what, "cpu" in args.what, "kernels" in args.what
+    run_sparse = "sparse" in args.what
+    sparse_device = device if on_gpu else torch.device("cpu")
     cpu_modes = tuple(m for m in (args.modes or cpu_attention.MODES) if m in cpu_attention.MODES)
-    if set(args.what) == {"cpu"}:
-        device = torch.device("cpu")  # the section measures the CPU whatever else is there
+    cpu_only = set(args.what) <= {"cpu", "sparse"} and not (run_sparse and on_gpu)
+    if cpu_only:
+        device = torch.device("cpu")  # the sections measure the CPU whatever else is there
 
     if args.list:
-        print(f"device: {device}" + ("" if on_gpu or set(args.what) == {"cpu"} else f"  ({NOT_PERF})"))
+        print(f"device: {device}" + ("" if on_gpu or cpu_only else f"  ({NOT_PERF})"))
         if run_attn:
             print(f"attention modes: {' '.join(modes)}; dtypes: {' '.join(args.dtype)}")
             for name in args.providers:
@@ -147,6 +157,12 @@ def main(argv=None) -> int:
                   f"providers {' '.join(args.cpu_providers)}")
             for c in cpu_cases:
                 print(f"  {c.id} ({len(c.seqlens)} sequences, {sum(c.seqlens)} tokens)")
+        if run_sparse:
+            print(f"sparse attention on {sparse_device.type}: providers {' '.join(args.sparse_providers)}")
+            for c in sparse_cases:
+                reasons = {p: sparse_bench.skip_reason(c, p, "fwdbwd", sparse_device) for p in args.sparse_providers}
+                skipped = "; ".join(f"{p} skipped: {r}" for p, r in reasons.items() if r)
+                print(f"  {c.id}" + (f"  ({skipped})" if skipped else ""))
         if run_kernels:
             print(f"compile report (static compiler output, no GPU): archs {' '.join(args.arch)}")
             for problem in kernels_report.problems(args.quick):
@@ -154,7 +170,7 @@ def main(argv=None) -> int:
         return 0
 
     meta = run_metadata(device)
-    meta["performance_data"] = meta["performance_data"] or set(args.what) == {"cpu"}
+    meta["performance_data"] = meta["performance_data"] or cpu_only
     # the compile report alone is static compiler output for named archs, kept with the results
     report_name = None
     if set(args.what) == {"kernels"}:
@@ -166,6 +182,7 @@ def main(argv=None) -> int:
             (len(cp_cfgs) * len(cp_bench.CP_SIZES) * len(args.dtype) if run_cp else 0) + \
             (len(layer_cfgs) * len(layer_bench.IMPLS) * len(args.dtype) if run_layer else 0) + \
             (cpu_attention.count(cpu_cases, args.cpu_providers, cpu_modes) if run_cpu else 0) + \
+            (sparse_bench.count(sparse_cases, args.sparse_providers, sparse_device) if run_sparse else 0) + \
             (len(kernels_report.problems(args.quick)) * len(args.arch) if run_kernels else 0)
     isolate = args.isolation == "process" or (args.isolation == "auto" and on_gpu)
     meta["isolation"] = "worker process, a fresh one after a fault" if isolate else "none (this process)"
@@ -179,6 +196,10 @@ def main(argv=None) -> int:
             rows += run_in_process(units, device, args.quick, bar, args.time_limit)
         if run_cpu:
             rows += cpu_attention.run_cpu(cpu_cases, args.cpu_providers, args.quick, bar, cpu_modes, args.cpu_threads)
+        if run_sparse:
+            sparse_modes = tuple(m for m in (args.modes or sparse_bench.MODES) if m in sparse_bench.MODES)
+            rows += sparse_bench.run_sparse(sparse_cases, args.sparse_providers, args.quick, sparse_device, bar,
+                                            sparse_modes, args.cpu_threads)
         if run_kernels:
             rows += kernels_report.run_kernels(args.arch, args.quick, bar)
     add_speedups(rows, PRIMARY)

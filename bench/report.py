@@ -8,6 +8,8 @@ from pathlib import Path
 
 NOT_PERF = "NOT PERFORMANCE DATA (CPU run: it checks the suite, not the kernels)"
 CPU_PERF = "the CPU attention section is performance data for the torch backend (python -m bench --what cpu)"
+SPARSE_PERF = ("the sparse section is performance data for the torch backend, Megatron's own DSA path and dense "
+               "attention on this CPU (python -m bench --what sparse)")
 KERNELS_NOTE = ("the compile report is static compiler output for emulated CUDA and AMD CDNA targets "
                 "(python -m bench --what kernels)")
 MEMORY_LIMIT_GIB = 8  # the CPU section's 32k-token memory check
@@ -89,6 +91,14 @@ def format_table(rows: list[dict], meta: dict, primary: str = "coreattn") -> str
                      f"{'/'.join(map(str, threads)) or '?'} torch threads; peak RSS = the process's peak over the "
                      "timed calls, extra = peak minus RSS before them; x = coreattn / the fastest PyTorch path):\n" +
                      _table(["config", "mode", "provider", "ms", "peak RSS MiB", "extra MiB", "note"], cpu))
+    sparse = _sparse_lines(rows)
+    if sparse:
+        threads = sorted({r["threads"] for r in rows if r["kind"] == "sparse" and r.get("threads")})
+        parts.append("sparse (top-k) attention, one sequence, causal (one subprocess per row, "
+                     f"{'/'.join(map(str, threads)) or '?'} torch threads; extra = the call's peak memory on top of "
+                     "its inputs; growth = this row / the same provider at T/2: x2 linear, x4 quadratic):\n" +
+                     _table(["config", "mode", "provider", "ms", "GFLOP/s", "peak MiB", "extra MiB",
+                             "time growth", "memory growth", "note"], sparse))
     if any(r["kind"] == "kernels" for r in rows):
         from bench.kernels import format_tables
 
@@ -123,6 +133,7 @@ def not_perf_note(rows: list[dict]) -> str:
     if rows and all(r["kind"] == "kernels" for r in rows):
         return KERNELS_NOTE
     return NOT_PERF + ("; " + CPU_PERF if any(r["kind"] == "cpu" for r in rows) else "") + \
+        ("; " + SPARSE_PERF if any(r["kind"] == "sparse" for r in rows) else "") + \
         ("; " + KERNELS_NOTE if any(r["kind"] == "kernels" for r in rows) else "")
 
 
@@ -139,6 +150,20 @@ def _cpu_lines(rows: list[dict]) -> list[list[str]]:
             note = (note + "; " if note else "") + f"{'under' if under else 'OVER'} {MEMORY_LIMIT_GIB} GiB"
         lines.append([r["config"], r["mode"], r["provider"], _fmt(r.get("ms"), ".1f"), _fmt(r.get("peak_rss_mib"), ".0f"),
                       _fmt(r.get("extra_mib"), ".0f"), note])
+    return lines
+
+
+def _sparse_lines(rows: list[dict]) -> list[list[str]]:
+    lines = []
+    for r in rows:
+        if r["kind"] != "sparse" or r["status"] == "skipped":
+            continue
+        note = "" if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
+        if r["status"] == "ok" and r["provider"] == "dense":
+            note = f"dense {r['head_dim_qk']}/{r['head_dim_v']}, {r['heads']} kv heads"
+        lines.append([r["config"], r["mode"], r["provider"], _fmt(r.get("ms"), ".1f"), _fmt(r.get("gflops"), ".1f"),
+                      _fmt(r.get("peak_mib"), ".0f"), _fmt(r.get("extra_mib"), ".0f"),
+                      _fmt(r.get("time_growth"), ".2f"), _fmt(r.get("memory_growth"), ".2f"), note])
     return lines
 
 

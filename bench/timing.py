@@ -40,9 +40,32 @@ def time_gpu(fn: Callable[[], object], grad_to_none=None, quick: bool = False) -
     return Timing(p50, p20, p80, f"triton.testing.do_bench(warmup={warmup}ms, rep={rep}ms), median")
 
 
+# CPU warm-up before timing: at least this many calls, and calls until this much time has passed. A
+# process's first calls cost more than the rest for a while (lazy imports, the first custom-op call,
+# heap growth, thread pools): one warm-up call left the first coreattn row of ``--quick`` (its
+# forward) timed at 43.7 ms against 8.6 ms for forward + backward of the same config, whose mode
+# happens to make more untimed calls first.
+WARMUP_CALLS = 3
+WARMUP_S = 0.25
+WARMUP_MAX_CALLS = 100
+
+
+def warm_up(fn: Callable[[], object], grad_to_none=None, min_calls: int = WARMUP_CALLS, min_s: float = WARMUP_S,
+            max_calls: int = WARMUP_MAX_CALLS) -> int:
+    """Calls ``fn`` at least ``min_calls`` times and until ``min_s`` seconds have passed (at most
+    ``max_calls`` times); returns the number of calls."""
+    start, calls = time.perf_counter(), 0
+    while calls < min_calls or (time.perf_counter() - start < min_s and calls < max_calls):
+        for t in grad_to_none or ():
+            t.grad = None
+        fn()
+        calls += 1
+    return calls
+
+
 def time_cpu(fn: Callable[[], object], grad_to_none=None, quick: bool = False) -> Timing:
     reps = 3 if quick else 10
-    fn()  # warm-up
+    warmups = warm_up(fn, grad_to_none)
     samples = []
     for _ in range(reps):
         for t in grad_to_none or ():
@@ -51,7 +74,8 @@ def time_cpu(fn: Callable[[], object], grad_to_none=None, quick: bool = False) -
         fn()
         samples.append((time.perf_counter() - start) * 1e3)
     q = statistics.quantiles(samples, n=5, method="inclusive")
-    return Timing(statistics.median(samples), q[0], q[3], f"time.perf_counter, {reps} runs, median")
+    return Timing(statistics.median(samples), q[0], q[3],
+                  f"time.perf_counter, {reps} runs after {warmups} warm-up calls, median")
 
 
 def time_fn(fn: Callable[[], object], device: torch.device, grad_to_none=None, quick: bool = False) -> Timing:

@@ -395,3 +395,51 @@ def test_compile_report_tables_name_the_triton_that_compiled():
     text = format_tables([row, dict(row, arch="sm80", triton="3.9.0", hash="b")])
     assert "sm90 (compiled for capability 9.0 by Triton 3.6.0;" in text
     assert "sm80 (compiled for capability 8.0 by Triton 3.9.0;" in text
+
+
+def test_sparse_section_smoke(tmp_path, capsys):
+    """``--what sparse`` alone: performance data, one subprocess per row with time and peak memory, the
+    FLOPs of the useful pairs; Megatron's row runs where megatron-core >= 0.19 imports, else is skipped
+    with the reason."""
+    argv = ["--what", "sparse", "--quick", "--configs", "T256", "--sparse-providers", "coreattn-torch", "megatron",
+            "--modes", "fwdbwd", "--out", str(tmp_path), "--no-plots"]
+    assert cli.main(argv) == 0
+    doc, out = json.loads((tmp_path / "results.json").read_text()), capsys.readouterr().out
+    assert doc["meta"]["performance_data"] is True and "NOT PERFORMANCE DATA" not in out
+    rows = {r["provider"]: r for r in doc["results"] if r["kind"] == "sparse"}
+    core = rows["coreattn-torch"]
+    assert core["status"] == "ok" and core["ms"] > 0 and core["peak_mib"] > 0 and core["extra_mib"] is not None
+    assert core["pairs"] == 64 * 65 // 2 + (256 - 64) * 64 and core["gflops"] > 0
+    assert rows["megatron"]["status"] == "ok" or "megatron-core >= 0.19" in rows["megatron"]["reason"]
+    assert "sparse (top-k) attention" in out
+
+
+def test_sparse_section_indices_and_pairs():
+    from bench import sparse as sparse_bench
+
+    rows = sparse_bench.topk_rows(10, 4, "cpu")
+    for i, row in enumerate(rows.tolist()):
+        named = [j for j in row if j >= 0]
+        assert len(set(named)) == len(named) == min(4, i + 1) and all(0 <= j <= i for j in named)
+    case = sparse_bench.SparseBenchCase(10, 4, 2)
+    assert sparse_bench.visible_pairs(case) == sum(min(4, i + 1) for i in range(10))
+    cases = sparse_bench.sparse_cases(quick=False)
+    assert {c.tokens for c in cases} == {1024, 2048, 4096, 8192} and {c.topk for c in cases} == {2048, 512}
+
+
+def test_cpu_timing_warms_up_before_timing():
+    """The first calls of a process cost more (imports, the first custom-op call, heap growth): the CPU
+    timer calls a function several times before timing it, so a row's figure is not its warm-up
+    (``--quick`` timed its first coreattn forward at 43.7 ms against 8.6 ms for forward + backward)."""
+    import time
+
+    from bench.timing import WARMUP_CALLS, time_cpu
+
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.05 if len(calls) <= WARMUP_CALLS else 0.0)  # slow until warmed up
+
+    timing = time_cpu(fn, quick=True)
+    assert timing.ms < 25 and len(calls) >= WARMUP_CALLS + 3 and "warm-up calls" in timing.method

@@ -56,7 +56,6 @@ TRITON_CASES = [
 
 @pytest.mark.parametrize("case, dtype", _params(TRITON_CASES))
 def test_triton_backend_matches_oracle(case, dtype):
-    pytest.importorskip("coreattn.kernels.sparse_fwd", reason="the sparse Triton kernels are not in this build")
     inp = SparseInputs(case, dtype)
     if KERNEL_DEVICE != "cpu":
         for name in ("q", "k", "v"):
@@ -101,18 +100,23 @@ def test_rows_without_visible_keys_give_zeros_and_zero_gradients():
     assert not dq[4:].any() and not dq[0].any() and not dk[4:].any() and not dv[4:].any()
 
 
-@pytest.mark.parametrize("layout", ["thd", "sbhd"])
-def test_backward_is_deterministic(layout, monkeypatch):
+@pytest.mark.parametrize("layout, backend", [("thd", "torch"), ("sbhd", "torch"), ("thd", "triton")])
+def test_backward_is_deterministic(layout, backend, monkeypatch):
     """Two backward runs are bitwise equal, with many tokens adding into the same keys and chunks of a
-    few tokens (several dK/dV accumulation rounds)."""
+    few tokens (several dK/dV accumulation rounds; the Triton case: its default chunks, smaller inputs)."""
     from coreattn.layers.torch_backend import sparse
 
-    monkeypatch.setattr(sparse, "CHUNK_BYTES", 1 << 14)
-    case = SparseCase(layout=layout, dqk=64, dv=64, hq=8, hkv=2, topk=32, lens_q=(40, 23))
+    monkeypatch.setenv(sparse.ENV_CHUNK_BYTES, str(1 << 14))
+    big = backend == "torch" or KERNEL_DEVICE != "cpu"
+    case = SparseCase(layout=layout, dqk=64 if big else 32, dv=64 if big else 16, hq=8 if big else 4, hkv=2,
+                      topk=32 if big else 8, lens_q=(40, 23) if big else (7, 5))
     inp = SparseInputs(case, F32)
+    if KERNEL_DEVICE != "cpu":
+        inp.q, inp.k, inp.v = (x.detach().to(KERNEL_DEVICE).requires_grad_() for x in (inp.q, inp.k, inp.v))
+        inp.topk_indices, inp.cu_q, inp.cu_k = (x.to(KERNEL_DEVICE) for x in (inp.topk_indices, inp.cu_q, inp.cu_k))
     runs = []
     for _ in range(2):
-        out, _ = inp.call(backend="torch")
+        out, _ = inp.call(backend=backend)
         runs.append(torch.autograd.grad(out, inp.leaves(), incoming_grad(out)))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
@@ -134,17 +138,19 @@ def test_megatron_topk_layout_is_a_view():
 
 # ---- torch.compile: one opaque node --------------------------------------------------------------
 
-def _compile_case(layout):
+def _compile_case(layout, small=False):
     case = SparseCase(layout=layout, absorbed=layout == "sbhd", hkv=1 if layout == "sbhd" else 2, topk_length=True,
-                      lens_q=(5, 0, 7) if layout == "thd" else (5, 7))
+                      lens_q=(3, 0, 2) if small else (5, 0, 7) if layout == "thd" else (5, 7), topk=4 if small else 8)
     return SparseInputs(case, F32)
 
 
-@pytest.mark.parametrize("layout", ["thd", "bshd", "sbhd"])
-def test_compiles_without_graph_breaks_and_matches_eager(layout):
+@pytest.mark.parametrize("layout, backend", [("thd", "torch"), ("bshd", "torch"), ("sbhd", "torch"),
+                                             pytest.param("thd", "triton", marks=pytest.mark.interpreter_only(
+                                                 "the Triton kernels on CPU tensors"))])
+def test_compiles_without_graph_breaks_and_matches_eager(layout, backend):
     torch._dynamo.reset()
-    inp = _compile_case(layout)
-    topk, kwargs = inp.topk_indices, dict(inp.kwargs, return_lse=True, backend="torch")
+    inp = _compile_case(layout, small=backend == "triton" and KERNEL_DEVICE == "cpu")
+    topk, kwargs = inp.topk_indices, dict(inp.kwargs, return_lse=True, backend=backend)
     if layout == "thd":
         cu_q, cu_k = inp.cu_q, inp.cu_k
 

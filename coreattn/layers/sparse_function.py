@@ -2,8 +2,8 @@
 
 Each backend implements the pair of the Triton launchers (``coreattn/kernels/sparse_fwd.py``,
 ``sparse_bwd.py``; the torch backend in ``coreattn/layers/torch_backend/sparse.py``) on prepared
-inputs: ``topk`` int32 ``[N, Hidx, K]`` from ``prepare_topk`` (rows sorted, unused entries,
-repeats and entries past topk_length -1) and the per-token key bounds ``key_lo``/``key_hi``
+inputs: ``topk`` int32 ``[N, Hidx, K]`` from ``coreattn.kernels.sparse_index.prepare_topk`` (rows
+ascending, unused entries, repeats and entries past topk_length -1) and the per-token key bounds ``key_lo``/``key_hi``
 int32 ``[N]``:
 
 - ``fwd(q, k, v, topk, key_lo, key_hi, fmt, softmax_scale, *, v_dim) -> (out, lse)``;
@@ -36,9 +36,11 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from coreattn.layers.backends import Backend, select_sparse_backend
+from coreattn.kernels.sparse_bwd import sparse_attn_bwd as launch_sparse_bwd
+from coreattn.kernels.sparse_fwd import sparse_attn_fwd as launch_sparse_fwd
+from coreattn.kernels.sparse_index import prepare_topk
 from coreattn.layers.checks import KERNEL_DTYPES, check_layout_values, validation_enabled
 from coreattn.layers.torch_backend.sparse import new_lse, sparse_attn_torch_bwd, sparse_attn_torch_fwd
-from coreattn.layers.torch_backend.sparse_prepare import prepare_topk
 
 
 class SparseImpl(NamedTuple):
@@ -47,19 +49,7 @@ class SparseImpl(NamedTuple):
     bwd: Callable
 
 
-def _triton_fwd(*args, **kwargs):
-    from coreattn.kernels.sparse_fwd import sparse_attn_fwd as launch
-
-    return launch(*args, **kwargs)
-
-
-def _triton_bwd(*args, **kwargs):
-    from coreattn.kernels.sparse_bwd import sparse_attn_bwd as launch
-
-    return launch(*args, **kwargs)
-
-
-TRITON = SparseImpl("triton", _triton_fwd, _triton_bwd)
+TRITON = SparseImpl("triton", launch_sparse_fwd, launch_sparse_bwd)
 TORCH = SparseImpl("torch", sparse_attn_torch_fwd, sparse_attn_torch_bwd)
 
 
@@ -126,7 +116,7 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
     if validate and (seq_q.device.type == "cpu" or validation_enabled()):
         check_layout_values(fmt, seq_q, len_q, None, seq_k, len_k, None, seqlen_q, seqlen_k, seqlen_q, seqlen_k)
     impl = _impl(q, backend)
-    topk = prepare_topk(topk_indices, topk_length)
+    topk = prepare_topk(topk_indices, "thd", topk_length)  # [N, Hidx, K] is thd's form of the token dims
     key_lo, key_hi = key_bounds(fmt, seq_q, len_q, seq_k, len_k, topk.shape[0], seqlen_q, causal, bottom_right,
                                 bound_lo, bound_hi)
     out, lse = impl.fwd(q, k, v, topk, key_lo, key_hi, fmt, softmax_scale, v_dim=v_dim)

@@ -8,7 +8,7 @@ import torch
 import coreattn
 from coreattn.layers.sparse_function import key_bounds
 from coreattn.layers.torch_backend import sparse
-from coreattn.layers.torch_backend.sparse_prepare import prepare_topk
+from coreattn.kernels.sparse_index import prepare_topk
 from sparse_cases import SparseCase, SparseInputs, incoming_grad
 
 
@@ -18,8 +18,7 @@ def _prepared(inp: SparseInputs):
 
     case, kw = inp.case, inp.kwargs
     topk = flat_tokens(inp.topk_indices, case.layout)
-    topk = prepare_topk(topk if topk.dim() == 3 else topk.unsqueeze(1),
-                        flat_tokens(kw["topk_length"], case.layout) if "topk_length" in kw else None)
+    topk = prepare_topk(inp.topk_indices, case.layout, kw.get("topk_length"))
     if case.layout == "thd":
         layout = (inp.cu_q, None, inp.cu_k, None)
         seqlen_q = inp.q.shape[0]
@@ -58,7 +57,7 @@ def test_chunks_change_nothing_but_memory(case, monkeypatch):
     q, k, v = (None if x is None else x.detach() for x in (inp.q, inp.k, inp.v))
     results = []
     for budget in (1, 1 << 30):
-        monkeypatch.setattr(sparse, "CHUNK_BYTES", budget)
+        monkeypatch.setenv(sparse.ENV_CHUNK_BYTES, str(budget))
         out, lse = sparse.sparse_attn_torch_fwd(q, k, v, topk, lo, hi, case.layout, 0.3, v_dim=case.dv)
         grads = sparse.sparse_attn_torch_bwd(incoming_grad(out), q, k, v, out, lse, topk, lo, hi, case.layout, 0.3,
                                              v_dim=case.dv)
@@ -68,17 +67,17 @@ def test_chunks_change_nothing_but_memory(case, monkeypatch):
 
 
 def test_chunk_size_follows_the_budget(monkeypatch):
-    """576/512 absorbed, 16 heads, top-k 2,048: a 64 MiB chunk holds a few tokens, the env variable
-    sets the budget, and a budget below one token still makes progress (one token per chunk)."""
-    q = torch.empty(0, 16, 576)
-    k = torch.empty(0, 1, 576)
-    tokens = sparse._chunk_tokens(q, k, None, 512, 1, 2048, backward=True)
-    per_token = (4 * (2048 * 576 + 16 * 2048 * 4 + 2048 * (576 + 512)) + 4 * 2048 * 576 + 32 * 2048)
-    assert tokens == (64 << 20) // per_token and 1 <= tokens <= 8
-    monkeypatch.setenv(sparse.ENV_CHUNK_BYTES, str(per_token * 3))
-    assert sparse._chunk_tokens(q, k, None, 512, 1, 2048, backward=True) == 3
+    """576/512 absorbed, 16 heads, top-k 2,048: the estimate covers at least the gathered keys and the
+    scores, the CPU's 16 MiB chunk holds one token or a few, the environment variable sets the
+    budget, and a budget below one token still makes progress (one token per chunk)."""
+    q, k = torch.empty(0, 16, 576), torch.empty(0, 1, 576)
+    per_token = sparse.bytes_per_token(q, k, None, 1, 2048, backward=True)
+    assert per_token >= 4 * 2048 * (576 + 16 * 4)
+    assert sparse._chunk_tokens(q, k, None, 1, 2048, backward=True) == max(1, (16 << 20) // per_token) <= 4
+    monkeypatch.setenv(sparse.ENV_CHUNK_BYTES, str(per_token * 3 + 5))
+    assert sparse._chunk_tokens(q, k, None, 1, 2048, backward=True) == 3
     monkeypatch.setenv(sparse.ENV_CHUNK_BYTES, "1")
-    assert sparse._chunk_tokens(q, k, None, 512, 1, 2048, backward=True) == 1
+    assert sparse._chunk_tokens(q, k, None, 1, 2048, backward=True) == 1
 
 
 def test_gradcheck_float64():

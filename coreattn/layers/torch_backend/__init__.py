@@ -5,8 +5,8 @@ between the two paths), ``fused.py`` (PyTorch's fused CPU flash kernel per seque
 (an online softmax over key blocks in torch ops, for what the fused kernel cannot express),
 ``spans.py`` (reading the sequence lengths and spans), ``dense_mask.py`` (the O(S^2) path for
 arbitrary dense masks, Megatron's ``arbitrary`` mask type), ``sparse.py`` (top-k sparse attention's
-pair ``sparse_attn_torch_fwd`` / ``sparse_attn_torch_bwd``, chunked over query tokens) and
-``sparse_prepare.py`` (a stand-in for the kernels' index preparation until it lands).
+pair ``sparse_attn_torch_fwd`` / ``sparse_attn_torch_bwd`` on the kernels' prepared indices,
+chunked over query tokens).
 
 May import: torch, ``coreattn.kernels`` (packing, dropout's keep mask, the sink gradient) and
 ``coreattn.layers.checks``; nothing from the other backends, context parallelism or adapters.

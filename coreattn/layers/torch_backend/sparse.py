@@ -15,17 +15,19 @@ prepared inputs, and return the same results:
   ``[Hq, T]`` (thd) or ``[B, Hq, S]``; a token with no visible key gets out 0 and lse -inf, and
   every gradient through it is 0, never NaN.
 
-Memory: the work runs over chunks of C query tokens, C from a byte budget (``CHUNK_BYTES``, or the
-``COREATTN_SPARSE_TORCH_CHUNK_BYTES`` environment variable): a chunk gathers its tokens' keys
+Memory: the work runs over chunks of C query tokens, C from a byte budget (``CHUNK_BYTES``: 16 MiB on
+CPU, where a chunk then stays in the last-level cache between its gather and its products, 256 MiB
+on other devices; or the ``COREATTN_SPARSE_TORCH_CHUNK_BYTES`` environment variable): a chunk gathers its tokens' keys
 (``[C, Hkv, K, Dqk]``, and values unless absorbed) and holds ``[C, Hq, K]`` scores; nothing is
 S x S and nothing gathers the whole sequence's ``[T, K, D]``. The forward keeps nothing but out
 and lse; the backward recomputes each chunk's scores from lse (P = exp(S - lse), dS = P (dP -
 delta), delta = rowsum(dO * O)), writes the chunk's dQ rows, and adds the chunk's per-slot dK/dV
 rows into float32 (float64) accumulators ``[rows, Hkv, D]``: with ``index_add_`` on CPU
 (sequential, deterministic) and ``index_put_(accumulate=True)`` elsewhere (sort-based,
-deterministic, on CUDA). Unused slots add into a spare row. Total: O(T * H * D + T * K) plus one
-chunk. Gathered rows of invisible slots are zeroed, so a NaN or inf in a key the token must not
-see never reaches its output.
+deterministic, on CUDA). k and v are copied once per call into ``[rows + 1, Hkv, D]`` sources in
+the work dtype whose last row is zeros: a slot a token cannot see reads that row (and adds its
+zero gradient there), so a NaN or inf in a key the token must not see never reaches it, and
+gathers need no masking pass. Total: O(T * H * D + T * K) plus one chunk.
 """
 
 from __future__ import annotations
@@ -35,13 +37,15 @@ from typing import NamedTuple
 
 import torch
 
-CHUNK_BYTES = 64 << 20  # working set of one chunk of query tokens (gathers, scores, partial gradients)
+# working set of one chunk of query tokens (gathers, scores, partial gradients), per device type
+CHUNK_BYTES = {"cpu": 16 << 20}
+DEFAULT_CHUNK_BYTES = 256 << 20
 ENV_CHUNK_BYTES = "COREATTN_SPARSE_TORCH_CHUNK_BYTES"
 
 
-def chunk_bytes() -> int:
+def chunk_bytes(device: torch.device) -> int:
     value = os.environ.get(ENV_CHUNK_BYTES, "").strip()
-    return max(1, int(value)) if value else CHUNK_BYTES
+    return max(1, int(value)) if value else CHUNK_BYTES.get(device.type, DEFAULT_CHUNK_BYTES)
 
 
 def _work_dtype(q: torch.Tensor) -> torch.dtype:
@@ -71,64 +75,67 @@ def new_lse(q: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 class _Chunk(NamedTuple):
-    """Query tokens ``[n0, n1)``: where they sit in the ``[B, S]`` views, and their visible slots."""
+    """Query tokens ``[n0, n1)``: where they sit in the ``[B, S]`` views, and which rows their slots read."""
 
-    n0: int
-    n1: int
     where: tuple  # index into a [B, S, ...] view: (0, slice) for one sample, else (b [C], s [C])
-    sample: torch.Tensor  # [C, 1] int64: each token's sample b
-    slot: torch.Tensor  # [C, Hidx, K] int64: the named key position, 0 where not visible
-    valid: torch.Tensor  # [C, Hidx, K] bool: named, inside [key_lo, key_hi) and the sample's rows
+    valid: torch.Tensor  # [C, Hidx, 1, K] bool: named, inside [key_lo, key_hi) and the sample's rows
+    rows: torch.Tensor  # [C * Hkv * K] int64: row of each (token, kv head, slot) in a _source (the zero row if not valid)
 
 
-def _chunk(n0: int, n1: int, batch: int, seqlen_q: int, seqlen_k: int, topk, key_lo, key_hi) -> _Chunk:
+def _chunk(n0: int, n1: int, batch: int, seqlen_q: int, seqlen_k: int, heads_kv: int, topk, key_lo, key_hi) -> _Chunk:
     device = topk.device
     if batch == 1:
-        where = (0, slice(n0, n1))
-        sample = torch.zeros(n1 - n0, 1, dtype=torch.int64, device=device)
+        where, sample = (0, slice(n0, n1)), 0
     else:
         n = torch.arange(n0, n1, device=device)
         where = (n // seqlen_q, n % seqlen_q)
-        sample = where[0][:, None]
-    idx = topk[n0:n1].to(torch.int64)
+        sample = where[0][:, None, None]
+    idx = topk[n0:n1].to(torch.int64)  # [C, Hidx, K]
     lo = key_lo[n0:n1].to(torch.int64).clamp(min=0)[:, None, None]
     hi = key_hi[n0:n1].to(torch.int64).clamp(max=seqlen_k)[:, None, None]
     valid = (idx >= lo) & (idx < hi)
-    return _Chunk(n0, n1, where, sample, torch.where(valid, idx, 0), valid)
+    row = torch.where(valid, sample * seqlen_k + idx, batch * seqlen_k)  # the last row is zeros
+    head = torch.arange(heads_kv, device=device)[None, :, None]
+    rows = (row * heads_kv + head).reshape(-1)  # [C, Hkv, K] flattened (Hidx 1: the shared row for every head)
+    return _Chunk(where, valid[:, :, None, :], rows)
 
 
-def _gather(x_bs: torch.Tensor, c: _Chunk, work: torch.dtype) -> torch.Tensor:
-    """The chunk's rows of keys (or values) ``[C, Hkv, K, D]`` in the work dtype, zero where not visible."""
-    heads, hidx = x_bs.shape[2], c.slot.shape[1]
-    if hidx == 1:  # one index row shared by every kv head
-        rows = x_bs[c.sample, c.slot[:, 0]].permute(0, 2, 1, 3)  # [C, K, Hkv, D] -> [C, Hkv, K, D]
-    else:
-        head = torch.arange(heads, device=x_bs.device)[None, :, None]
-        rows = x_bs[c.sample[:, :, None], c.slot, head]  # [C, Hkv, K, D]
-    return rows.to(work).masked_fill_(~c.valid[..., None], 0)  # rows is a fresh gather
+def _source(x: torch.Tensor, fmt: str, work: torch.dtype) -> torch.Tensor:
+    """``[(B * S + 1) * H, D]``: x's rows (sample-major) in the work dtype, then H zero rows, which the
+    slots that see nothing read: one copy of x per call instead of masking every gathered chunk."""
+    x_bs = _by_sample(x, fmt)
+    batch, seqlen, heads, dim = x_bs.shape
+    src = torch.empty(batch * seqlen + 1, heads, dim, dtype=work, device=x.device)
+    src[:-1].view(batch, seqlen, heads, dim).copy_(x_bs)
+    src[-1].zero_()
+    return src.view(-1, dim)
 
 
-def _chunk_tokens(q, k, v, v_dim: int, hidx: int, topk_k: int, backward: bool) -> int:
-    """How many query tokens one chunk holds within ``chunk_bytes()``."""
+def _gather(src: torch.Tensor, c: _Chunk, heads_kv: int, topk_k: int) -> torch.Tensor:
+    """The chunk's keys (or values) ``[C, Hkv, K, D]``: one row per (token, kv head, slot)."""
+    return src.index_select(0, c.rows).view(-1, heads_kv, topk_k, src.shape[-1])
+
+
+def bytes_per_token(q, k, v, hidx: int, topk_k: int, backward: bool) -> int:
+    """A chunk's working memory per query token: gathered keys (values), scores and their
+    products, per-slot partial gradients, indices."""
     hq, hkv, dqk = q.shape[-2], k.shape[-2], q.shape[-1]
     work = torch.empty((), dtype=_work_dtype(q)).element_size()
     dv_sep = 0 if v is None else v.shape[-1]
     gathered = hkv * topk_k * (dqk + dv_sep)  # keys (and values) of every slot
-    scores = hq * topk_k * (4 if backward else 2)  # s, p (+ dp, ds)
-    partial = hkv * topk_k * (dqk + dv_sep + v_dim) if backward else 0  # per-slot dK (dV)
-    per_token = work * (gathered + scores + partial) + k.element_size() * gathered + 32 * hidx * topk_k
-    return max(1, chunk_bytes() // max(1, per_token))
+    scores = hq * topk_k * (6 if backward else 2)  # s, p (+ [s; dp], ds, [ds; p])
+    partial = hkv * topk_k * (dqk + dv_sep) if backward else 0  # per-slot dK (dV)
+    return work * (gathered + scores + partial) + 8 * hkv * topk_k + 24 * hidx * topk_k
+
+
+def _chunk_tokens(q, k, v, hidx: int, topk_k: int, backward: bool) -> int:
+    """How many query tokens one chunk holds within ``chunk_bytes``."""
+    return max(1, chunk_bytes(q.device) // max(1, bytes_per_token(q, k, v, hidx, topk_k, backward)))
 
 
 def _shape(q, fmt):
     batch = 1 if fmt == "thd" else (q.shape[0] if fmt == "bshd" else q.shape[1])
     return batch, _by_sample(q, fmt).shape[1]
-
-
-def _scores(qc, kc, c: _Chunk, softmax_scale: float) -> torch.Tensor:
-    """``[C, Hkv, G, K]`` scaled scores, -inf on invisible slots."""
-    s = torch.matmul(qc, kc.transpose(-1, -2)).mul_(softmax_scale)
-    return s.masked_fill_(~c.valid[:, :, None, :], float("-inf"))
 
 
 def sparse_attn_torch_fwd(q, k, v, topk, key_lo, key_hi, fmt: str, softmax_scale: float, *, v_dim: int | None = None,
@@ -142,20 +149,17 @@ def sparse_attn_torch_fwd(q, k, v, topk, key_lo, key_hi, fmt: str, softmax_scale
     work = _work_dtype(q)
     out = q.new_empty(tuple(q.shape[:-1]) + (v_dim,)) if out is None else out
     lse = new_lse(q, fmt) if lse is None else lse
-    q_bs, k_bs, out_bs, lse_bs = _by_sample(q, fmt), _by_sample(k, fmt), _by_sample(out, fmt), _lse_by_sample(lse, fmt)
-    v_bs = None if v is None else _by_sample(v, fmt)
-    tokens = topk.shape[0]
-    if seqlen_k == 0 or topk_k == 0:  # no key to see
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
-    step = _chunk_tokens(q, k, v, v_dim, topk.shape[1], topk_k, backward=False)
-    for n0 in range(0, tokens, step):
-        c = _chunk(n0, min(n0 + step, tokens), batch, seqlen_q, seqlen_k, topk, key_lo, key_hi)
+    q_bs, out_bs, lse_bs = _by_sample(q, fmt), _by_sample(out, fmt), _lse_by_sample(lse, fmt)
+    k_src = _source(k, fmt, work)
+    v_src = None if v is None else _source(v, fmt, work)
+    step = _chunk_tokens(q, k, v, topk.shape[1], topk_k, backward=False)
+    for n0 in range(0, topk.shape[0], step):
+        c = _chunk(n0, min(n0 + step, topk.shape[0]), batch, seqlen_q, seqlen_k, hkv, topk, key_lo, key_hi)
         qc = q_bs[c.where].to(work).view(-1, hkv, group, q.shape[-1])  # [C, Hkv, G, Dqk]
-        kc = _gather(k_bs, c, work)  # [C, Hkv, K, Dqk]
-        vc = kc[..., :v_dim] if v_bs is None else _gather(v_bs, c, work)
-        s = _scores(qc, kc, c, softmax_scale)  # [C, Hkv, G, K]
+        kc = _gather(k_src, c, hkv, topk_k)  # [C, Hkv, K, Dqk]
+        vc = kc[..., :v_dim] if v_src is None else _gather(v_src, c, hkv, topk_k)
+        s = torch.matmul(qc, kc.transpose(-1, -2)).mul_(softmax_scale)  # [C, Hkv, G, K]
+        s = s.masked_fill_(~c.valid, float("-inf"))
         m = s.amax(-1, keepdim=True)
         m = m.masked_fill_(torch.isneginf(m), 0.0)
         p = torch.exp(s.sub_(m))
@@ -166,19 +170,14 @@ def sparse_attn_torch_fwd(q, k, v, topk, key_lo, key_hi, fmt: str, softmax_scale
     return out, lse
 
 
-def _accumulate(acc: torch.Tensor, c: _Chunk, seqlen_k: int, part: torch.Tensor) -> None:
-    """Adds per-slot rows ``part [C, Hkv, K, D]`` into ``acc [(B * Sk + 1) * Hkv, D]`` at the slots' key
-    rows (the last key row takes the invisible slots), in (token, head, slot) order."""
-    heads = part.shape[1]
-    spare = acc.shape[0] // heads - 1
-    rows = torch.where(c.valid, c.sample[:, :, None] * seqlen_k + c.slot, spare)  # [C, Hidx, K]
-    head = torch.arange(heads, device=acc.device)[None, :, None]
-    index = (rows * heads + head).reshape(-1)  # [C * Hkv * K] (Hidx 1: the shared row for each head)
+def _accumulate(acc: torch.Tensor, c: _Chunk, part: torch.Tensor) -> None:
+    """Adds per-slot rows ``part [C, Hkv, K, D]`` into ``acc`` (a _source-shaped accumulator) at the
+    slots' rows, in (token, head, slot) order; slots that see nothing add zeros into the zero row."""
     part = part.reshape(-1, part.shape[-1])
     if acc.device.type == "cpu":
-        acc.index_add_(0, index, part)  # sequential on CPU: deterministic
+        acc.index_add_(0, c.rows, part)  # sequential on CPU: deterministic
     else:
-        acc.index_put_((index,), part, accumulate=True)  # sort-based on CUDA: deterministic
+        acc.index_put_((c.rows,), part, accumulate=True)  # sort-based on CUDA: deterministic
 
 
 def _finish(acc: torch.Tensor, like: torch.Tensor, fmt: str, batch: int, seqlen_k: int) -> torch.Tensor:
@@ -200,35 +199,37 @@ def sparse_attn_torch_bwd(dout, q, k, v, out, lse, topk, key_lo, key_hi, fmt: st
     hq, hkv, dqk = q.shape[-2], k.shape[-2], q.shape[-1]
     group, topk_k = hq // hkv, topk.shape[-1]
     work = _work_dtype(q)
-    dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    dk_acc = torch.zeros((batch * seqlen_k + 1) * hkv, dqk, dtype=work, device=k.device)
-    dv_acc = None if v is None else torch.zeros((batch * seqlen_k + 1) * hkv, v_dim, dtype=work, device=k.device)
-    if seqlen_k > 0 and topk_k > 0:
-        q_bs, k_bs, dq_bs = _by_sample(q, fmt), _by_sample(k, fmt), _by_sample(dq, fmt)
-        v_bs = None if v is None else _by_sample(v, fmt)
-        dout_bs, out_bs, lse_bs = _by_sample(dout, fmt), _by_sample(out, fmt), _lse_by_sample(lse, fmt)
-        step = _chunk_tokens(q, k, v, v_dim, topk.shape[1], topk_k, backward=True)
-        tokens = topk.shape[0]
-        for n0 in range(0, tokens, step):
-            c = _chunk(n0, min(n0 + step, tokens), batch, seqlen_q, seqlen_k, topk, key_lo, key_hi)
-            qc = q_bs[c.where].to(work).view(-1, hkv, group, dqk)  # [C, Hkv, G, Dqk]
-            kc = _gather(k_bs, c, work)
-            vc = kc[..., :v_dim] if v_bs is None else _gather(v_bs, c, work)
-            row_lse = lse_bs[c.where].to(work).view(-1, hkv, group, 1)
-            # a row that sees nothing has lse -inf: +inf makes its P exactly 0
-            row_lse = row_lse.masked_fill(torch.isneginf(row_lse), float("inf"))
-            p = torch.exp(_scores(qc, kc, c, softmax_scale).sub_(row_lse))  # [C, Hkv, G, K]
-            do = dout_bs[c.where].to(work).view(-1, hkv, group, v_dim)
-            delta = (do * out_bs[c.where].to(work).view(-1, hkv, group, v_dim)).sum(-1, keepdim=True)
-            ds = torch.matmul(do, vc.transpose(-1, -2)).sub_(delta).mul_(p).mul_(softmax_scale)
-            dq_bs[c.where] = torch.matmul(ds, kc).reshape(-1, hq, dqk).to(dq.dtype)
-            dk_part = torch.matmul(ds.transpose(-1, -2), qc)  # [C, Hkv, K, Dqk]
-            dv_part = torch.matmul(p.transpose(-1, -2), do)  # [C, Hkv, K, Dv]
-            if dv_acc is None:
-                dk_part[..., :v_dim] += dv_part
-            else:
-                _accumulate(dv_acc, c, seqlen_k, dv_part)
-            _accumulate(dk_acc, c, seqlen_k, dk_part)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    q_bs, dq_bs = _by_sample(q, fmt), _by_sample(dq, fmt)
+    dout_bs, out_bs, lse_bs = _by_sample(dout, fmt), _by_sample(out, fmt), _lse_by_sample(lse, fmt)
+    k_src = _source(k, fmt, work)
+    v_src = None if v is None else _source(v, fmt, work)
+    dk_acc = torch.zeros_like(k_src)
+    dv_acc = None if v is None else torch.zeros_like(v_src)
+    step = _chunk_tokens(q, k, v, topk.shape[1], topk_k, backward=True)
+    for n0 in range(0, topk.shape[0], step):
+        c = _chunk(n0, min(n0 + step, topk.shape[0]), batch, seqlen_q, seqlen_k, hkv, topk, key_lo, key_hi)
+        qc = q_bs[c.where].to(work).view(-1, hkv, group, dqk)  # [C, Hkv, G, Dqk]
+        do = dout_bs[c.where].to(work).view(-1, hkv, group, v_dim)  # [C, Hkv, G, Dv]
+        delta = (do * out_bs[c.where].to(work).view(-1, hkv, group, v_dim)).sum(-1, keepdim=True)
+        kc = _gather(k_src, c, hkv, topk_k)  # [C, Hkv, K, Dqk]
+        if v_src is None:  # absorbed: V is kc's first columns, so one product gives S and dP: [q; dO] kc^T
+            qdo = torch.cat([qc, torch.nn.functional.pad(do, (0, dqk - v_dim))], dim=2)  # [C, Hkv, 2G, Dqk]
+            s, dp = torch.matmul(qdo, kc.transpose(-1, -2)).split(group, dim=2)
+        else:
+            vc = _gather(v_src, c, hkv, topk_k)
+            s, dp = torch.matmul(qc, kc.transpose(-1, -2)), torch.matmul(do, vc.transpose(-1, -2))
+        row_lse = lse_bs[c.where].to(work).view(-1, hkv, group, 1)
+        # a row that sees nothing has lse -inf: +inf makes its P exactly 0
+        row_lse = row_lse.masked_fill(torch.isneginf(row_lse), float("inf"))
+        p = torch.exp((s * softmax_scale).masked_fill_(~c.valid, float("-inf")).sub_(row_lse))  # [C, Hkv, G, K]
+        ds = (dp - delta).mul_(p).mul_(softmax_scale)
+        dq_bs[c.where] = torch.matmul(ds, kc).reshape(-1, hq, dqk).to(dq.dtype)
+        if v_src is None:  # dK = dS^T q + [P^T dO, 0] in one product
+            _accumulate(dk_acc, c, torch.matmul(torch.cat([ds, p], dim=2).transpose(-1, -2), qdo))
+        else:
+            _accumulate(dk_acc, c, torch.matmul(ds.transpose(-1, -2), qc))
+            _accumulate(dv_acc, c, torch.matmul(p.transpose(-1, -2), do))
     dk = _finish(dk_acc, k, fmt, batch, seqlen_k)
     dv = None if v is None else _finish(dv_acc, v, fmt, batch, seqlen_k)
     return dq, dk, dv
