@@ -14,25 +14,42 @@ compiler output: it shows whether a config fits an arch, not how fast it runs.
 
 from __future__ import annotations
 
-from coreattn.tune.compiler import ARCHS, CDNA_ARCHS, Problem, compile_report
+from coreattn.tune.compiler import ARCHS, CDNA_ARCHS, Problem, SparseProblem, compile_report
 
 ALL_ARCHS = (*ARCHS, *CDNA_ARCHS)
 
 MAIN_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 FEATURE_DIMS = MAIN_DIMS
+# the sparse (top-k) kernels: absorbed MLA (DeepSeek-V3.2, GLM-5) at 576/512 with 16 to 128 q heads on one
+# latent key head (BLOCK_H 16, 32, 64: configs/sparse.py), GQA 4 with separate V at 192/128, 128 and 64
+SPARSE_HEADS = (16, 32, 64, 128)
+SPARSE_GQA_DIMS = ((192, 128), (128, 128), (64, 64))
 
 
-def problems(quick: bool = False) -> list[Problem]:
-    """bf16 MHA and fp16 GQA-4 at every main head dim, causal and not; one fp32 row; dropout,
-    softmax offset (with the sink-gradient dQ) and max logit (causal bf16) at every main head dim.
-    quick: the bf16 causal problems only."""
+def sparse_problems(quick: bool = False) -> list[SparseProblem]:
+    """bf16 absorbed 576/512 at each head count and GQA 4 at each dim; fp16 absorbed at 128 heads and
+    GQA at 128; one fp32 row. quick: absorbed 576/512 at 128 heads and GQA 4 at 128, bf16."""
     if quick:
-        return [Problem(qk, v, "bf16", True) for qk, v in MAIN_DIMS]
+        return [SparseProblem(576, 512, 128, 1, True), SparseProblem(128, 128, 16, 4)]
+    cases = [SparseProblem(576, 512, heads, 1, True) for heads in SPARSE_HEADS]
+    cases += [SparseProblem(qk, v, 16, 4) for qk, v in SPARSE_GQA_DIMS]
+    cases += [SparseProblem(576, 512, 128, 1, True, "fp16"), SparseProblem(128, 128, 16, 4, dtype="fp16"),
+              SparseProblem(128, 128, 16, 4, dtype="fp32")]
+    return cases
+
+
+def problems(quick: bool = False) -> list:
+    """bf16 MHA and fp16 GQA-4 at every main head dim, causal and not; one fp32 row; dropout,
+    softmax offset (with the sink-gradient dQ) and max logit (causal bf16) at every main head dim;
+    then the sparse kernels' problems (``sparse_problems``). quick: the bf16 causal problems only
+    and the quick sparse ones."""
+    if quick:
+        return [Problem(qk, v, "bf16", True) for qk, v in MAIN_DIMS] + sparse_problems(quick=True)
     cases = [Problem(qk, v, "bf16", causal) for qk, v in MAIN_DIMS for causal in (False, True)]
     cases += [Problem(qk, v, "fp16", causal, group=4) for qk, v in MAIN_DIMS for causal in (False, True)]
     cases.append(Problem(128, 128, "fp32", False))
     cases += [Problem(qk, v, "bf16", True, feature=f) for qk, v in FEATURE_DIMS for f in ("dropout", "sink", "max_logit")]
-    return cases
+    return cases + sparse_problems()
 
 
 def run_kernels(archs, quick: bool = False, bar=None) -> list[dict]:
@@ -58,7 +75,19 @@ def _mma(row: dict) -> str:
 def _kernel(row: dict) -> str:
     if row["kernel"] == "dkdv" and not (row["dk"] and row["dv"]):
         return "dkdv[dK]" if row["dk"] else "dkdv[dV]"  # the two passes of a split dK/dV
+    if row.get("atomic"):
+        return row["kernel"] + "[atomic]"  # the sparse backward's atomic dK/dV variant
     return row["kernel"]
+
+
+def _tile(row: dict) -> str:
+    """block_m x block_n (the sparse kernels: q heads x top-k slots), rows (the preprocess kernels) or
+    columns (the sparse reduce)."""
+    if row["kernel"] == "sparse_reduce":
+        return f"{row['block_n']} cols"
+    if row["block_n"]:
+        return f"{row['block_m']}x{row['block_n']}"
+    return f"{row['block_m']} rows" if row["block_m"] else "-"
 
 
 def _unique(rows: list[dict], arch: str):
@@ -74,7 +103,7 @@ def _cdna_table(rows: list[dict], arch: str) -> str:
     limits, lines = CDNA_ARCHS[arch], []
     for r in _unique(rows, arch):
         lds = f"{r['smem'] / 1024:g}K" + ("" if r["smem_fits"] else " OVER")
-        tile = f"{r['block_m']}x{r['block_n']}" if r["block_n"] else f"{r['block_m']} rows"
+        tile = _tile(r)
         mma = " ".join(f"{kind.removeprefix('v_mfma_')} x{n}" for kind, n in r["mma"].items()) or "-"
         mma += f" DUP {r['mma_dup']}x" if r["mma_dup"] > 1 else ""
         mma += f" FMA dots {r['fma_dots']}" if r["fma_dots"] else ""
@@ -136,7 +165,7 @@ def format_tables(rows: list[dict]) -> str:
         limits, lines = ARCHS[arch], []
         for r in _unique(rows, arch):
             smem = f"{r['smem'] / 1024:g}K" + ("" if r["smem_fits"] else " OVER")
-            tile = f"{r['block_m']}x{r['block_n']}" if r["block_n"] else f"{r['block_m']} rows" if r["block_m"] else "-"
+            tile = _tile(r)
             occ = f"{r.get('ctas_per_sm', '-')} ({r.get('occupancy_limit', '-')})"
             lines.append([_kernel(r), r["problem"], tile, f"{r['num_warps']}/{r['num_stages']}", str(r["regs"]),
                           f"{r['spill_stores']}/{r['spill_loads']}", smem, _mma(r), occ, _hazards(r)])
@@ -148,7 +177,9 @@ def format_tables(rows: list[dict]) -> str:
     if any(arch in ARCHS for arch in archs):
         parts.append("STATIC COMPILER OUTPUT for emulated targets (no GPU ran): registers and spills from ptxas -v, "
                      "shared memory from Triton, MMA instructions counted in the PTX, DUP = an MMA layout wider than "
-                     "its tile (the same MMA in several warps), CTAs/SM from registers, shared memory (+1 KB per "
+                     "its tile (the same MMA in several warps; the sparse kernels' 512-column tiles duplicate their "
+                     "score dots: configs/sparse.py), tile = rows x columns of the key loop (sparse_*: q heads x "
+                     "top-k slots), CTAs/SM from registers, shared memory (+1 KB per "
                      "block), warps and the block cap, hazards = divisions by a value that may be zero on the "
                      "addresses of the kernel's asynchronous (pipelined: cp.async) loads / those loads, from the "
                      "TTGIR (TMA loads are bounds-checked by the hardware and not counted). Not speed.")

@@ -14,7 +14,10 @@ Philox definition the kernels' ``tl.philox`` follows, in torch ops, and the RNG 
 ``softmax_offset.py`` (the sink gradient's final reduction over the kernels' per-row sums),
 ``npu.py`` (Ascend detection: triton-ascend's driver and core counts, torch_npu on first use),
 ``versions.py`` (the Triton releases CI tests, the warning for an older one, and the check that
-Triton's interpreter can run the kernels).
+Triton's interpreter can run the kernels), ``sparse_index.py`` / ``sparse_fwd.py`` / ``sparse_bwd.py``
+(the sparse top-k attention of DeepSeek Sparse Attention: index preparation and the CSR by key,
+the forward and the deterministic backward kernels and their launchers ``sparse_attn_fwd`` /
+``sparse_attn_bwd``; their launch tables in ``configs/sparse.py``).
 No autograd here: ``coreattn.layers`` wraps the launchers.
 
 May import: torch and triton only; nothing from ``coreattn.layers``, ``coreattn.adapters``,

@@ -113,7 +113,9 @@ def _sparse_dq_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq
     v_base = v_ptr + b64 * stride_vb + g64 * stride_vh
     offs_n = tl.arange(0, BLOCK_N)
     dq = tl.zeros([BLOCK_H, BLOCK_DQK], tl.float32)
-    dq2 = tl.zeros([BLOCK_H, BLOCK_DQK2], tl.float32)
+    dq2 = dq  # a second block only where the q/k dim is split (a 0-wide tl.zeros is no tensor)
+    if BLOCK_DQK2 > 0:
+        dq2 = tl.zeros([BLOCK_H, BLOCK_DQK2], tl.float32)
     for s0 in range(0, n_slots, BLOCK_N):
         valid, row = _slot_rows(idx_row, s0, offs_n, n_slots, lo, hi, k_last)
         kb = _gather(k_base, row, valid, stride_kt, HEAD_DIM_QK, 0, BLOCK_DQK)  # [N, DQK]
@@ -169,12 +171,17 @@ def _sparse_attn_dq_kernel(
 
 
 @triton.jit
-def _put_cols(base, rows_off, row_ok, x, width, COL0: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC: tl.constexpr):
+def _put_cols(base, rows_off, row_ok, x, WIDTH: tl.constexpr, COL0: tl.constexpr, BLOCK_D: tl.constexpr,
+              ATOMIC: tl.constexpr):
     """Columns [COL0, COL0 + BLOCK_D) of fp32 rows at ``base + rows_off`` [N] (int64 element
-    offsets), the first ``width`` of them: stored, or atomically added (ATOMIC)."""
+    offsets), the first ``WIDTH`` of them: stored, or atomically added (ATOMIC)."""
     offs_d = COL0 + tl.arange(0, BLOCK_D)
-    ptrs = base + rows_off[:, None] + tl.minimum(offs_d, width - 1)[None, :]
-    mask = row_ok[:, None] & (offs_d[None, :] < width)
+    if COL0 + BLOCK_D <= WIDTH:  # a whole column block: only the rows need a mask
+        ptrs = base + rows_off[:, None] + offs_d[None, :]
+        mask = row_ok[:, None] & (offs_d[None, :] >= 0)
+    else:
+        ptrs = base + rows_off[:, None] + (offs_d % WIDTH)[None, :]
+        mask = row_ok[:, None] & (offs_d[None, :] < WIDTH)
     if ATOMIC:
         tl.atomic_add(ptrs, x, mask=mask, sem="relaxed")
     else:
@@ -218,7 +225,9 @@ def _sparse_dkv_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, o
     q_base = q_ptr + b64 * stride_qb + s64 * stride_qt
     do_base = do_ptr + b64 * stride_dob + s64 * stride_dot
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
-    dk2 = tl.zeros([BLOCK_N, BLOCK_DQK2], tl.float32)
+    dk2 = dk
+    if BLOCK_DQK2 > 0:
+        dk2 = tl.zeros([BLOCK_N, BLOCK_DQK2], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for h0 in range(0, group, BLOCK_H):  # group >= 1
         offs_h = h0 + tl.arange(0, BLOCK_H)
@@ -286,6 +295,15 @@ def _sparse_attn_dkv_kernel(
 
 
 @triton.jit
+def _entry_row(entries_ptr, e, n_entries, chunk_slots):
+    """The partial row (a position in the chunk's [C, K] slots) of CSR entry e, for any e: the
+    entry's index clamped into the array (e past a segment's end is what a pipelined prefetch
+    asks for) and its value into the chunk's slots, whatever it read."""
+    ent = tl.load(entries_ptr + tl.minimum(tl.maximum(e, 0), n_entries - 1))
+    return tl.minimum(tl.maximum(ent, 0), chunk_slots - 1)
+
+
+@triton.jit
 def _sparse_reduce_program(task, part_ptr, acc_ptr, row_ptr, entries_ptr, heads_kv, idx_heads, key_rows,
                            chunk_slots, n_entries, width, n_cblocks, stride_row, BLOCK_W: tl.constexpr):
     """Columns [cb * BLOCK_W, ...) of key row r, kv head g: acc += its partial rows, one at a time in
@@ -300,13 +318,14 @@ def _sparse_reduce_program(task, part_ptr, acc_ptr, row_ptr, entries_ptr, heads_
     end = tl.load(row_ptr + seg + 1)
     offs_w = cb * BLOCK_W + tl.arange(0, BLOCK_W)
     cols = tl.minimum(offs_w, width - 1)
-    some = (offs_w < width) & (end > start)  # a key without entries in this chunk: no traffic
+    # a key without entries in this chunk: no traffic (compared as vectors: Triton 3.9's interpreter
+    # rejects the mask a scalar comparison broadcasts into)
+    some = (offs_w < width) & (offs_w * 0 + start < end)
     acc_row = acc_ptr + (r.to(tl.int64) * heads_kv + g) * stride_row
     acc = tl.load(acc_row + cols, mask=some, other=0.0)
     part_g = part_ptr + g.to(tl.int64) * chunk_slots * stride_row
     for e in range(start, end):
-        ent = tl.load(entries_ptr + tl.minimum(e, n_entries - 1))
-        ent = tl.minimum(tl.maximum(ent, 0), chunk_slots - 1)
+        ent = _entry_row(entries_ptr, e, n_entries, chunk_slots)
         acc += tl.load(part_g + ent.to(tl.int64) * stride_row + cols, mask=some, other=0.0)
     tl.store(acc_row + cols, acc, mask=some)
 

@@ -83,8 +83,11 @@ RESERVED_SMEM = 1 * KB
 
 KERNEL_NAMES = {"_varlen_attn_fwd_kernel": "fwd", "_attn_bwd_preprocess_kernel": "bwd_pre",
                 "_attn_bwd_dkdv_kernel": "dkdv", "_attn_bwd_dq_kernel": "dq", "_tile_scan_kernel": "tile_scan",
-                "_tile_map_kernel": "tile_map", "_copy_rows_kernel": "copy_rows", "_token_ids_kernel": "token_ids"}
+                "_tile_map_kernel": "tile_map", "_copy_rows_kernel": "copy_rows", "_token_ids_kernel": "token_ids",
+                "_sparse_attn_fwd_kernel": "sparse_fwd", "_sparse_attn_dq_kernel": "sparse_dq",
+                "_sparse_attn_dkv_kernel": "sparse_dkv", "_sparse_attn_reduce_kernel": "sparse_reduce"}
 ATTENTION_KERNELS = ("fwd", "dkdv", "dq")  # the kernels with tl.dot (the others: preprocess and the tile map)
+SPARSE_MMA_KERNELS = ("sparse_fwd", "sparse_dq", "sparse_dkv")  # the sparse kernels with tl.dot
 # sink: softmax_offset, with the dQ kernel's SINK_GRAD; window: a 256-token left window (with causal's right
 # edge when causal, else left only); keep: a padded bshd batch with spans and [B, S] keep masks. A problem's
 # feature is one of these or several joined by "+" ("dropout+sink"): one kernel with all of their code.
@@ -269,6 +272,14 @@ def mma_counts(ptx: str) -> dict:
     return {kind: n for kind, pattern in MMA_PTX.items() if (n := len(re.findall(pattern, ptx)))}
 
 
+def mma_inputs(ptx: str) -> list[str]:
+    """The operand types of the PTX's MMA instructions (``bf16``, ``f16``, ``tf32``; tcgen05's
+    ``kind::f16`` covers bf16 and fp16): a dot whose MMA takes another type than its inputs shows."""
+    found = set(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync\.aligned)\.[\w.]*?\.f32\.(bf16|f16|tf32|e4m3|e5m2)\b", ptx))
+    found |= {f"kind::{k}" for k in re.findall(r"\btcgen05\.mma\.[\w:.]*?kind::(\w+)", ptx)}
+    return sorted(found)
+
+
 def dot_ops(ttgir: str) -> dict:
     """The dots of the TTGIR by op: ttng.warp_group_dot (wgmma), ttng.tc_gen5_mma (tcgen05) or
     tt.dot (mma.sync, or FMA when no MMA layout fits)."""
@@ -380,8 +391,9 @@ def describe(launch: dict, arch: str) -> dict:
     ttgir = kernel.asm["ttgir"]
     constants = launch["constants"]
     row = dict(arch=arch, triton=triton.__version__, kernel=KERNEL_NAMES.get(launch["fn"], launch["fn"]),
-               block_m=constants.get("BLOCK_M"), block_n=constants.get("BLOCK_N"),
-               dk=constants.get("DK", True), dv=constants.get("DV", True),
+               block_m=constants.get("BLOCK_M", constants.get("BLOCK_H")),  # sparse: q heads x slots
+               block_n=constants.get("BLOCK_N", constants.get("BLOCK_W")),  # sparse reduce: columns
+               dk=constants.get("DK", True), dv=constants.get("DV", True), atomic=constants.get("ATOMIC", False),
                num_warps=md.num_warps, num_stages=md.num_stages, smem=md.shared, **pipeline_hazards(ttgir))
     if arch in CDNA_ARCHS:
         limits = CDNA_ARCHS[arch]
@@ -393,8 +405,9 @@ def describe(launch: dict, arch: str) -> dict:
         return row
     limits = ARCHS[arch]
     row.update(**ptxas_stats(launch["ptxas_log"], kernel, limits.capability),
-               mma=mma_counts(kernel.asm["ptx"]), mma_dup=mma_duplication(ttgir),
-               dots=dot_ops(ttgir), tma_loads=ttgir.count("ttng.async_tma_copy_global_to_local"),
+               mma=mma_counts(kernel.asm["ptx"]), mma_inputs=mma_inputs(kernel.asm["ptx"]),
+               mma_dup=mma_duplication(ttgir),
+               dots=dot_ops(ttgir), fma_dots=fma_dots(ttgir), tma_loads=ttgir.count("ttng.async_tma_copy_global_to_local"),
                ws_regions=ttgir.count("ttg.warp_specialize"),
                smem_fits=md.shared <= limits.smem_per_block, hash=kernel.hash)
     if row["regs"] is not None:
@@ -406,11 +419,18 @@ def describe(launch: dict, arch: str) -> dict:
 # Driving the launchers
 
 
-def compile_problem(problem: Problem, launches: list[dict], arch: str, kernels=None) -> list[dict]:
-    """Forward and backward of ``problem`` through the real launchers (inside ``emulate``); one
-    row per kernel launch, the preprocess kernel included. ``kernels`` (names as in KERNEL_NAMES'
-    values): run only the launchers these need and describe only their launches."""
+def compile_problem(problem, launches: list[dict], arch: str, kernels=None) -> list[dict]:
+    """Forward and backward of ``problem`` (a ``Problem``, or a ``SparseProblem``: the sparse
+    kernels) through the real launchers (inside ``emulate``); one row per kernel launch, the
+    preprocess kernel included (a sparse problem's as ``sparse_pre``). ``kernels`` (names as in
+    KERNEL_NAMES' values; dense problems only): run only the launchers these need and describe
+    only their launches."""
     start = len(launches)
+    if isinstance(problem, SparseProblem):
+        launch_sparse_problem(problem)
+        rows = [describe(launch, arch) for launch in launches[start:]]
+        return [dict(r, kernel="sparse_pre" if r["kernel"] == "bwd_pre" else r["kernel"], problem=problem.id,
+                     **problem._asdict()) for r in rows]
     launch_problem(problem, kernels)
     return [dict(describe(launch, arch), problem=problem.id, **problem._asdict()) for launch in launches[start:]
             if kernels is None or KERNEL_NAMES.get(launch["fn"]) in kernels]
@@ -465,6 +485,59 @@ def launch_mask_kernels() -> None:
     scatter_rows(rows[:SEQLENS[0]], index, rows.shape[0])
     token_ids(torch.tensor([0, *SEQLENS], dtype=torch.int32).cumsum(0).to(torch.int32), sum(SEQLENS), torch.int32,
               torch.int64)
+
+
+class SparseProblem(NamedTuple):
+    """A sparse (top-k) attention problem (kernels/sparse_fwd.py, sparse_bwd.py): head dims, q heads
+    over kv heads (absorbed MLA: one kv head whose first dim_v columns are V), dtype."""
+
+    dim_qk: int
+    dim_v: int
+    heads_q: int
+    heads_kv: int = 1
+    absorbed: bool = False
+    dtype: str = "bf16"
+
+    @property
+    def id(self) -> str:
+        kind = "absorbed" if self.absorbed else f"gqa{self.heads_q // self.heads_kv}"
+        return f"sparse-hdim{self.dim_qk}x{self.dim_v}-{self.dtype}-{kind}-h{self.heads_q}"
+
+
+def sparse_problem_of(text: str, dtype: str = "bf16") -> SparseProblem:
+    """A SparseProblem from ``576/512a128`` (absorbed: q/k dim, v dim, q heads on one kv head) or
+    ``192/128g4`` (GQA: 4 kv heads, group 4)."""
+    dims, absorbed, count = text.partition("a") if "a" in text else text.partition("g")
+    qk, _, v = dims.partition("/")
+    if absorbed == "a":
+        return SparseProblem(int(qk), int(v or qk), int(count), 1, True, dtype)
+    return SparseProblem(int(qk), int(v or qk), 4 * int(count), 4, False, dtype)
+
+
+SPARSE_TOKENS = 64  # only the grids follow the token count and top-k; the kernels do not
+SPARSE_TOPK = 2048  # DeepSeek-V3.2's
+
+
+def launch_sparse_problem(problem: SparseProblem) -> None:
+    """The sparse forward and both backward variants (deterministic and atomic) of ``problem`` on
+    CPU tensors laid out as thd: inside ``emulate``, compile-only launches (the deterministic
+    backward's CSR is built by torch on the CPU, from indices that name no key)."""
+    from coreattn.kernels.sparse_bwd import sparse_attn_bwd
+    from coreattn.kernels.sparse_fwd import sparse_attn_fwd
+
+    dtype = DTYPES[problem.dtype]
+    tokens = SPARSE_TOKENS
+    q = torch.empty(tokens, problem.heads_q, problem.dim_qk, dtype=dtype)  # [T, Hq, Dqk]
+    k = torch.empty(tokens, problem.heads_kv, problem.dim_qk, dtype=dtype)  # [T, Hkv, Dqk]
+    v = None if problem.absorbed else torch.empty(tokens, problem.heads_kv, problem.dim_v, dtype=dtype)
+    topk = torch.full((tokens, 1, SPARSE_TOPK), -1, dtype=torch.int32)  # [T, Hidx, K]
+    lo = torch.zeros(tokens, dtype=torch.int32)
+    hi = torch.arange(1, tokens + 1, dtype=torch.int32)
+    args = (topk, lo, hi, "thd", problem.dim_qk ** -0.5)
+    v_dim = dict(v_dim=problem.dim_v if problem.absorbed else None)
+    out, lse = sparse_attn_fwd(q, k, v, *args, **v_dim)
+    for atomic in (False, True):
+        sparse_attn_bwd(torch.empty_like(out), q, k, v, out, lse, *args, **v_dim, atomic=atomic)
 
 
 def compile_report(archs, problems) -> list[dict]:

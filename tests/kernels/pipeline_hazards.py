@@ -27,10 +27,14 @@ from coreattn.kernels import config  # noqa: E402
 from coreattn.tune import compiler, hazards  # noqa: E402
 
 FLAGS = ("DK", "DV", "TMA", "WARP_SPEC", "HAS_LEFT", "HAS_RIGHT", "PACKED", "SPANS", "HAS_Q_KEEP", "HAS_K_KEEP",
-         "DROPOUT", "HAS_SINK", "RETURN_MAX", "SINK_GRAD", "GATHER", "WRITE_POS", "WRITE_SEQ")
+         "DROPOUT", "HAS_SINK", "RETURN_MAX", "SINK_GRAD", "GATHER", "WRITE_POS", "WRITE_SEQ", "ATOMIC", "V_IS_K")
 
 
-def parse_case(case: str) -> tuple[compiler.Problem, str]:
+def parse_case(case: str) -> tuple:
+    """A dense case (compiler.Problem and its loop variant) or a sparse one, ``s576/512a128``
+    (compiler.sparse_problem_of; no variant)."""
+    if case.startswith("s"):
+        return compiler.sparse_problem_of(case[1:]), ""
     case, _, variant = case.partition("@")
     dims, *features = case.split("+")
     qk, _, v = dims.partition("/")
@@ -72,7 +76,10 @@ def rows_for(arch: str, cases: list[str], errors: list[dict]) -> list[dict]:
                 start = len(launches)
                 try:
                     with config.forced_configs(**{k: forced[k] for k in kernels or ()}):
-                        compiler.launch_problem(problem, kernels)
+                        if isinstance(problem, compiler.SparseProblem):
+                            compiler.launch_sparse_problem(problem)
+                        else:
+                            compiler.launch_problem(problem, kernels)
                 except Exception as exc:  # reported, and asserted on by the test
                     last = (str(exc).strip().splitlines() or [""])[-1]
                     errors.append(dict(arch=arch, case=case, kernels=sorted(kernels or ()),

@@ -13,6 +13,13 @@ this module under 3.7.1, the Triton lanes its sm90 tests (``-k sm90``) under the
 names the Triton that compiled. The CDNA checks hold for Triton 3.9.0 only (``CDNA_CHECKED_TRITON``)
 and run in the Triton 3.9.0 lane.
 
+The sparse (top-k) kernels (kernels/sparse_fwd.py, sparse_bwd.py; configs/sparse.py), on sm90 for
+absorbed MLA at 576/512 with 16 and 128 q heads and GQA 4 at 128 (and, under 3.9.0, on gfx942 and
+gfx950): every kernel of the forward and both backward variants compiled, no spills, shared memory
+(LDS) within the limit, every dot an MMA (wgmma or mma.sync; MFMA) of the input type, the loops
+pipelined on sm90. Their 512-column tiles duplicate the score dots across warps (configs/sparse.py
+says why), which is shown in the compile report, not asserted here.
+
 Compiling happens in subprocesses (TRITON_INTERPRET unset), once per module for every arch a
 selected test needs (``-k sm90`` compiles sm90 alone); the tests read the rows. The CUDA archs are
 compiled bf16 causal (and fp32, whose one small tile serves every arch, on sm90 and the 99 KB
@@ -33,7 +40,7 @@ import pytest
 import triton
 
 from coreattn.kernels.versions import TESTED_TRITON
-from coreattn.tune.compiler import ARCHS, ATTENTION_KERNELS, CDNA_ARCHS
+from coreattn.tune.compiler import ARCHS, ATTENTION_KERNELS, CDNA_ARCHS, SPARSE_MMA_KERNELS
 
 SCRIPT = Path(__file__).with_name("kernel_structure.py")
 SM90_DIMS = ("64/64", "128/128", "192/128", "256/256")
@@ -47,6 +54,10 @@ DIMS["sm86"] += ("128/128@fp32",)
 SPILL_FREE = {(arch, dims) for arch in ARCHS for dims in DIMS[arch]}
 CDNA_DIMS = {arch: ("64/64", "128/128", "192/128", "256/256") for arch in ("gfx942", "gfx950")}
 CDNA_DIMS["gfx90a"] = ("64/64", "64/64+max_logit", "128/128", "256/256")
+# the sparse kernels (tests/kernels/kernel_structure.py's ``s`` specs: compiler.sparse_problem_of)
+SPARSE_DIMS = {"sm90": ("s576/512a16", "s576/512a128", "s128/128g4")}
+SPARSE_CDNA_DIMS = {arch: ("s576/512a128", "s128/128g4") for arch in ("gfx942", "gfx950")}
+SPARSE_KERNELS = {"sparse_fwd", "sparse_pre", "sparse_dq", "sparse_dkv", "sparse_dkv[atomic]", "sparse_reduce"}
 
 
 def _has_backend(name: str) -> bool:
@@ -111,6 +122,15 @@ def rows(request):
 @pytest.fixture(scope="module")
 def cdna_rows(request):
     return _Compiled(CDNA_DIMS, request, "cdna_rows")
+
+
+@pytest.fixture(scope="module")
+def sparse_rows(request):
+    return _Compiled({**SPARSE_DIMS, **SPARSE_CDNA_DIMS}, request, "sparse_rows")
+
+
+def _sparse_kernel(r: dict) -> str:
+    return r["kernel"] + ("[atomic]" if r.get("atomic") else "")
 
 
 def _where() -> str:
@@ -185,3 +205,38 @@ def test_cdna_every_dot_is_an_unduplicated_bf16_mfma(cdna_rows, arch):
     assert not [(_label(r), r["mma"]) for r in mma if not r["mma"] or not all(k.startswith("v_mfma_f32_") and
                                                                                "bf16" in k for k in r["mma"])]
     assert not [(_label(r), r["mma_dup"]) for r in mma if r["mma_dup"] != 1], "MFMA duplicated across waves" + _where()
+
+
+@needs_nvidia
+def test_sm90_sparse_kernels_spill_free_pipelined_mmas_of_the_input_type(sparse_rows):
+    mine = sparse_rows("sm90")
+    for problem in {r["problem"] for r in mine}:
+        assert SPARSE_KERNELS <= {_sparse_kernel(r) for r in mine if r["problem"] == problem}, problem
+    assert {r["problem"] for r in mine} >= {"sparse-hdim576x512-bf16-absorbed-h16", "sparse-hdim576x512-bf16-absorbed-h128",
+                                            "sparse-hdim128x128-bf16-gqa4-h16"}
+    spills = [(_label(r), r["spill_stores"], r["spill_loads"]) for r in mine if r["spill_stores"] or r["spill_loads"]]
+    assert not spills, "spills" + _where()
+    limit = ARCHS["sm90"].smem_per_block
+    assert not [(_label(r), r["smem"]) for r in mine if r["smem"] > limit], f"over {limit} bytes" + _where()
+    mma = [r for r in mine if r["kernel"] in SPARSE_MMA_KERNELS]
+    assert not [(_label(r), r["mma"], r["fma_dots"]) for r in mma
+                if not r["mma"] or set(r["mma"]) - {"wgmma", "mma.sync"} or r["fma_dots"]], "dots not MMAs" + _where()
+    assert not [(_label(r), r["mma_inputs"]) for r in mma if r["mma_inputs"] != ["bf16"]], "MMA inputs" + _where()
+    assert not [(_label(r), r["num_stages"]) for r in mma if r["num_stages"] < 2], "not pipelined" + _where()
+
+
+@needs_amd
+@cdna_triton
+@pytest.mark.parametrize("arch", list(SPARSE_CDNA_DIMS))
+def test_cdna_sparse_kernels_fit_without_spills_and_use_bf16_mfma(sparse_rows, arch):
+    mine = sparse_rows(arch)
+    assert SPARSE_KERNELS <= {_sparse_kernel(r) for r in mine}
+    limit = CDNA_ARCHS[arch].lds_per_workgroup
+    assert not [(_label(r), r["smem"]) for r in mine if r["smem"] > limit], f"over {limit} bytes of LDS" + _where()
+    spilled = [(_label(r), r["vgpr_spills"], r["spill_stores"], r["scratch"]) for r in mine
+               if r["vgpr_spills"] or r["spill_stores"] or r["spill_loads"] or r["scratch"]]
+    assert not spilled, "VGPR spills or scratch" + _where()
+    mma = [r for r in mine if r["kernel"] in SPARSE_MMA_KERNELS]
+    assert mma and not [(_label(r), r["fma_dots"]) for r in mma if r["fma_dots"]], "dots without MFMA" + _where()
+    assert not [(_label(r), r["mma"]) for r in mma if not r["mma"] or not all(k.startswith("v_mfma_f32_") and
+                                                                               "bf16" in k for k in r["mma"])]

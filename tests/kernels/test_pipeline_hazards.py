@@ -17,6 +17,9 @@ with each arch's configs:
   99 KB table with its own dropout tiles): 64 with GQA and every feature;
 - gfx950 (CDNA3+, whose direct-to-LDS loads are asynchronous): 128 with GQA and every feature
   (CDNA's tables use num_stages 1: no loop is pipelined there today, the check holds if one is);
+- the sparse (top-k) kernels (kernels/sparse_fwd.py, sparse_bwd.py: forward, dQ, both dK/dV variants,
+  the CSR reduce, the delta preprocess) on sm90 and sm80: absorbed MLA at 576/512 with 128 heads (V
+  read from the gathered key block) and GQA 4 at 192/128 (separate V, a split q/k block);
 - per arch the tile scan and map kernels of both layouts and the mask utilities' kernels;
 - a canary: a small kernel with the dK/dV loop's shape, unclamped and clamped, which the scanner must
   flag and pass in this Triton's own output (the TTGIR text format differs between versions).
@@ -37,10 +40,12 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).with_name("pipeline_hazards.py")
+SPARSE_CASES = ("s576/512a128", "s192/128g4")  # compiler.sparse_problem_of
 CASES = {
-    "sm90": ("128", "256+gqa+window+dropout+sink+max_logit", "96/80+full+keep+window", "192/128+gqa+window@tma"),
+    "sm90": ("128", "256+gqa+window+dropout+sink+max_logit", "96/80+full+keep+window", "192/128+gqa+window@tma",
+             *SPARSE_CASES),
     "sm100": ("128", "192/128+gqa+window+dropout@ws"),
-    "sm80": ("128+gqa+window+dropout+sink+max_logit", "96/80+full+keep+window"),
+    "sm80": ("128+gqa+window+dropout+sink+max_logit", "96/80+full+keep+window", *SPARSE_CASES),
     "sm120": ("64+gqa+window+dropout+sink+max_logit",),
     "gfx950": ("128+gqa+window+dropout+sink+max_logit",),
 }
@@ -48,13 +53,16 @@ ATTENTION = ("fwd", "dkdv", "dq")
 EVERY_KERNEL = {"fwd", "bwd_pre", "dkdv", "dq", "tile_scan", "tile_map", "copy_rows", "token_ids"}
 FEATURES = {f"{k}:{f}" for k in ATTENTION for f in ("DROPOUT", "HAS_LEFT", "HAS_RIGHT", "gqa", "mha")}
 PADDED = {f"{k}:{f}" for k in ATTENTION for f in ("HAS_Q_KEEP", "HAS_K_KEEP", "padded", "left-only")}
+SPARSE = {"sparse_fwd", "sparse_fwd:V_IS_K", "sparse_dq", "sparse_dq:V_IS_K", "sparse_dkv", "sparse_dkv:V_IS_K",
+          "sparse_dkv:ATOMIC", "sparse_reduce"}
 # the classes each arch must have compiled: every kernel, and each variant that changes a loop body
 REQUIRED = {
     "sm90": EVERY_KERNEL | FEATURES | PADDED | {f"{k}:TMA" for k in ATTENTION} | {
         "fwd:HAS_SINK", "fwd:RETURN_MAX", "dq:SINK_GRAD", "dkdv:dK-pass", "dkdv:dV-pass", "tile_scan:SPANS",
-        "tile_map:SPANS", "copy_rows:GATHER", "copy_rows:scatter", "token_ids:WRITE_POS", "token_ids:WRITE_SEQ"},
+        "tile_map:SPANS", "copy_rows:GATHER", "copy_rows:scatter", "token_ids:WRITE_POS", "token_ids:WRITE_SEQ"}
+    | SPARSE,
     "sm100": EVERY_KERNEL | {f"{k}:{f}" for k in ATTENTION for f in ("WARP_SPEC", "TMA", "gqa", "mha", "DROPOUT")},
-    "sm80": EVERY_KERNEL | FEATURES - {f"{k}:mha" for k in ATTENTION} | PADDED | {"dq:SINK_GRAD"},
+    "sm80": EVERY_KERNEL | FEATURES - {f"{k}:mha" for k in ATTENTION} | PADDED | {"dq:SINK_GRAD"} | SPARSE,
     "sm120": EVERY_KERNEL | FEATURES - {f"{k}:mha" for k in ATTENTION} | {"dq:SINK_GRAD", "fwd:RETURN_MAX"},
     "gfx950": {"fwd", "dkdv", "dq", "dkdv:gqa", "dq:SINK_GRAD"},
 }
@@ -158,6 +166,16 @@ def test_loops_are_pipelined_into_asynchronous_loads(compiled, arch):
             and not r["flags"].get("TMA") and r["num_stages"] >= 2]
     assert {r["kernel"] for r in mine} >= ({"fwd", "dkdv"} if arch != "sm120" else {"fwd"})
     assert not [_label(r) for r in mine if r["async_loads"] == 0], "pipelined loops without asynchronous loads"
+
+
+@pytest.mark.parametrize("arch", [a for a in CASES if any(c in SPARSE_CASES for c in CASES[a])])
+def test_the_sparse_loops_are_pipelined_into_asynchronous_loads(compiled, arch):
+    """The sparse kernels' slot and head loops (and the reduce's entry loop) issue asynchronous loads
+    wherever their config pipelines them: the scan below checks their gathers' addresses."""
+    mine = [r for r in compiled["rows"] if r["arch"] == arch and r["kernel"].startswith("sparse_")
+            and r["num_stages"] >= 2]
+    assert {r["kernel"] for r in mine} >= {"sparse_fwd", "sparse_dq", "sparse_dkv"}
+    assert not [_label(r) for r in mine if r["kernel"] != "sparse_reduce" and r["async_loads"] == 0]
 
 
 @pytest.mark.parametrize("arch", list(CASES))

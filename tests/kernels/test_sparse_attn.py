@@ -12,7 +12,7 @@ out 0, lse -inf and zero gradients. The backward is bitwise deterministic, does 
 its query tokens are chunked, and its atomic variant agrees within rounding.
 
 Interpreter time is the budget (tests/conftest.py; about 60 s for this file on one core): tokens
-<= 24, K <= 40, heads <= 20, one 576/512 case with few tokens.
+<= 24, K <= 40 (the interpreter's slot blocks are 32), heads <= 20, one 576/512 case with few tokens.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class SparseCase:
     dim_qk: int = 40
     dim_v: int = 24
     absorbed: bool = False  # v None: V = k's first dim_v columns
-    n_slots: int = 24
+    n_slots: int = 36
     per_head: bool = False  # indices [.., Hkv, K] (else one set for every head)
     causal: bool = True
     topk_length: bool = False

@@ -34,8 +34,9 @@ MIN_BLOCK_H = 16  # tl.dot's smallest M
 _C = AttnConfig
 _W = functools.partial(AttnConfig, matrix_instr_nonkdim=16)
 
-# The interpreter: small tiles, so tests cross slot blocks (K up to 40) and head blocks (groups > 16).
-_INTERPRETER = {"fwd": _C(16, 16, 1, 1), "dq": _C(16, 16, 1, 1), "dkv": _C(16, 16, 1, 1), "reduce": _C(0, 64, 1, 1),
+# The interpreter: small tiles, so tests cross slot blocks (K up to 40) and head blocks (groups > 16), and
+# unequal (16 heads x 32 slots), so a kernel that mixed up the two would fail on shapes.
+_INTERPRETER = {"fwd": _C(16, 32, 1, 1), "dq": _C(16, 32, 1, 1), "dkv": _C(16, 32, 1, 1), "reduce": _C(0, 64, 1, 1),
                 "pre": _C(16, 0, 1, None)}
 
 # CUDA and CDNA tables: kernel -> target -> ((max width, max group, AttnConfig), ...), first match wins;
@@ -44,23 +45,44 @@ _TABLES: dict = {"fwd": {}, "dq": {}, "dkv": {}}
 _REDUCE = {"cuda": _C(0, 512, 4, 2), "cdna": _W(0, 512, 4, 1)}
 # the delta preprocess (the dense kernel): rows per program and warps by v's block
 _PRE = ((128, _C(64, 0, 4, None)), (256, _C(32, 0, 4, None)), (512, _C(16, 0, 8, None)))
-_FP32 = {"fwd": _C(16, 16, 4, 1), "dq": _C(16, 16, 4, 1), "dkv": _C(16, 16, 4, 1)}
+_FP32 = {"fwd": _C(16, 16, 4, 1), "dq": _C(16, 16, 8, 2), "dkv": _C(16, 16, 4, 1)}
 _FP32_CDNA = {kernel: cfg._replace(matrix_instr_nonkdim=16) for kernel, cfg in _FP32.items()}
 
-_GENERIC = {
-    "fwd": ((256, 16, _C(16, 64, 4, 2)), (256, 1 << 30, _C(64, 32, 4, 2)),
-            (1024, 16, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(64, 16, 8, 2))),
-    "dq": ((256, 16, _C(16, 64, 4, 2)), (256, 1 << 30, _C(64, 32, 4, 2)),
-           (1024, 16, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(64, 16, 8, 2))),
-    "dkv": ((256, 16, _C(16, 32, 4, 2)), (256, 1 << 30, _C(32, 32, 4, 2)),
-            (1024, 16, _C(16, 16, 4, 2)), (1024, 1 << 30, _C(32, 16, 8, 2))),
+# (max width, max group, config), by the MMA family. mma.sync (every CUDA arch at 16-row tiles; sm90's
+# wgmma only for the forward's 64-head tiles) holds both operands of a dot in registers, and q (the
+# dK/dV kernel's) or the gathered keys (dQ's) take two roles, so the head blocks of the backward stay
+# at 16 rows; a 512-column fp32 accumulator (absorbed MLA's V and dK) needs 4-8 warps beside it.
+_CUDA = {
+    # GQA (<= 256): 16 q heads per step over 64 slots, 4 warps splitting the columns (no duplicated MMA).
+    # 576/512: 16 heads on 4 warps; 32 and more on 8 (64 on sm90's wgmma: 64-128 heads). Each 512-column
+    # tile duplicates its score dot (Triton lays a chained dot's warps along its rows: a 16- or 32-row
+    # tile on 4 or 8 warps, a 64-row wgmma tile on two warpgroups); the other layouts would hold
+    # 256 registers of accumulator per thread.
+    "fwd": ((256, 1 << 30, _C(16, 64, 4, 2)), (1024, 16, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(32, 32, 8, 2))),
+    "dq": ((256, 1 << 30, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(16, 32, 8, 2))),
+    # dK/dV: 32 slots by 16 heads per step; at 576/512, 16 slots by 32 heads on 8 warps
+    "dkv": ((256, 1 << 30, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(32, 16, 8, 2))),
 }
-for _kernel, _rows in _GENERIC.items():
+for _kernel, _rows in _CUDA.items():
     for _target in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120"):
         _TABLES[_kernel][_target] = _rows
+# sm90: 64 heads per forward step (64-128 heads) on two warpgroups' wgmma; sm100: on tcgen05 over 16 slots
+# (32 slots took 208 KB and 255 registers and spilled 12 B)
+_TABLES["fwd"]["sm90"] = _CUDA["fwd"][:2] + ((1024, 32, _C(32, 32, 8, 2)), (1024, 1 << 30, _C(64, 32, 8, 2)))
+_TABLES["fwd"]["sm100"] = _CUDA["fwd"][:2] + ((1024, 32, _C(32, 32, 8, 2)), (1024, 1 << 30, _C(64, 16, 8, 2)))
+# AMD CDNA (wave64, 16x16 MFMAs, single-stage loops): a chained dot's waves go along its rows too, so
+# a 16-row tile takes 1-2 waves (each more repeats the score dots: 8 waves on the 576/512 backward
+# were spill-free at 2 waves per SIMD but repeated them 8 times); at 576/512 the backward's two
+# waves hold their accumulators partly in AGPRs, one wave per SIMD. Same table for gfx90a, gfx942
+# and gfx950.
+_CDNA = {
+    "fwd": ((256, 1 << 30, _W(16, 64, 1, 1)), (1024, 16, _W(16, 32, 2, 1)), (1024, 1 << 30, _W(64, 16, 8, 1))),
+    "dq": ((256, 1 << 30, _W(16, 32, 2, 1)), (1024, 1 << 30, _W(16, 16, 2, 1))),
+    "dkv": ((256, 1 << 30, _W(16, 32, 2, 1)), (1024, 1 << 30, _W(16, 16, 2, 1))),
+}
+for _kernel, _rows in _CDNA.items():
     for _target in CDNA_TARGETS:
-        _TABLES[_kernel][_target] = tuple((w, g, c._replace(num_stages=1, matrix_instr_nonkdim=16))
-                                          for w, g, c in _rows)
+        _TABLES[_kernel][_target] = _rows
 
 
 def block_h_for(group: int, block_h: int) -> int:
