@@ -1,4 +1,5 @@
-"""Megatron-Core glue: swap coreattn's CoreAttention into a model spec, and let MLA pass V unpadded.
+"""Megatron-Core glue: swap coreattn's CoreAttention (dense) and CoreDSAttention (DeepSeek Sparse
+Attention) into a model spec, and let MLA pass V unpadded.
 
     from coreattn.adapters.megatron import use_coreattn
     spec = use_coreattn(get_gpt_layer_local_spec(multi_latent_attention=True))
@@ -20,9 +21,11 @@ logger = logging.getLogger("coreattn")
 
 _PATCH_MARK = "_coreattn_native_value_dim"
 # Megatron's dense softmax core attentions (local, Transformer Engine), matched by class name so
-# Transformer Engine need not be importable. Others, e.g. DSA's sparse attention with its own
-# indexer parameters, compute something else and are left alone by use_coreattn.
+# Transformer Engine need not be importable.
 _DENSE_CORE_ATTENTIONS = ("DotProductAttention", "TEDotProductAttention", "CoreAttention")
+# Megatron's DeepSeek Sparse Attention (and coreattn's subclass of it): swapped for CoreDSAttention,
+# keeping its submodules (the indexer) and params. Other subclasses of DSAttention are kept.
+_DSA_MODULE = "megatron.core.transformer.experimental_attention_variant.dsa"
 
 
 def _core_attention_entry(backend: Backend | None):
@@ -45,57 +48,94 @@ def _is_dense_core_attention(entry) -> bool:
     return isinstance(module, type) and any(c.__name__ in _DENSE_CORE_ATTENTIONS for c in module.__mro__)
 
 
-def _swap(node, entry, seen: dict, accept, kept: list):
-    """Replace the ``core_attention`` fields that ``accept`` in a spec tree (others go to ``kept``),
-    in place on a private copy."""
+def _is_dsattention(entry) -> bool:
+    """Megatron's DSAttention itself, or coreattn's CoreDSAttention (matched without importing either)."""
+    module = _module_of(entry)
+    if not isinstance(module, type):
+        return False
+    if module.__name__ == "DSAttention" and module.__module__ == _DSA_MODULE:
+        return True
+    return module.__name__ == "CoreDSAttention" and module.__module__ == "coreattn.layers.dsa_attention"
+
+
+def _dsa_entry(entry, backend: Backend | None):
+    """CoreDSAttention in place of a DSAttention spec entry, with its submodules and params."""
+    from coreattn.layers.dsa_attention import CoreDSAttention  # needs megatron-core's DSA: imported on demand
+
+    if isinstance(entry, ModuleSpec):
+        swapped = copy.copy(entry)
+        swapped.module = CoreDSAttention
+        swapped.params = dict(entry.params)
+    elif isinstance(entry, functools.partial):
+        swapped = ModuleSpec(module=CoreDSAttention, params=dict(entry.keywords))
+    else:
+        swapped = ModuleSpec(module=CoreDSAttention)
+    if backend is not None:
+        swapped.params["backend"] = backend
+    return swapped
+
+
+def _swap(node, replace, seen: dict, kept: list):
+    """Set each ``core_attention`` field of a spec tree to ``replace(value)``, in place on a private
+    copy; values it answers None for stay, and go to ``kept``."""
     if id(node) in seen:
         return seen[id(node)]
     seen[id(node)] = node
     if isinstance(node, ModuleSpec):
-        node.submodules = _swap(node.submodules, entry, seen, accept, kept)
+        node.submodules = _swap(node.submodules, replace, seen, kept)
         for key, value in list(node.params.items()):
-            node.params[key] = _swap(value, entry, seen, accept, kept)
+            node.params[key] = _swap(value, replace, seen, kept)
         return node
     if isinstance(node, (list, tuple)):
-        swapped = [_swap(item, entry, seen, accept, kept) for item in node]
+        swapped = [_swap(item, replace, seen, kept) for item in node]
         return swapped if isinstance(node, list) else type(node)(swapped)
     if isinstance(node, dict):
-        return {key: _swap(value, entry, seen, accept, kept) for key, value in node.items()}
+        return {key: _swap(value, replace, seen, kept) for key, value in node.items()}
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         for f in dataclasses.fields(node):
             value = getattr(node, f.name)
             if f.name == "core_attention" and value is not None:
-                if accept(value):
-                    setattr(node, f.name, entry)
-                else:
+                new = replace(value)
+                if new is None:
                     kept.append(value)
+                else:
+                    setattr(node, f.name, new)
             else:
-                setattr(node, f.name, _swap(value, entry, seen, accept, kept))
+                setattr(node, f.name, _swap(value, replace, seen, kept))
     return node
 
 
 def replace_core_attention(spec, core_attention):
     """Return a copy of ``spec`` with every ``core_attention`` field set to ``core_attention``
     (a module class or ModuleSpec); the input spec is not modified."""
-    return _swap(copy.deepcopy(spec), core_attention, {}, lambda entry: True, [])
+    return _swap(copy.deepcopy(spec), lambda entry: core_attention, {}, [])
 
 
 def use_coreattn(spec, backend: str | Backend | None = None):
-    """Return a copy of ``spec`` whose every dense core attention is :class:`CoreAttention`.
+    """Return a copy of ``spec`` whose core attentions run on coreattn.
 
-    Walks layer specs, decoder/MoE block specs (``layer_specs`` lists), MLA specs and MTP block
-    specs: a ``core_attention`` field holding Megatron's dense attention (``DotProductAttention``,
-    ``TEDotProductAttention``, as a class, ModuleSpec or partial) gets CoreAttention. Other core
-    attentions (e.g. DSA's sparse attention, which has parameters of its own) are kept, with a
-    warning. The input spec is not modified. ``backend`` pins the backend for these layers (else
-    per device, see ``coreattn.layers.backends``).
+    Walks layer specs, decoder/MoE block specs (``layer_specs`` lists), MLA and absorbed-MLA specs
+    and MTP block specs: a ``core_attention`` field holding Megatron's dense attention
+    (``DotProductAttention``, ``TEDotProductAttention``, as a class, ModuleSpec or partial) gets
+    :class:`CoreAttention`; one holding Megatron's DeepSeek Sparse Attention (``DSAttention``,
+    megatron-core 0.16 to 0.19) gets :class:`coreattn.layers.dsa_attention.CoreDSAttention` with the
+    same submodules (the indexer) and params. Other core attentions are kept, with a warning. The
+    input spec is not modified. ``backend`` pins the backend for these layers (else per device, see
+    ``coreattn.layers.backends``).
     """
-    entry = _core_attention_entry(None if backend is None else parse_backend(backend))
+    pinned = None if backend is None else parse_backend(backend)
+    dense = _core_attention_entry(pinned)
+
+    def replace(entry):
+        if _is_dsattention(entry):
+            return _dsa_entry(entry, pinned)
+        return dense if _is_dense_core_attention(entry) else None
+
     kept = []
-    swapped = _swap(copy.deepcopy(spec), entry, {}, _is_dense_core_attention, kept)
+    swapped = _swap(copy.deepcopy(spec), replace, {}, kept)
     if kept:
         names = sorted({getattr(_module_of(e), "__name__", repr(e)) for e in kept})
-        logger.warning("coreattn: use_coreattn kept %d core attention(s) that are not dense attention: %s",
+        logger.warning("coreattn: use_coreattn kept %d core attention(s) it has no replacement for: %s",
                        len(kept), ", ".join(names))
     return swapped
 

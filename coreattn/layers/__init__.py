@@ -4,14 +4,16 @@ The root holds the public functions (``varlen_attn.py``: ``varlen_attn``, ``flas
 ``padded_attn.py``; ``sparse_attn.py``: top-k sparse attention), their argument checks
 (``checks.py``), the attention custom ops with their autograd (``function.py``; sparse:
 ``sparse_function.py``), which backend runs a call (``backends.py``: the registry per device;
-``dispatch.py``: the call into it) and the Megatron-Core module (``core_attention.py``).
+``dispatch.py``: the call into it) and the Megatron-Core modules (``core_attention.py``: dense;
+``dsa_attention.py``: Megatron's DeepSeek Sparse Attention with its sparse attention on coreattn).
 Subpackages, one per concern: ``torch_backend/`` (attention in torch ops, CPU and any device),
 ``npu_fused/`` (Ascend's fused op), ``context_parallel/`` (``cp_attn`` and its exchanges),
 ``masks/`` (the utilities behind ``coreattn.masks``). Each subpackage's docstring says what it
 may import.
 
-May import: torch, ``coreattn.kernels`` and megatron-core (``core_attention.py`` only, on first
-use of ``CoreAttention``); nothing from ``coreattn.adapters`` or ``coreattn.selfcheck``.
+May import: torch, ``coreattn.kernels`` and megatron-core (``core_attention.py`` and
+``dsa_attention.py`` only, on first use of ``CoreAttention`` / ``CoreDSAttention``); nothing from
+``coreattn.adapters`` or ``coreattn.selfcheck``.
 """
 
 from coreattn.layers.context_parallel import cp_attn
@@ -20,13 +22,17 @@ from coreattn.layers.sparse_attn import sparse_padded_attn, sparse_varlen_attn
 from coreattn.layers.varlen_attn import flash_attn_varlen_func, varlen_attn
 
 __all__ = ["varlen_attn", "flash_attn_varlen_func", "padded_attn", "cp_attn", "sparse_varlen_attn", "sparse_padded_attn",
-           "CoreAttention"]
+           "CoreAttention", "CoreDSAttention"]
 
 
 def __getattr__(name):
-    # CoreAttention subclasses Megatron's MegatronModule: import megatron-core only when asked for.
+    # CoreAttention and CoreDSAttention subclass Megatron's modules: import megatron-core only when asked for.
     if name == "CoreAttention":
         from coreattn.layers.core_attention import CoreAttention
 
         return CoreAttention
+    if name == "CoreDSAttention":
+        from coreattn.layers.dsa_attention import CoreDSAttention
+
+        return CoreDSAttention
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
