@@ -23,12 +23,15 @@ class IndexerConfig(NamedTuple):
     block: int  # top-k: keys per step (BLOCK_N); Hadamard: rows per program (BLOCK_R)
     num_warps: int
     num_stages: int | None = None
+    matrix_instr_nonkdim: int | None = None  # AMD: the MFMA's M = N; None: Triton's choice
 
     def launch(self, target: str) -> dict:
         """Triton launch options on ``target`` (the register ceiling and fp fusion where the target takes them)."""
         opts = dict(num_warps=self.num_warps, **launch_options(target))
         if self.num_stages is not None:
             opts["num_stages"] = self.num_stages
+        if self.matrix_instr_nonkdim is not None and target in CDNA_TARGETS:
+            opts["matrix_instr_nonkdim"] = self.matrix_instr_nonkdim
         return opts
 
 
@@ -39,7 +42,7 @@ _INTERPRETER_HADAMARD = IndexerConfig(8, 1)
 # Top-k, by BLOCK_K (the top-k rounded up to a power of two): first entry whose BLOCK_K bound holds
 # wins. CUDA: a 64-key step (the [64 heads, 128] x [128, 64] wgmma on sm90, mma.sync elsewhere).
 _TOPK_CUDA = ((256, IndexerConfig(64, 4, 2)), (1024, IndexerConfig(64, 8, 2)), (4096, IndexerConfig(64, 8, 2)))
-_TOPK_CDNA = ((256, IndexerConfig(64, 4, 1)), (1024, IndexerConfig(64, 8, 1)), (4096, IndexerConfig(64, 8, 1)))
+_TOPK_CDNA = ((256, IndexerConfig(64, 4, 1, 16)), (1024, IndexerConfig(64, 8, 1, 16)), (4096, IndexerConfig(64, 8, 1, 16)))
 _TOPK_ASCEND = ((4096, IndexerConfig(64, 1, 1)),)
 _HADAMARD = {"cuda": IndexerConfig(16, 4), "cdna": IndexerConfig(16, 4), "ascend": IndexerConfig(16, 1)}
 MAX_BLOCK_K = 4096  # top-k up to 4096 in the kernel (DeepSeek-V3.2 and GLM-5 use 2048)
