@@ -228,7 +228,7 @@ def test_loss_chunks_and_determinism(monkeypatch):
     whole = run()
     monkeypatch.setenv(topk_backend.ENV_CHUNK_BYTES, "4096")
     sizes = {ch.s1 - ch.s0 for ch in topk_backend.chunks(torch.zeros(31, dtype=torch.int32),
-                                                          torch.full((31,), 31, dtype=torch.int32), 1, 31, 31, 64)}
+                                                          torch.full((31,), 31, dtype=torch.int32), 1, 31, 31, 2048)}
     assert max(sizes) <= 2
     first, second = run(), run()
     for a, b, c in zip(whole, first, second):

@@ -59,12 +59,9 @@ class LossResult(NamedTuple):
 
 def masked_softmax(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim restricted to ``valid`` (0 elsewhere; a row without a valid entry
-    is all 0), normalized by a sum floored at EPS (Megatron's masked_softmax)."""
-    masked = logits.masked_fill(~valid, torch.finfo(logits.dtype).min)
-    top = masked.amax(-1, keepdim=True)
-    top = torch.where(valid.any(-1, keepdim=True), top, torch.zeros_like(top))
-    e = torch.exp(masked - top).masked_fill(~valid, 0.0)
-    return (e / e.sum(-1, keepdim=True).clamp_min(EPS)).masked_fill(~valid, 0.0)
+    is all 0): Megatron's masked_softmax (whose EPS floor on the normalizer never binds for a row
+    with a valid entry, whose largest term is exp(0) = 1)."""
+    return torch.softmax(logits.masked_fill(~valid, float("-inf")), -1).nan_to_num_(0.0)
 
 
 def masked_log_softmax(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -139,14 +136,19 @@ def loss_torch(q, k, weights, query, key, key_lo, key_hi, fmt: str, *, softmax_s
     dw = torch.zeros(weights.shape, dtype=dtype, device=device) if grads else None
 
     elem = torch.finfo(dtype).bits // 8
-    np_heads = query.shape[-2]
-    if sparse and computed is None:  # gathered: per row, K selected keys instead of the key range
-        width = topk_indices.shape[-1]
-        row_cost = elem * width * (query.shape[-1] + k.shape[-1] + 3 * np_heads + 4 * heads)
-        row_cost = max(1, row_cost // max(seqlen_k, 1))
+    np_heads, kv_heads, dim_q = query.shape[-2], key.shape[-2], query.shape[-1]
+    width = computed.shape[1] if computed is not None else (topk_indices.shape[-1] if sparse else 0)
+    # per query row: dense, over the keys, the attention scores and their softmax [np] and the index
+    # side's x, activation, products and gradient [H]; sparse, over its K gathered keys, the gathered
+    # keys in their dtype and in float32 [Hkv * Dq + D], the attention [np] and index [H] temporaries;
+    # a chunk that selects its top-k (fused) scores all keys for the index side first
+    index_key = elem * (4 * heads + 4) + 16
+    if not sparse:
+        row_bytes = (elem * 3 * np_heads + index_key) * seqlen_k
     else:
-        row_cost = elem * (3 * np_heads + 4 * heads + 4)
-    for ch in chunks(key_lo, key_hi, batch, seqlen_q, seqlen_k, row_cost, static_hi):
+        row_bytes = (2 * elem * (kv_heads * dim_q + k.shape[-1]) + elem * (3 * np_heads + 4 * heads) + 16) * width
+        row_bytes += index_key * seqlen_k if computed is not None else 0
+    for ch in chunks(key_lo, key_hi, batch, seqlen_q, seqlen_k, row_bytes, static_hi):
         rows = slice(ch.b * seqlen_q + ch.s0, ch.b * seqlen_q + ch.s1)
         lo, hi = key_lo[rows].to(torch.int64), key_hi[rows].to(torch.int64)
         qc = side_rows(q, fmt, ch.b, ch.s0, ch.s1)  # [C, H, D]
@@ -162,7 +164,8 @@ def loss_torch(q, k, weights, query, key, key_lo, key_hi, fmt: str, *, softmax_s
                 idx, _ = select(z, valid, ch.k0, computed.shape[1])
                 computed[rows] = idx
         if sparse:
-            valid = unique_in_bounds(idx, lo, hi)  # [C, K]
+            # [C, K]; the chunk's own selection is unique and inside the bounds already
+            valid = unique_in_bounds(idx, lo, hi) if computed is None else idx >= 0
             safe = torch.where(valid, idx, torch.zeros_like(idx)).clamp(0, max(seqlen_k - 1, 0))
             k_sel = side_rows(k, fmt, ch.b, 0, seqlen_k)[safe]  # [C, K, D]
             x = torch.einsum("chd,ckd->chk", qc.to(dtype), k_sel.to(dtype))  # [C, H, K]

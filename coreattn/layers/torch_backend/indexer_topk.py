@@ -51,14 +51,14 @@ def score_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def chunks(key_lo: torch.Tensor, key_hi: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int,
-           row_cost: int, static_hi=None) -> Iterator[Chunk]:
-    """Chunks of query tokens whose temporaries fit the budget: ``row_cost`` bytes per query token and
-    key. Key ranges: on CPU the exact union of the rows' bounds (read once, no device); elsewhere
-    ``static_hi(s1)`` (host-known bounds: a causal chunk ends its keys at its last row's) or the
-    whole sample."""
+           row_bytes: int, static_hi=None) -> Iterator[Chunk]:
+    """Chunks of query tokens whose temporaries fit the budget: ``row_bytes`` per query token (its
+    temporaries over a whole sample's keys). Key ranges: on CPU the exact union of the rows' bounds
+    (read on the host, which costs no device sync there); elsewhere ``static_hi(s1)`` (host-known
+    bounds: a causal chunk ends its keys at its last row's) or the whole sample."""
     if batch * seqlen_q == 0:
         return
-    size = max(1, chunk_bytes() // max(1, row_cost * max(seqlen_k, 1)))
+    size = max(1, chunk_bytes() // max(1, row_bytes))
     exact = key_lo.device.type == "cpu"
     if exact:
         lo = key_lo.view(batch, seqlen_q)
@@ -160,8 +160,9 @@ def topk_torch(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, key_lo: 
     dtype = score_dtype(q, k, weights)
     idx = torch.full((batch * seqlen_q, width), -1, dtype=torch.int64, device=q.device)
     scores = torch.full((batch * seqlen_q, width), float("-inf"), dtype=dtype, device=q.device)
-    row_cost = (heads + 2) * torch.finfo(dtype).bits // 8 * 2  # x and the activated copy, per key
-    for ch in chunks(key_lo, key_hi, batch, seqlen_q, seqlen_k, row_cost, static_hi):
+    # per key: x, its activated and weighted copies [H], the score, its key, mask and position
+    row_bytes = (3 * heads + 2) * torch.finfo(dtype).bits // 8 * seqlen_k + 24 * seqlen_k
+    for ch in chunks(key_lo, key_hi, batch, seqlen_q, seqlen_k, row_bytes, static_hi):
         rows = slice(ch.b * seqlen_q + ch.s0, ch.b * seqlen_q + ch.s1)
         qc = side_rows(q, fmt, ch.b, ch.s0, ch.s1)  # [C, H, D]
         wc = side_rows(weights, fmt, ch.b, ch.s0, ch.s1)  # [C, H]
