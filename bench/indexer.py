@@ -2,7 +2,7 @@
 peak-memory growth over the token count T (performance data for the CPU backend).
 
 ``python -m bench.indexer [--tokens 1024 2048 4096 8192] [--ops topk loss-dense loss-sparse] [--quick]
-[--json PATH]``, with the Python that has megatron-core >= 0.17 for the Megatron rows
+[--threads N] [--out DIR]``, with the Python that has megatron-core >= 0.17 for the Megatron rows
 (/work/venvs/mcore/bin/python here; elsewhere those rows are skipped with the reason). ``--threads``: torch
 threads per worker (default 1).
 
@@ -176,22 +176,24 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per worker (default 1: on a shared machine, OpenMP's per-op barriers "
                         "under other load dominate the many small ops of a chunked path)")
-    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--out", help="write results.json (rows and run metadata) and table.txt into this directory")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(run_worker(json.loads(args.worker))))
         return 0
     rows = run(args.tokens, args.ops, args.quick, args.threads)
-    if args.json:
-        try:
-            import megatron.core as mc
-        except ImportError:
-            mc = None
-        meta = dict(torch=torch.__version__, python=sys.version.split()[0], worker_threads=args.threads,
-                    megatron_core=getattr(mc, "__version__", None))
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if args.out:
+        from pathlib import Path
+
+        from bench.env import run_metadata
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = dict(run_metadata(torch.device("cpu")), performance_data=True, worker_threads=args.threads)
+        with open(out / "results.json", "w") as f:
+            json.dump({"meta": meta, "args": vars(args), "rows": rows}, f, indent=1)
+        (out / "table.txt").write_text("\n".join(format_row(r) for r in rows) + "\n")
     return 0
 
 
