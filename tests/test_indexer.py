@@ -138,6 +138,33 @@ def test_topk_float_scores(backend, layout, relu):
                 assert min(scores[b, s, j] for j in row) >= max(rest) - tol
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topk_and_loss_context_parallel_shape(backend):
+    """Megatron's allgather context parallelism: a rank's queries are two zig-zag chunks of the sequence
+    (positions 0-5 and 18-23 of 24 with cp = 2), the keys the whole gathered sequence, the bounds given
+    ([Sq] causal ends at each query's position): Sq != Sk."""
+    positions = list(range(0, 6)) + list(range(18, 24))
+    q, k, w, query, key = float_inputs(1, 24, 24, seed=8)
+    q, w, query = q[:, positions], w[:, positions], query[:, positions]
+    lo, hi = [[0] * 12], [[p + 1 for p in positions]]
+    bounds = (torch.zeros(12, dtype=torch.int64), torch.tensor(positions) + 1)
+    sb = lambda x: x.transpose(0, 1).contiguous()  # noqa: E731
+    expected = oracle.topk_ref(oracle.index_scores(q, k, w, True), lo, hi, 5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, w)]
+    idx, loss = ix.indexer_topk_and_loss(*(sb(t) for t in (*leaves, query, key)), 5, 0.25, 0.6, sparse=True,
+                                         layout="sbhd", key_bounds=bounds, backend=backend)
+    assert torch.equal(idx.transpose(0, 1), expected)
+    loss.backward()
+    refs = []
+    for work in (torch.float64, torch.float32):
+        base = [t.detach().to(work).requires_grad_() for t in (q, k, w)]
+        value = oracle.loss_ref(*base, query, key, lo, hi, 0.25, 0.6, sparse=True, topk_indices=expected, dtype=work)
+        value.backward()
+        refs.append((value, *(t.grad for t in base)))
+    for name, g, r, n in zip(("loss", "dq", "dk", "dw"), (loss, *(t.grad for t in leaves)), *refs):
+        assert_flash(name, g, r, n)
+
+
 # ---- loss
 
 LOSS_LAYOUTS = [("thd", 1), ("sbhd", 2), ("bshd", 2)]
