@@ -100,20 +100,27 @@ def test_topk_exact_with_ties(backend, layout, batch, seqlen, seqlen_k, relu, to
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_topk_given_bounds_and_minus_inf(backend):
-    """Megatron-style [S] bounds shared by the batch, a row with lo == hi (no key: all -1) and a row whose
-    every score is -inf (never selected)."""
+    """Megatron-style [S] bounds shared by the batch, a row with lo == hi (no key: all -1), a row whose
+    every score is -inf (never selected), bounds past the sample (clamped into it) and hi < lo."""
     batch, seqlen = 2, 12
     q, k, w = integer_inputs(batch, seqlen, seqlen, seed=1)
     k = k.abs() + 1  # every key positive ...
     q[:, 5] = 1.0  # ... so row 5's dot products are all positive
     w[:, 5] = float("-inf")  # and its scores -inf
-    lo = torch.tensor([0, 0, 3, 3, 3, 0, 2, 2, 9, 9, 4, 0])
-    hi = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])  # row 2: empty
-    expected = oracle.topk_ref(oracle.index_scores(q, k, w, True), [lo.tolist()] * batch, [hi.tolist()] * batch, 4)
+    lo = torch.tensor([0, 0, 3, 3, 3, 0, 2, 2, 9, 9, -4, 7])
+    hi = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 40, 3])  # row 2: empty; 10 and 11 outside the sample
+    inside_lo, inside_hi = lo.clamp(0, seqlen), torch.maximum(hi.clamp(0, seqlen), lo.clamp(0, seqlen))
+    expected = oracle.topk_ref(oracle.index_scores(q, k, w, True), [inside_lo.tolist()] * batch,
+                               [inside_hi.tolist()] * batch, 4)
     got = ix.indexer_topk(q.transpose(0, 1), k.transpose(0, 1), w.transpose(0, 1), 4, layout="sbhd",
                           key_bounds=(lo, hi), backend=backend)
     assert torch.equal(got.indices.transpose(0, 1), expected)
-    assert (expected[:, 2] == -1).all() and (expected[:, 5] == -1).all()
+    assert (expected[:, 2] == -1).all() and (expected[:, 5] == -1).all() and (expected[:, 11] == -1).all()
+    messy = torch.full((seqlen, batch, 4), seqlen + 3)  # indices past the sample, inside the given hi of row 10
+    q_, k_, w_, query, key = float_inputs(batch, seqlen, seqlen, seed=2)
+    loss = ix.indexer_loss(*(t.transpose(0, 1) for t in (q_, k_, w_, query, key)), 0.5, 1.0, topk_indices=messy,
+                           sparse=True, layout="sbhd", key_bounds=(lo, hi), backend=backend)
+    assert loss.item() == 0.0  # no index names a key of the sample: every row's set is empty
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

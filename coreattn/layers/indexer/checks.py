@@ -168,7 +168,7 @@ def key_bounds(tokens: Tokens, device: torch.device, *, cu_seqlens=None, causal:
     maps a chunk's end s1 to a key end known on the host (None: unknown), for the torch backend.
 
     Given ``bounds`` = (lo, hi): int tensors shaped like the token dims (padded layouts: also [S],
-    shared by the batch: Megatron's varlen_starts/ends). Else thd: from ``cu_seqlens`` (int32 [B+1];
+    shared by the batch: Megatron's varlen_starts/ends), clamped into the sample ([0, Sk], hi >= lo). Else thd: from ``cu_seqlens`` (int32 [B+1];
     None: one sequence), lo = the sequence's first row, hi = the row + 1 (causal) or the sequence's
     end; padded: lo = 0, hi = s + 1 + shift (causal; shift = Sk - S with ``causal_alignment``
     "bottom_right", 0 with "top_left") or Sk, clamped to [0, Sk]. Built on device, no host sync."""
@@ -189,8 +189,10 @@ def key_bounds(tokens: Tokens, device: torch.device, *, cu_seqlens=None, causal:
                 t = (t[:, None] if tokens.layout == "sbhd" else t[None, :]).expand(*tokens.dims)
             if tuple(t.shape) != tokens.dims:
                 raise ValueError(f"{name} must have shape {tokens.dims}, got {tuple(t.shape)}")
-            flat.append(tokens.flat(t).to(torch.int32).contiguous())
-        return flat[0], flat[1], None
+            flat.append(tokens.flat(t).to(torch.int64))
+        lo = flat[0].clamp(0, tokens.seqlen_k)  # keys outside the sample do not exist; hi < lo: no key
+        hi = torch.maximum(flat[1].clamp(0, tokens.seqlen_k), lo)
+        return lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous(), None
     rows = torch.arange(tokens.seqlen_q, device=device, dtype=torch.int64)
     if tokens.layout == "thd":
         if cu_seqlens is None:
