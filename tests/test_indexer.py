@@ -253,6 +253,23 @@ def test_loss_float64_and_given_indices():
         assert torch.allclose(a.grad, b.grad, rtol=1e-10, atol=1e-14)
 
 
+@pytest.mark.parametrize("max_seqlen", [None, 16])
+def test_static_key_ranges(max_seqlen, monkeypatch):
+    """Where the torch backend reads no bounds (a GPU: no sync; forced here on CPU), each chunk scores the
+    keys of a host-known range (causal: up to its last row; with max_seqlen: from max_seqlen - 1 before
+    its first): the same top-k and loss as the exact ranges."""
+    q, k, w = integer_inputs(1, 31, 31, seed=9)
+    _, _, _, query, key = float_inputs(1, 31, 31, seed=9)
+    args = [t[0] for t in (q, k, w, query, key)]
+    kw = dict(layout="thd", cu_seqlens=torch.tensor(CU, dtype=torch.int32), max_seqlen=max_seqlen, backend="torch")
+    monkeypatch.setenv(topk_backend.ENV_CHUNK_BYTES, "20000")  # a few rows per chunk
+    exact = ix.indexer_topk_and_loss(*args, 6, 0.25, 0.6, sparse=False, **kw)
+    monkeypatch.setattr(topk_backend, "HOST_READABLE", ())
+    static = ix.indexer_topk_and_loss(*args, 6, 0.25, 0.6, sparse=False, **kw)
+    assert torch.equal(static[0], exact[0])
+    assert torch.allclose(static[1], exact[1], rtol=1e-6)
+
+
 def test_loss_chunks_and_determinism(monkeypatch):
     """A budget of a few rows per chunk gives the one-chunk results (to float32 rounding), and two
     backward runs are bitwise equal."""

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from coreattn.layers.checks import ALIGNMENTS, check_cu_seqlens
+from coreattn.layers.checks import ALIGNMENTS, check_cu_seqlens, check_max_seqlen
 
 LAYOUTS = ("thd", "bshd", "sbhd")
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -114,6 +114,15 @@ def check_topk(topk) -> int:
     return topk
 
 
+def check_span(max_seqlen, tokens: Tokens) -> int | None:
+    """thd's ``max_seqlen`` hint as a host int (None: not given; a tensor is never read: None too)."""
+    if max_seqlen is None or isinstance(max_seqlen, torch.Tensor):
+        if isinstance(max_seqlen, torch.Tensor):
+            check_max_seqlen("max_seqlen", max_seqlen, tokens.seqlen_k)
+        return None
+    return max(int(check_max_seqlen("max_seqlen", max_seqlen, tokens.seqlen_k)), 1)
+
+
 def check_attention_side(query, key, tokens: Tokens, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """query [*tokens, np, Dq], key [*key tokens, Hkv, Dq] with np % Hkv == 0 (detached)."""
     padded = tokens.layout != "thd"
@@ -162,10 +171,13 @@ def check_query_valid_rows(rows, tokens: Tokens, device: torch.device) -> torch.
 
 
 def key_bounds(tokens: Tokens, device: torch.device, *, cu_seqlens=None, causal: bool = True,
-               causal_alignment: str = "bottom_right", bounds=None):
-    """(key_lo, key_hi int32 [N] contiguous in flat token order, static_hi): the keys ``lo <= j < hi``
-    each query sees, in key positions of its sample (thd: rows of the packed stream); ``static_hi``
-    maps a chunk's end s1 to a key end known on the host (None: unknown), for the torch backend.
+               causal_alignment: str = "bottom_right", bounds=None, max_seqlen=None):
+    """(key_lo, key_hi int32 [N] contiguous in flat token order, key_range): the keys ``lo <= j < hi``
+    each query sees, in key positions of its sample (thd: rows of the packed stream); ``key_range``
+    maps a chunk of query positions [s0, s1) to a key range known on the host that holds their keys
+    (None: the whole sample), for the torch backend on devices whose bounds it does not read. thd:
+    ``max_seqlen`` (a host int >= every sequence's length; optional) bounds the range to
+    max_seqlen - 1 keys around the chunk.
 
     Given ``bounds`` = (lo, hi): int tensors shaped like the token dims (padded layouts: also [S],
     shared by the batch: Megatron's varlen_starts/ends), clamped into the sample ([0, Sk], hi >= lo). Else thd: from ``cu_seqlens`` (int32 [B+1];
@@ -204,12 +216,16 @@ def key_bounds(tokens: Tokens, device: torch.device, *, cu_seqlens=None, causal:
             seq = torch.searchsorted(cu[1:], rows, right=True)  # B for rows past the last sequence
             lo = cu[seq]  # rows past cu[-1] see only rows past it, as Megatron's varlen bounds have it
             hi = rows + 1 if causal else cu[(seq + 1).clamp_max(cu.numel() - 1)]
-        static_hi = (lambda s1: s1) if causal else None
-        return lo.to(torch.int32), hi.clamp(0, tokens.seqlen_k).to(torch.int32), static_hi
+        span = tokens.seqlen_k if max_seqlen is None else max_seqlen
+        if causal:
+            key_range = lambda s0, s1: (s0 - span + 1, s1)  # noqa: E731
+        else:
+            key_range = lambda s0, s1: (s0 - span + 1, s1 + span - 1)  # noqa: E731
+        return lo.to(torch.int32), hi.clamp(0, tokens.seqlen_k).to(torch.int32), key_range
     if cu_seqlens is not None:
         raise ValueError("cu_seqlens is for layout='thd'; padded layouts take key_bounds")
     shift = tokens.seqlen_k - tokens.seqlen_q if causal_alignment == "bottom_right" else 0
     hi = (rows + 1 + shift).clamp(0, tokens.seqlen_k) if causal else torch.full_like(rows, tokens.seqlen_k)
     lo = torch.zeros(n, dtype=torch.int32, device=device)
     hi = hi.to(torch.int32).repeat(tokens.batch)  # n = b * S + s
-    return lo, hi, ((lambda s1: max(s1 + shift, 0)) if causal else None)
+    return lo, hi, ((lambda s0, s1: (0, s1 + shift)) if causal else None)

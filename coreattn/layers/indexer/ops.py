@@ -29,18 +29,18 @@ class IndexerTopk(NamedTuple):
     scores: torch.Tensor | None  # float32 [*tokens, K] (float64 for float64 inputs on torch), -inf unused
 
 
-def _topk(tokens, q, k, weights, lo, hi, static_hi, topk, relu, return_scores, backend: Backend):
+def _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, backend: Backend):
     if backend is Backend.TRITON and q.dtype != torch.float64:
         from coreattn.kernels.indexer_topk import indexer_topk_fwd
 
         return indexer_topk_fwd(q, k, weights, lo, hi, topk, tokens.layout, relu=relu, return_scores=return_scores)
     return topk_torch(q, k, weights, lo, hi, topk, tokens.layout, relu=relu, return_scores=return_scores,
-                      static_hi=static_hi)
+                      key_range=key_range)
 
 
 def indexer_topk(q, k, weights, topk: int, *, layout: str = "thd", cu_seqlens=None, causal: bool = True,
                  causal_alignment: str = "bottom_right", key_bounds=None, relu: bool = True,
-                 return_scores: bool = False, backend=None) -> IndexerTopk:
+                 return_scores: bool = False, max_seqlen=None, backend=None) -> IndexerTopk:
     """The ``topk`` keys of largest index score for every query token, without a [T, T] tensor.
 
     ``score[n, j] = sum_h weights[n, h] * act(q[n, h] . k[j])`` in float32 (act: ReLU with
@@ -54,29 +54,36 @@ def indexer_topk(q, k, weights, topk: int, *, layout: str = "thd", cu_seqlens=No
 
     Returns ``IndexerTopk(indices, scores)``: indices int64 [*tokens, K] (thd [T, K]; bshd
     [B, S, K]; sbhd [S, B, K]), scores (with ``return_scores``) their float32 scores, -inf unused.
+
+    ``max_seqlen`` (thd, optional host int): at least every row's key span, the tail past
+    ``cu_seqlens[-1]`` included; the torch backend on a GPU then scores each chunk of rows against
+    the keys within that span only (it reads no bounds there: no sync), not the whole stream.
     """
     tokens, q, k, weights = checks.check_index_side(q, k, weights, layout)
     topk = checks.check_topk(topk)
-    lo, hi, static_hi = checks.key_bounds(tokens, q.device, cu_seqlens=cu_seqlens, causal=causal,
-                                          causal_alignment=causal_alignment, bounds=key_bounds)
+    lo, hi, key_range = checks.key_bounds(tokens, q.device, cu_seqlens=cu_seqlens, causal=causal,
+                                          causal_alignment=causal_alignment, bounds=key_bounds,
+                                          max_seqlen=checks.check_span(max_seqlen, tokens))
     chosen = indexer_backend(q.device, backend)
     with torch.no_grad():
-        idx, scores = _topk(tokens, q, k, weights, lo, hi, static_hi, topk, relu, return_scores, chosen)
+        idx, scores = _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, chosen)
     return IndexerTopk(tokens.unflat(idx), None if scores is None else tokens.unflat(scores))
 
 
 def _loss(q, k, weights, query, key, softmax_scale, loss_coeff, topk_indices, topk, *, sparse, layout, cu_seqlens,
-          causal, causal_alignment, key_bounds, relu, query_valid_rows, calculate_per_token_loss, tp_group, backend):
+          causal, causal_alignment, key_bounds, relu, query_valid_rows, calculate_per_token_loss, tp_group, max_seqlen,
+          backend):
     tokens, q, k, weights = checks.check_index_side(q, k, weights, layout)
     query, key = checks.check_attention_side(query, key, tokens, q.device)
-    lo, hi, static_hi = checks.key_bounds(tokens, q.device, cu_seqlens=cu_seqlens, causal=causal,
-                                          causal_alignment=causal_alignment, bounds=key_bounds)
+    lo, hi, key_range = checks.key_bounds(tokens, q.device, cu_seqlens=cu_seqlens, causal=causal,
+                                          causal_alignment=causal_alignment, bounds=key_bounds,
+                                          max_seqlen=checks.check_span(max_seqlen, tokens))
     rows = checks.check_query_valid_rows(query_valid_rows, tokens, q.device)
     chosen = indexer_backend(q.device, backend)
     selected = None
     if topk is not None and (chosen is Backend.TRITON and q.dtype != torch.float64):
         with torch.no_grad():  # the kernel selects; the loss chunks take its indices
-            selected, _ = _topk(tokens, q, k, weights, lo, hi, static_hi, topk, relu, False, chosen)
+            selected, _ = _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, False, chosen)
         topk_indices, topk = selected, None
     elif topk_indices is not None:
         topk_indices = checks.check_topk_indices(topk_indices, tokens, q.device)
@@ -84,7 +91,7 @@ def _loss(q, k, weights, query, key, softmax_scale, loss_coeff, topk_indices, to
         raise ValueError("the sparse loss needs topk_indices (or topk, to select them)")
     options = dict(fmt=layout, softmax_scale=float(softmax_scale), loss_coeff=float(loss_coeff), sparse=bool(sparse),
                    topk=topk, relu=relu, query_valid_rows=rows, per_token=bool(calculate_per_token_loss),
-                   tp_group=tp_group, static_hi=static_hi)
+                   tp_group=tp_group, key_range=key_range)
     loss, computed = IndexerLossFunction.apply(q, k, weights, query, key, lo, hi, topk_indices,
                                                torch.is_grad_enabled(), options)
     if topk is not None:  # the torch chunks selected them
@@ -95,7 +102,7 @@ def _loss(q, k, weights, query, key, softmax_scale, loss_coeff, topk_indices, to
 def indexer_loss(q, k, weights, query, key, softmax_scale: float, loss_coeff: float, *, topk_indices=None,
                  sparse: bool = False, layout: str = "thd", cu_seqlens=None, causal: bool = True,
                  causal_alignment: str = "bottom_right", key_bounds=None, relu: bool = True, query_valid_rows=None,
-                 calculate_per_token_loss: bool = False, tp_group=None, backend=None) -> torch.Tensor:
+                 calculate_per_token_loss: bool = False, tp_group=None, max_seqlen=None, backend=None) -> torch.Tensor:
     """The DSA indexer loss as Megatron-Core 0.19 defines it (``compute_dsa_indexer_loss``; the math is
     in coreattn/layers/torch_backend/indexer_loss.py), computed chunk by chunk: never a [T, T] tensor.
 
@@ -107,12 +114,13 @@ def indexer_loss(q, k, weights, query, key, softmax_scale: float, loss_coeff: fl
     Dq] (np % Hkv == 0; Megatron's absorbed MLA key has Hkv = 1) are detached. ``tp_group``: the
     attention heads are split over these ranks (the summed target is all-reduced, chunk by chunk).
     Returns the 0-dim float32 loss, differentiable in q, k and weights (gradients equal Megatron's
-    backward: (softmax(z) - target) through the index scores).
+    backward: (softmax(z) - target) through the index scores). ``max_seqlen``: as in ``indexer_topk``.
     """
     loss, _ = _loss(q, k, weights, query, key, softmax_scale, loss_coeff, topk_indices, None, sparse=sparse,
                     layout=layout, cu_seqlens=cu_seqlens, causal=causal, causal_alignment=causal_alignment,
                     key_bounds=key_bounds, relu=relu, query_valid_rows=query_valid_rows,
-                    calculate_per_token_loss=calculate_per_token_loss, tp_group=tp_group, backend=backend)
+                    calculate_per_token_loss=calculate_per_token_loss, tp_group=tp_group, max_seqlen=max_seqlen,
+                    backend=backend)
     return loss
 
 
@@ -120,13 +128,14 @@ def indexer_topk_and_loss(q, k, weights, query, key, topk: int, softmax_scale: f
                           sparse: bool = False, layout: str = "thd", cu_seqlens=None, causal: bool = True,
                           causal_alignment: str = "bottom_right", key_bounds=None, relu: bool = True,
                           query_valid_rows=None, calculate_per_token_loss: bool = False, tp_group=None,
-                          backend=None) -> tuple[torch.Tensor, torch.Tensor]:
+                          max_seqlen=None, backend=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices, loss)``: ``indexer_topk``'s indices and ``indexer_loss`` over them, as Megatron's
     ``FusedDSAIndexerLoss`` returns them (the torch backend scores each chunk once for both)."""
     loss, indices = _loss(q, k, weights, query, key, softmax_scale, loss_coeff, None, checks.check_topk(topk), sparse=sparse,
                  layout=layout, cu_seqlens=cu_seqlens, causal=causal, causal_alignment=causal_alignment,
-                 key_bounds=key_bounds, relu=relu, query_valid_rows=query_valid_rows,
-                          calculate_per_token_loss=calculate_per_token_loss, tp_group=tp_group, backend=backend)
+                          key_bounds=key_bounds, relu=relu, query_valid_rows=query_valid_rows,
+                          calculate_per_token_loss=calculate_per_token_loss, tp_group=tp_group,
+                          max_seqlen=max_seqlen, backend=backend)
     return indices, loss
 
 

@@ -104,7 +104,7 @@ def attention_target(query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor
 def loss_torch(q, k, weights, query, key, key_lo, key_hi, fmt: str, *, softmax_scale: float, loss_coeff: float,
                sparse: bool, topk_indices: torch.Tensor | None = None, topk: int | None = None, relu: bool = True,
                query_valid_rows: torch.Tensor | None = None, per_token: bool = False, tp_group=None,
-               grads: bool = False, static_hi=None) -> LossResult:
+               grads: bool = False, key_range=None) -> LossResult:
     """The indexer loss of the module docstring on checked inputs.
 
     Index side q/k/weights and attention side query [.., np, Dq] / key [.., Hkv, Dq] in the layout
@@ -148,7 +148,7 @@ def loss_torch(q, k, weights, query, key, key_lo, key_hi, fmt: str, *, softmax_s
     else:
         row_bytes = (2 * elem * (kv_heads * dim_q + k.shape[-1]) + elem * (3 * np_heads + 4 * heads) + 16) * width
         row_bytes += index_key * seqlen_k if computed is not None else 0
-    for ch in chunks(key_lo, key_hi, batch, seqlen_q, seqlen_k, row_bytes, static_hi):
+    for ch in chunks(key_lo, key_hi, batch, seqlen_q, seqlen_k, row_bytes, key_range):
         rows = slice(ch.b * seqlen_q + ch.s0, ch.b * seqlen_q + ch.s1)
         lo, hi = key_lo[rows].to(torch.int64), key_hi[rows].to(torch.int64)
         qc = side_rows(q, fmt, ch.b, ch.s0, ch.s1)  # [C, H, D]

@@ -21,6 +21,7 @@ import torch
 
 ENV_CHUNK_BYTES = "COREATTN_INDEXER_CHUNK_BYTES"
 DEFAULT_CHUNK_BYTES = 64 * 2**20  # per chunk's largest temporary (the [C, H, keys] product and its peers)
+HOST_READABLE = ("cpu",)  # device types whose bounds the chunks read for exact key ranges (no sync)
 LOW_WORD = 2**32 - 1
 NEG_INF_WORD = -2139095041  # the ordered high word of -inf: keys at or below it are never selected
 MIN_KEY = -(2**63)
@@ -51,15 +52,16 @@ def score_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def chunks(key_lo: torch.Tensor, key_hi: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int,
-           row_bytes: int, static_hi=None) -> Iterator[Chunk]:
+           row_bytes: int, key_range=None) -> Iterator[Chunk]:
     """Chunks of query tokens whose temporaries fit the budget: ``row_bytes`` per query token (its
-    temporaries over a whole sample's keys). Key ranges: on CPU the exact union of the rows' bounds
-    (read on the host, which costs no device sync there); elsewhere ``static_hi(s1)`` (host-known
-    bounds: a causal chunk ends its keys at its last row's) or the whole sample."""
+    temporaries over a whole sample's keys). Key ranges: on a device whose tensors the host reads
+    without a sync (``HOST_READABLE``: CPU) the exact union of the rows' bounds; elsewhere
+    ``key_range(s0, s1)`` (host-known bounds: a causal chunk's keys end at its last row's, a packed
+    stream's start max_seqlen - 1 before its first row) or the whole sample."""
     if batch * seqlen_q == 0:
         return
     size = max(1, chunk_bytes() // max(1, row_bytes))
-    exact = key_lo.device.type == "cpu"
+    exact = key_lo.device.type in HOST_READABLE
     if exact:
         lo = key_lo.view(batch, seqlen_q)
         hi = key_hi.view(batch, seqlen_q)
@@ -70,7 +72,9 @@ def chunks(key_lo: torch.Tensor, key_hi: torch.Tensor, batch: int, seqlen_q: int
                 k0 = min(max(int(lo[b, s0:s1].min()), 0), seqlen_k)
                 k1 = max(min(int(hi[b, s0:s1].max()), seqlen_k), k0)
             else:
-                k0, k1 = 0, seqlen_k if static_hi is None else min(static_hi(s1), seqlen_k)
+                k0, k1 = (0, seqlen_k) if key_range is None else key_range(s0, s1)
+                k0 = min(max(k0, 0), seqlen_k)
+                k1 = max(min(k1, seqlen_k), k0)
             yield Chunk(b, s0, s1, k0, k1)
 
 
@@ -145,9 +149,9 @@ def select(scores: torch.Tensor, valid: torch.Tensor, k0: int, width: int) -> tu
 
 
 def topk_torch(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, key_lo: torch.Tensor, key_hi: torch.Tensor,
-               topk: int, fmt: str, *, relu: bool = True, return_scores: bool = False, static_hi=None):
-    """The torch backend of ``indexer_topk_fwd`` (same arguments and results; ``static_hi``: host-known
-    key ends per chunk, see ``chunks``). Scores in float32, float64 for float64 inputs (then the
+               topk: int, fmt: str, *, relu: bool = True, return_scores: bool = False, key_range=None):
+    """The torch backend of ``indexer_topk_fwd`` (same arguments and results; ``key_range``: host-known
+    key ranges per chunk, see ``chunks``). Scores in float32, float64 for float64 inputs (then the
     returned scores are float64)."""
     heads = q.shape[-2]
     if fmt == "thd":
@@ -162,7 +166,7 @@ def topk_torch(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, key_lo: 
     scores = torch.full((batch * seqlen_q, width), float("-inf"), dtype=dtype, device=q.device)
     # per key: x, its activated and weighted copies [H], the score, its key, mask and position
     row_bytes = (3 * heads + 2) * torch.finfo(dtype).bits // 8 * seqlen_k + 24 * seqlen_k
-    for ch in chunks(key_lo, key_hi, batch, seqlen_q, seqlen_k, row_bytes, static_hi):
+    for ch in chunks(key_lo, key_hi, batch, seqlen_q, seqlen_k, row_bytes, key_range):
         rows = slice(ch.b * seqlen_q + ch.s0, ch.b * seqlen_q + ch.s1)
         qc = side_rows(q, fmt, ch.b, ch.s0, ch.s1)  # [C, H, D]
         wc = side_rows(weights, fmt, ch.b, ch.s0, ch.s1)  # [C, H]
