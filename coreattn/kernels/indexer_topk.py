@@ -26,11 +26,11 @@ weights [H] stay in registers. Keys come in super-steps of BLOCK_K (the top-k ro
 of two), each as BLOCK_K / BLOCK_N key steps of a [H, D] x [D, BLOCK_N] dot, the activation and the
 weighted head sum; the packed keys of a super-step are placed into a [BLOCK_K] register tensor
 (``staged``). The running set ``best`` (BLOCK_K keys, sorted descending) then merges it: ``staged``
-is sorted (bitonic, descending), reversed and met elementwise (``max(best[i], staged[BLOCK_K-1-i])``
-holds the BLOCK_K largest of both as a bitonic sequence), and one bitonic merge sorts that. A
+is sorted ascending (bitonic) and met elementwise (``max(best[i], staged[i])`` holds the BLOCK_K
+largest of both as a bitonic sequence), and one bitonic merge sorts that descending. A
 super-step none of whose keys beats the current top-k-th is not merged. Exact (integer keys,
-no float comparison ties), deterministic (no atomics, no data-dependent order), and its memory is
-the [T, topk] output alone. Cost per query and BLOCK_K keys: BLOCK_K x H x D multiply-adds on the
+no float comparison ties), deterministic (no atomics: the result is a function of the keys alone),
+and its memory is the [T, topk] output alone. Cost per query and BLOCK_K keys: BLOCK_K x H x D multiply-adds on the
 tensor cores, BLOCK_K x BLOCK_K / BLOCK_N selects to stage the keys, and when merged a sort and a
 merge of BLOCK_K (about log2(BLOCK_K)^2 / 2 + log2(BLOCK_K) compare-exchange rounds of BLOCK_K
 int64); registers: two BLOCK_K int64 sets plus the sort's temporaries. (A radix select on the
@@ -39,7 +39,8 @@ score bits instead would keep no set in registers but recompute the scores once 
 
 Kernel-loop rules (kernels/attn_common.py): key rows are clamped into ``[lo, max(hi, lo + 1) - 1]``
 and then into the sample before an address is formed, values masked; row and batch offsets in
-int64; lengths, token counts and the top-k are runtime ints that never specialize.
+int64; lengths, token counts and the output width are runtime ints that never specialize (only the
+top-k's power-of-two block BLOCK_K, a model constant, is a constexpr).
 """
 
 from __future__ import annotations
