@@ -8,8 +8,8 @@ for the same scores: score descending, the lower position first among equal scor
 
 Memory: one chunk of C query tokens at a time, scores over the chunk's key range only (a [C, H, keys]
 float32 product, C from a byte budget), never [T, T]. The key range of a chunk is the union of its
-rows' bounds where that is free to know (CPU tensors, or host-known causal bounds), else the whole
-sample: no host sync on a GPU.
+rows' bounds where reading them is free (CPU), else a range known on the host (causal bounds,
+``max_seqlen``) or the whole sample: no host sync on a GPU.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from typing import Iterator, NamedTuple
 
 import torch
 
+from coreattn.layers.checks import reads_values
+
 ENV_CHUNK_BYTES = "COREATTN_INDEXER_CHUNK_BYTES"
 DEFAULT_CHUNK_BYTES = 64 * 2**20  # per chunk's largest temporary (the [C, H, keys] product and its peers)
-HOST_READABLE = ("cpu",)  # device types whose bounds the chunks read for exact key ranges (no sync)
 LOW_WORD = 2**32 - 1
 NEG_INF_WORD = -2139095041  # the ordered high word of -inf: keys at or below it are never selected
 MIN_KEY = -(2**63)
@@ -54,14 +55,15 @@ def score_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def chunks(key_lo: torch.Tensor, key_hi: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int,
            row_bytes: int, key_range=None) -> Iterator[Chunk]:
     """Chunks of query tokens whose temporaries fit the budget: ``row_bytes`` per query token (its
-    temporaries over a whole sample's keys). Key ranges: on a device whose tensors the host reads
-    without a sync (``HOST_READABLE``: CPU) the exact union of the rows' bounds; elsewhere
+    temporaries over a whole sample's keys). Key ranges: where coreattn reads values on the host
+    (``coreattn.layers.checks.reads_values``: CPU by default, no device sync) the exact union of the
+    rows' bounds; elsewhere
     ``key_range(s0, s1)`` (host-known bounds: a causal chunk's keys end at its last row's, a packed
     stream's start max_seqlen - 1 before its first row) or the whole sample."""
     if batch * seqlen_q == 0:
         return
     size = max(1, chunk_bytes() // max(1, row_bytes))
-    exact = key_lo.device.type in HOST_READABLE
+    exact = reads_values(key_lo)
     if exact:
         lo = key_lo.view(batch, seqlen_q)
         hi = key_hi.view(batch, seqlen_q)
