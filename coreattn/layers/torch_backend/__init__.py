@@ -3,8 +3,9 @@
 Owns: ``attention.py`` (the backend pair ``attn_torch_fwd`` / ``attn_torch_bwd`` and the choice
 between the two paths), ``fused.py`` (PyTorch's fused CPU flash kernel per sequence), ``blocked.py``
 (an online softmax over key blocks in torch ops, for what the fused kernel cannot express),
-``spans.py`` (reading the sequence lengths and spans), ``dense_mask.py`` (the O(S^2) path for
-arbitrary dense masks, Megatron's ``arbitrary`` mask type).
+``spans.py`` (reading the sequence lengths and spans), ``indexer_topk.py`` / ``indexer_loss.py`` /
+``hadamard.py`` (the DSA indexer's top-k, its loss chunk by chunk, the Hadamard rotation),
+``dense_mask.py`` (the O(S^2) path for arbitrary dense masks, Megatron's ``arbitrary`` mask type).
 
 May import: torch, ``coreattn.kernels`` (packing, dropout's keep mask, the sink gradient) and
 ``coreattn.layers.checks``; nothing from the other backends, context parallelism or adapters.
