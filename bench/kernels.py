@@ -52,15 +52,51 @@ def problems(quick: bool = False) -> list:
     return cases + sparse_problems()
 
 
+# The DSA indexer's kernels (issue 38): the fused scores + top-k as (indexer heads, head dim, top-k, dtype,
+# ReLU) — DeepSeek-V3.2's 64 x 128 with top-k 2048 and ReLU first, a GLM-5-like 32 x 128 without —
+# and the Hadamard rotation as (dim, dtype). Lengths do not change the compiled kernels.
+INDEXER_TOPK = ((64, 128, 2048, "bf16", True), (32, 128, 2048, "bf16", False), (64, 128, 512, "fp16", True),
+                (16, 64, 64, "fp32", True))
+HADAMARD = ((128, "bf16"), (256, "bf16"), (64, "fp16"), (128, "fp32"))
+
+
+def indexer_rows(arch: str, quick: bool = False) -> list[dict]:
+    """Compile-report rows of the indexer kernels on ``arch`` (quick: the first problem of each)."""
+    import torch
+
+    from coreattn.kernels.hadamard import hadamard_fwd
+    from coreattn.kernels.indexer_topk import indexer_topk_fwd
+    from coreattn.tune.compiler import DTYPES, describe, emulate
+
+    tokens, rows = 4096, []
+    with emulate(arch) as launches:
+        for heads, dim, topk, dtype, relu in INDEXER_TOPK[:1] if quick else INDEXER_TOPK:
+            q = torch.empty(tokens, heads, dim, dtype=DTYPES[dtype])  # [T, H, D]
+            k = torch.empty(tokens, dim, dtype=DTYPES[dtype])  # [T, D]
+            bounds = torch.zeros(tokens, dtype=torch.int32)
+            start = len(launches)
+            indexer_topk_fwd(q, k, torch.empty(tokens, heads, dtype=DTYPES[dtype]), bounds, bounds, topk, "thd",
+                             relu=relu)
+            rows += [dict(describe(launch, arch), kernel="indexer_topk", block_m=1,
+                          problem=f"indexer-h{heads}xd{dim}-topk{topk}-{dtype}" + ("-relu" if relu else ""))
+                     for launch in launches[start:]]
+        for dim, dtype in HADAMARD[:1] if quick else HADAMARD:
+            start = len(launches)
+            hadamard_fwd(torch.empty(tokens, dim, dtype=DTYPES[dtype]), dim ** -0.5)
+            rows += [dict(describe(launch, arch), kernel="hadamard", block_m=launch["constants"]["BLOCK_R"],
+                          block_n=None, problem=f"hadamard-d{dim}-{dtype}") for launch in launches[start:]]
+    return rows
+
+
 def run_kernels(archs, quick: bool = False, bar=None) -> list[dict]:
-    """One row per compiled kernel launch (kind "kernels")."""
+    """One row per compiled kernel launch (kind "kernels"): the attention problems', then the indexer's."""
     from coreattn.kernels import runs_in_interpreter
 
     if runs_in_interpreter():
         raise SystemExit("--what kernels compiles the kernels: unset TRITON_INTERPRET")
     rows = []
     for arch in archs:
-        arch_rows = compile_report([arch], problems(quick))
+        arch_rows = compile_report([arch], problems(quick)) + indexer_rows(arch, quick)
         rows += [dict(r, kind="kernels", status="ok", provider="triton") for r in arch_rows]
         if bar is not None:
             bar.update(len(problems(quick)))

@@ -196,7 +196,25 @@ def sparse_padded(device, group):
     _backward(out, q, k)
 
 
+def dsa_indexer(device, group):
+    """The DSA indexer ops: the kernel's top-k, top-k + dense and sparse loss (the loss in torch ops,
+    on host-known key ranges where values are not read) and their backward, the rotation."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, w = (torch.randn(s, generator=gen).to(device).requires_grad_() for s in ((19, 2, D), (19, D), (19, 2)))
+    query, key = torch.randn(19, HQ, D, generator=gen).to(device), torch.randn(19, HKV, D, generator=gen).to(device)
+    kw = dict(layout="thd", cu_seqlens=_cu(device), max_seqlen=7)
+    coreattn.indexer_topk(q, k, w, 4, backend="triton", **kw)
+    for sparse in (False, True):
+        _, loss = coreattn.indexer_topk_and_loss(q, k, w, query, key, 4, 0.25, 0.1, sparse=sparse, backend="triton",
+                                                 **kw)
+        _backward(loss, q, k, w)
+    _backward(coreattn.rotate_activation(q, backend="triton"), q)
+
+
 PATHS = {fn.__name__: fn for fn in (varlen_plain, varlen_seqused_dropout, varlen_sink_maxlogit_window,
                                     padded_keep_masks, padded_spans, position_ids, transformers_attention,
                                     cp_attention, megatron_core_attention, mask_utilities, sparse_varlen,
                                     sparse_padded)}
+
+
+                                    cp_attention, megatron_core_attention, mask_utilities, dsa_indexer)}

@@ -12,6 +12,7 @@ which config a launch takes; a family's tables are found by its name:
   fp32, dropout, the interpreter's, Ascend's sizing by on-chip bytes) and the launchers' entry
   points ``fwd_config``, ``bwd_configs``, ``preprocess_config``, ``split_dkdv``; each table's
   docstring and comments say what the compile report found for it;
+- ``indexer.py``: the DSA indexer kernels' tables (the fused top-k, the Hadamard rotation);
 - ``sparse.py``: the sparse (top-k) attention kernels' tables (kernels/sparse_fwd.py,
   sparse_bwd.py: forward, dQ, dK/dV partials, the CSR reduce and the delta preprocess; CUDA,
   CDNA, fp32, the interpreter's, Ascend's sizing by on-chip bytes) and their entry point

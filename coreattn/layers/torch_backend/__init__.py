@@ -6,7 +6,8 @@ between the two paths), ``fused.py`` (PyTorch's fused CPU flash kernel per seque
 ``spans.py`` (reading the sequence lengths and spans), ``dense_mask.py`` (the O(S^2) path for
 arbitrary dense masks, Megatron's ``arbitrary`` mask type), ``sparse.py`` (top-k sparse attention's
 pair ``sparse_attn_torch_fwd`` / ``sparse_attn_torch_bwd`` on the kernels' prepared indices,
-chunked over query tokens).
+chunked over query tokens), ``indexer_topk.py`` / ``indexer_loss.py`` / ``hadamard.py`` (the DSA
+indexer's top-k, its loss chunk by chunk, the Hadamard rotation).
 
 May import: torch, ``coreattn.kernels`` (packing, dropout's keep mask, the sink gradient) and
 ``coreattn.layers.checks``; nothing from the other backends, context parallelism or adapters.
