@@ -214,7 +214,4 @@ def dsa_indexer(device, group):
 PATHS = {fn.__name__: fn for fn in (varlen_plain, varlen_seqused_dropout, varlen_sink_maxlogit_window,
                                     padded_keep_masks, padded_spans, position_ids, transformers_attention,
                                     cp_attention, megatron_core_attention, mask_utilities, sparse_varlen,
-                                    sparse_padded)}
-
-
-                                    cp_attention, megatron_core_attention, mask_utilities, dsa_indexer)}
+                                    sparse_padded, dsa_indexer)}
