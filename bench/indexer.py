@@ -79,7 +79,7 @@ def inputs(tokens: int):
 
 def build(op: str, provider: str, tokens: int):
     """The call to time, and the leaves whose grads it sets."""
-    import coreattn.layers.indexer as ix
+    import coreattn.layers.dsa.indexer as ix
 
     q, k, w, query, key = inputs(tokens)
     leaves = [t.requires_grad_() for t in (q, k, w)] if op != "topk" else []
@@ -108,7 +108,7 @@ def build(op: str, provider: str, tokens: int):
 
 
 def run_worker(spec: dict) -> dict:
-    import coreattn.layers.indexer  # noqa: F401 (both providers' processes hold the same modules)
+    import coreattn.layers.dsa.indexer  # noqa: F401 (both providers' processes hold the same modules)
 
     torch.set_num_threads(spec["threads"])
     megatron_dsa()

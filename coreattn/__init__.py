@@ -9,10 +9,10 @@ the local device. Each package's docstring says what it owns and may import.
 from coreattn import masks
 from coreattn.layers.backends import Backend
 from coreattn.layers.context_parallel import cp_attn
-from coreattn.layers.indexer import (hadamard_transform, indexer_loss, indexer_topk, indexer_topk_and_loss,
+from coreattn.layers.dsa.indexer import (hadamard_transform, indexer_loss, indexer_topk, indexer_topk_and_loss,
                                      rotate_activation)
 from coreattn.layers.padded_attn import padded_attn
-from coreattn.layers.sparse_attn import sparse_padded_attn, sparse_varlen_attn
+from coreattn.layers.dsa.sparse_attn import sparse_padded_attn, sparse_varlen_attn
 from coreattn.layers.varlen_attn import flash_attn_varlen_func, varlen_attn
 
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""The DSA indexer ops (coreattn.layers.indexer): top-k, loss and Hadamard rotation against the float64
+"""The DSA indexer ops (coreattn.layers.dsa.indexer): top-k, loss and Hadamard rotation against the float64
 oracle of tests/indexer_oracle.py, on the torch backend and the Triton kernels (under the interpreter
 on CPU). Megatron's own functions are compared in tests/megatron/test_dsa_indexer.py.
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import indexer_oracle as oracle
-from coreattn.layers import indexer as ix
+from coreattn.layers.dsa import indexer as ix
 from coreattn.layers.torch_backend import indexer_topk as topk_backend
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.interpreter_only(

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from coreattn.layers import indexer as ix
+from coreattn.layers.dsa import indexer as ix
 
 WORLD, TOKENS, HEADS, TOPK = 2, 29, 8, 5
 CU = [0, 11, 11, 29]

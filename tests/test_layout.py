@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "coreattn"
 LAYERS = PACKAGE / "layers"
 KERNELS = PACKAGE / "kernels"
 MAX_LINES = 450
-MAX_ROOT_MODULES = 11  # the api, ops and checks of dense and sparse attention, backends, dispatch, the Megatron modules (dense, DSA)
+MAX_ROOT_MODULES = 8  # dense attention's api, ops and checks, backends, dispatch, the Megatron module; DSA is layers/dsa/
 
 # package -> coreattn modules it may import (prefixes); the most specific package wins
 ALLOWED = {
@@ -24,6 +24,9 @@ ALLOWED = {
     "coreattn.layers.context_parallel": ("coreattn.kernels", "coreattn.layers.context_parallel", "coreattn.layers.masks",
                                          "coreattn.layers.checks", "coreattn.layers.backends", "coreattn.layers.dispatch",
                                          "coreattn.layers.function"),
+    "coreattn.layers.dsa": ("coreattn.kernels", "coreattn.layers.dsa", "coreattn.layers.backends",
+                            "coreattn.layers.checks", "coreattn.layers.core_attention",
+                            "coreattn.layers.torch_backend"),
     "coreattn.adapters": ("coreattn.kernels", "coreattn.layers", "coreattn.adapters"),
 }
 

@@ -55,12 +55,12 @@ def _is_dsattention(entry) -> bool:
         return False
     if module.__name__ == "DSAttention" and module.__module__ == _DSA_MODULE:
         return True
-    return module.__name__ == "CoreDSAttention" and module.__module__ == "coreattn.layers.dsa_attention"
+    return module.__name__ == "CoreDSAttention" and module.__module__ == "coreattn.layers.dsa.core_dsa_attention"
 
 
 def _dsa_entry(entry, backend: Backend | None):
     """CoreDSAttention in place of a DSAttention spec entry, with its submodules and params."""
-    from coreattn.layers.dsa_attention import CoreDSAttention  # needs megatron-core's DSA: imported on demand
+    from coreattn.layers.dsa.core_dsa_attention import CoreDSAttention  # needs megatron-core's DSA: imported on demand
 
     if isinstance(entry, ModuleSpec):
         swapped = copy.copy(entry)
@@ -118,7 +118,7 @@ def use_coreattn(spec, backend: str | Backend | None = None):
     and MTP block specs: a ``core_attention`` field holding Megatron's dense attention
     (``DotProductAttention``, ``TEDotProductAttention``, as a class, ModuleSpec or partial) gets
     :class:`CoreAttention`; one holding Megatron's DeepSeek Sparse Attention (``DSAttention``,
-    megatron-core 0.16 to 0.19) gets :class:`coreattn.layers.dsa_attention.CoreDSAttention` with the
+    megatron-core 0.16 to 0.19) gets :class:`coreattn.layers.dsa.core_dsa_attention.CoreDSAttention` with the
     same submodules (the indexer) and params. Other core attentions are kept, with a warning. The
     input spec is not modified. ``backend`` pins the backend for these layers (else per device, see
     ``coreattn.layers.backends``).

@@ -170,7 +170,7 @@ def indexer_topk_fwd(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ke
     row), key positions in the sample (thd: rows of the packed stream). Returns indices int64
     [N, K] with K = min(topk, Sk) (score descending, then position ascending; -1 in unused slots)
     and, with ``return_scores``, their float32 scores [N, K] (-inf in unused slots), else None.
-    Inputs are assumed checked by the caller (coreattn/layers/indexer).
+    Inputs are assumed checked by the caller (coreattn/layers/dsa/indexer).
     """
     heads, dim = q.shape[-2:]
     if fmt == "thd":

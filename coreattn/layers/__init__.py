@@ -1,24 +1,24 @@
 """The attention ops and everything built on them: the public functions, the backends, context parallelism, the masks.
 
-The root holds the public functions (``varlen_attn.py``: ``varlen_attn``, ``flash_attn_varlen_func``;
-``padded_attn.py``; ``sparse_attn.py``: top-k sparse attention), their argument checks
-(``checks.py``), the attention custom ops with their autograd (``function.py``; sparse:
-``sparse_function.py``), which backend runs a call (``backends.py``: the registry per device;
-``dispatch.py``: the call into it) and the Megatron-Core modules (``core_attention.py``: dense;
-``dsa_attention.py``: Megatron's DeepSeek Sparse Attention with its sparse attention on coreattn).
-Subpackages, one per concern: ``torch_backend/`` (attention in torch ops, CPU and any device),
+The root holds the public functions of dense attention (``varlen_attn.py``: ``varlen_attn``,
+``flash_attn_varlen_func``; ``padded_attn.py``), the argument checks (``checks.py``, sparse
+attention's included), the attention custom ops with their autograd (``function.py``), which backend
+runs a call (``backends.py``: the registry per device; ``dispatch.py``: the call into it) and
+Megatron-Core's dense core attention (``core_attention.py``). Subpackages, one per concern:
+``dsa/`` (DeepSeek Sparse Attention: top-k sparse attention, the lightning indexer, Megatron's
+DSAttention on coreattn), ``torch_backend/`` (attention in torch ops, CPU and any device),
 ``npu_fused/`` (Ascend's fused op), ``context_parallel/`` (``cp_attn`` and its exchanges),
 ``masks/`` (the utilities behind ``coreattn.masks``). Each subpackage's docstring says what it
 may import.
 
 May import: torch, ``coreattn.kernels`` and megatron-core (``core_attention.py`` and
-``dsa_attention.py`` only, on first use of ``CoreAttention`` / ``CoreDSAttention``); nothing from
-``coreattn.adapters`` or ``coreattn.selfcheck``.
+``dsa/core_dsa_attention.py`` only, on first use of ``CoreAttention`` / ``CoreDSAttention``); nothing
+from ``coreattn.adapters`` or ``coreattn.selfcheck``.
 """
 
 from coreattn.layers.context_parallel import cp_attn
 from coreattn.layers.padded_attn import padded_attn
-from coreattn.layers.sparse_attn import sparse_padded_attn, sparse_varlen_attn
+from coreattn.layers.dsa import sparse_padded_attn, sparse_varlen_attn
 from coreattn.layers.varlen_attn import flash_attn_varlen_func, varlen_attn
 
 __all__ = ["varlen_attn", "flash_attn_varlen_func", "padded_attn", "cp_attn", "sparse_varlen_attn", "sparse_padded_attn",
@@ -32,7 +32,7 @@ def __getattr__(name):
 
         return CoreAttention
     if name == "CoreDSAttention":
-        from coreattn.layers.dsa_attention import CoreDSAttention
+        from coreattn.layers.dsa.core_dsa_attention import CoreDSAttention
 
         return CoreDSAttention
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(dsa is None or not hasattr(dsa, "FusedDSAIndexer
                                        "(FusedDSAIndexerLoss came with the experimental DSA of 0.17+)")
 
 import indexer_oracle as oracle  # noqa: E402
-from coreattn.layers import indexer as ix  # noqa: E402
+from coreattn.layers.dsa import indexer as ix  # noqa: E402
 from megatron_env import CPU_BACKENDS  # noqa: E402
 
 PG = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: 1))  # one tensor-parallel rank

@@ -1,4 +1,4 @@
-"""CoreDSAttention (coreattn/layers/dsa_attention.py): Megatron-Core's DeepSeek Sparse Attention with
+"""CoreDSAttention (coreattn/layers/dsa/core_dsa_attention.py): Megatron-Core's DeepSeek Sparse Attention with
 its sparse attention on coreattn, swapped in by ``use_coreattn``. On CPU, one-rank gloo group.
 
 1. The seam alone. coreattn's replacement of Megatron's sparse-attention step, run in float64 on
@@ -37,10 +37,10 @@ import torch
 pytest.importorskip("megatron.core")
 dsa = pytest.importorskip("megatron.core.transformer.experimental_attention_variant.dsa")
 
-import coreattn.layers.dsa_attention as dsa_attention  # noqa: E402
+import coreattn.layers.dsa.core_dsa_attention as dsa_attention  # noqa: E402
 from attn_cases import assert_flash_criterion  # noqa: E402
 from coreattn.adapters.megatron import use_coreattn  # noqa: E402
-from coreattn.layers.dsa_attention import MEGATRON_VERSION, SEAM, CoreDSAttention, routed  # noqa: E402
+from coreattn.layers.dsa.core_dsa_attention import MEGATRON_VERSION, SEAM, CoreDSAttention, routed  # noqa: E402
 from dsa_env import VOCAB, build, dsa_block_spec, dsa_config, install_shims, packed_params  # noqa: E402
 from dsa_oracle import run_sparse_attention_ref, unfused_dsa_fn_ref  # noqa: E402
 from megatron_env import megatron_cpu, megatron_cpu_shims  # noqa: E402,F401

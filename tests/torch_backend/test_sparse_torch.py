@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import coreattn
-from coreattn.layers.sparse_function import key_bounds
+from coreattn.layers.dsa.sparse_function import key_bounds
 from coreattn.layers.torch_backend import sparse
 from coreattn.kernels.sparse_index import prepare_topk
 from sparse_cases import SparseCase, SparseInputs, incoming_grad

@@ -11,7 +11,7 @@ May import: torch, ``coreattn.kernels``, ``coreattn.layers.backends``, ``coreatt
 ``coreattn.layers.torch_backend``.
 """
 
-from coreattn.layers.indexer.ops import (IndexerTopk, hadamard_transform, indexer_loss, indexer_topk,
+from coreattn.layers.dsa.indexer.ops import (IndexerTopk, hadamard_transform, indexer_loss, indexer_topk,
                                          indexer_topk_and_loss, rotate_activation)
 
 __all__ = ["IndexerTopk", "indexer_topk", "indexer_loss", "indexer_topk_and_loss", "hadamard_transform",

@@ -8,7 +8,7 @@ thd [T, ...], bshd [B, S, ...], sbhd [S, B, ...] (a transposed view of a [B, S, 
 ``.transpose(0, 1)`` is Megatron's contiguous [b, s, ...]).
 
 Keys each query sees: positions ``key_lo <= j < key_hi`` of its sample (thd: rows of the stream),
-given as ``key_bounds=(lo, hi)`` (Megatron's varlen_starts/ends) or derived (coreattn/layers/indexer/
+given as ``key_bounds=(lo, hi)`` (Megatron's varlen_starts/ends) or derived (coreattn/layers/dsa/indexer/
 checks.py ``key_bounds``: causal by default, from cu_seqlens or the padded length).
 """
 
@@ -19,8 +19,8 @@ from typing import NamedTuple
 import torch
 
 from coreattn.layers.backends import Backend
-from coreattn.layers.indexer import checks
-from coreattn.layers.indexer.function import HadamardFunction, IndexerLossFunction, indexer_backend
+from coreattn.layers.dsa.indexer import checks
+from coreattn.layers.dsa.indexer.function import HadamardFunction, IndexerLossFunction, indexer_backend
 from coreattn.layers.torch_backend.indexer_topk import topk_torch
 
 

@@ -10,7 +10,7 @@ from coreattn.kernels.packing import FORMATS, seq_len_dim
 from coreattn.layers.backends import Backend, parse_backend
 from coreattn.layers.checks import (ALIGNMENTS, check_cu_seqlens, check_flag, check_key_bounds, check_max_seqlen,
                                     check_spans, check_sparse_qkv, check_token_values, check_topk_indices)
-from coreattn.layers.sparse_function import SparseLayout, sparse_attention
+from coreattn.layers.dsa.sparse_function import SparseLayout, sparse_attention
 
 _SEMANTICS = """
     Each query token attends only to the keys its row of ``topk_indices`` names:

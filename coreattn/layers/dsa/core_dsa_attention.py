@@ -8,7 +8,7 @@ sequence and context parallelism (gathering the keys, undoing the zig-zag order,
 key bounds) and the V up-projection stay Megatron's. One step changes: attending each query to
 its top-k keys. Megatron's own path for it (``dsa_kernel_backend="none"``, the only one off CUDA)
 builds dense ``[b, heads, sq, sk]`` scores and an S×S index mask; here it is
-:func:`coreattn.layers.sparse_attn.sparse_padded_attn`: memory O(tokens × top-k), a deterministic
+:func:`coreattn.layers.dsa.sparse_attn.sparse_padded_attn`: memory O(tokens × top-k), a deterministic
 backward, on the backend picked per device as :class:`~coreattn.layers.core_attention.CoreAttention`
 picks it (``backend=``, ``config.coreattn_backend``, ``COREATTN_BACKEND``).
 
@@ -53,7 +53,7 @@ from megatron.core.transformer.experimental_attention_variant import dsa as _dsa
 
 from coreattn.layers.backends import Backend, parse_backend
 from coreattn.layers.core_attention import CONFIG_BACKEND_ATTR
-from coreattn.layers.sparse_attn import sparse_padded_attn
+from coreattn.layers.dsa.sparse_attn import sparse_padded_attn
 
 MEGATRON_VERSION = getattr(megatron.core, "__version__", "unknown")
 
