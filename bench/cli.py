@@ -2,8 +2,8 @@
 
 ``python -m bench --what cpu`` runs the CPU attention section alone (bench/cpu_attention.py):
 performance data for the torch backend, written to bench/results/<cpu>_<date>/ by default.
-``python -m bench --what kernels [--arch sm90 gfx942 ...]`` is the compile report (bench/kernels.py):
-static compiler output per CUDA or AMD CDNA architecture, no GPU needed, written to
+``python -m bench --what kernels [--arch sm90 gfx942 ...] [--int64-lanes]`` is the compile report
+(bench/kernels.py): static compiler output per CUDA or AMD CDNA architecture, no GPU needed, written to
 bench/results/compile-report_<date>/ (compile-report-cdna_<date>/ when every arch is a CDNA one)."""
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "choice, one per core); 1 gives steadier ratios on a loaded machine")
     p.add_argument("--arch", nargs="+", choices=list(kernels_report.ALL_ARCHS), default=list(kernels_report.ALL_ARCHS),
                    help="CUDA and AMD CDNA architectures of the compile report (--what kernels)")
+    p.add_argument("--int64-lanes", action="store_true",
+                   help="compile report: every attention kernel in its INT64_LANES variant (64-bit lane offsets, "
+                        "what launches with strides past the int32 bound take), to compare with the default report")
     p.add_argument("--configs", nargs="+", metavar="SUBSTR",
                    help="keep configs whose id contains every SUBSTR (e.g. hdim192x128 causal 16k; b64)")
     p.add_argument("--modes", nargs="+", choices=MODES, help="attention modes (default: all; fwd fwdbwd with --quick)")
@@ -180,7 +183,7 @@ def main(argv=None) -> int:
         if run_cpu:
             rows += cpu_attention.run_cpu(cpu_cases, args.cpu_providers, args.quick, bar, cpu_modes, args.cpu_threads)
         if run_kernels:
-            rows += kernels_report.run_kernels(args.arch, args.quick, bar)
+            rows += kernels_report.run_kernels(args.arch, args.quick, bar, int64_lanes=args.int64_lanes)
     add_speedups(rows, PRIMARY)
     print(format_table(rows, meta, PRIMARY))
     args_record = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

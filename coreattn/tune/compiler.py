@@ -9,8 +9,10 @@ launchers (``varlen_attn_fwd``/``varlen_attn_bwd``) on CPU tensors laid out as a
 so each kernel is compiled with the constexprs, warps, stages and argument specialization a GPU
 launch would use, and ``describe`` reads each compiled kernel: registers and spill bytes (ptxas
 -v), shared memory (Triton's metadata), MMA kind and count (PTX), duplicated MMA work (TTGIR), an
-occupancy estimate from the arch's limits (``ARCHS``) and pipelined-load hazards (TTGIR: divisions
-by a value that may be zero on an asynchronous load's address, coreattn/tune/hazards.py). A
+occupancy estimate from the arch's limits (``ARCHS``), pipelined-load hazards (TTGIR: divisions
+by a value that may be zero on an asynchronous load's address, coreattn/tune/hazards.py) and i32
+stride products on pointer offsets (TTGIR: coreattn/tune/offsets.py; ``int64_lanes`` records which
+variant of the kernels' lane offsets compiled, kernels/attn_common.py). A
 ``Problem`` is head dims, dtype, mask, GQA group and features (``FEATURES``: dropout, softmax
 offset, max logit, a sliding window, a padded batch with keep masks; several may be combined);
 ``launch_mask_kernels`` compiles the mask utilities' kernels. For a CDNA arch (``CDNA_ARCHS``) the
@@ -358,13 +360,13 @@ def cdna_occupancy(regs: int, num_warps: int, lds: int, limits: CdnaLimits) -> d
     return dict(workgroups_per_cu=by[limit], waves_per_simd=by[limit] * per_simd, occupancy_limit=limit)
 
 
-def pipeline_hazards(ttgir: str) -> dict:
+def pipeline_hazards(ttgir) -> dict:
     """The asynchronous (pipelined) loads of a kernel and the divisions by a maybe-zero value on
     their addresses (coreattn/tune/hazards.py): ``async_loads``, ``pipeline_hazards`` (how many
-    division sites) and ``hazards`` (one line each)."""
+    division sites) and ``hazards`` (one line each). ``ttgir``: the text or its parsed Graph."""
     from coreattn.tune import hazards
 
-    graph = hazards.Graph(ttgir)
+    graph = ttgir if isinstance(ttgir, hazards.Graph) else hazards.Graph(ttgir)
     found = hazards.scan(graph)
     return dict(async_loads=hazards.load_counts(graph)["async_loads"], pipeline_hazards=len(found),
                 hazards=[h.describe() for h in found])
@@ -375,14 +377,18 @@ def describe(launch: dict, arch: str) -> dict:
     compiled it (its figures differ by release: kernels/versions.py)."""
     import triton
 
+    from coreattn.tune import hazards, offsets
+
     kernel = launch["kernel"]
     md = kernel.metadata
     ttgir = kernel.asm["ttgir"]
+    graph = hazards.Graph(ttgir)
     constants = launch["constants"]
     row = dict(arch=arch, triton=triton.__version__, kernel=KERNEL_NAMES.get(launch["fn"], launch["fn"]),
                block_m=constants.get("BLOCK_M"), block_n=constants.get("BLOCK_N"),
-               dk=constants.get("DK", True), dv=constants.get("DV", True),
-               num_warps=md.num_warps, num_stages=md.num_stages, smem=md.shared, **pipeline_hazards(ttgir))
+               dk=constants.get("DK", True), dv=constants.get("DV", True), int64_lanes=constants.get("INT64_LANES"),
+               num_warps=md.num_warps, num_stages=md.num_stages, smem=md.shared, **pipeline_hazards(graph),
+               **offsets.counts(graph))
     if arch in CDNA_ARCHS:
         limits = CDNA_ARCHS[arch]
         asm = kernel.asm["amdgcn"]
@@ -467,11 +473,18 @@ def launch_mask_kernels() -> None:
               torch.int64)
 
 
-def compile_report(archs, problems) -> list[dict]:
-    """Every kernel of every problem on every arch, one row each."""
+def compile_report(archs, problems, int64_lanes: bool | None = None) -> list[dict]:
+    """Every kernel of every problem on every arch, one row each. ``int64_lanes``: force that variant
+    of the attention kernels' lane offsets (kernels/attn_common.py); None: what the launchers pick
+    (the problems' strides are ordinary: the int32 one)."""
+    from coreattn.kernels.attn_common import forced_int64_lanes
+
     rows = []
     for arch in archs:
-        with emulate(arch) as launches:
+        with contextlib.ExitStack() as stack:
+            if int64_lanes is not None:
+                stack.enter_context(forced_int64_lanes(int64_lanes))
+            launches = stack.enter_context(emulate(arch))
             for problem in problems:
                 rows += compile_problem(problem, launches, arch)
     return rows
