@@ -335,7 +335,11 @@ def launch_grid(device: torch.device, target: str, n_tiles: int, heads: int,
                          "kernels; split the batch")
     if target != "ascend":
         return (tasks,), False
-    return (persistent_grid(device, tasks, vector_only),), True
+    programs = persistent_grid(device, tasks, vector_only)
+    if tasks - 1 + programs > MAX_TASKS:  # the task loop's int32 counter steps past the last task by the grid
+        raise ValueError(f"{n_tiles} tiles x {heads} heads = {tasks} tasks over {programs} programs overflow the "
+                         "int32 task counter of the persistent kernels; split the batch")
+    return (programs,), True
 
 
 def lane_flags(rows: int, cols: int, sides) -> dict:

@@ -88,9 +88,11 @@ KERNEL_NAMES = {"_varlen_attn_fwd_kernel": "fwd", "_attn_bwd_preprocess_kernel":
                 "_tile_map_kernel": "tile_map", "_copy_rows_kernel": "copy_rows", "_token_ids_kernel": "token_ids"}
 ATTENTION_KERNELS = ("fwd", "dkdv", "dq")  # the kernels with tl.dot (the others: preprocess and the tile map)
 # sink: softmax_offset, with the dQ kernel's SINK_GRAD; window: a 256-token left window (with causal's right
-# edge when causal, else left only); keep: a padded bshd batch with spans and [B, S] keep masks. A problem's
-# feature is one of these or several joined by "+" ("dropout+sink"): one kernel with all of their code.
-FEATURES = ("", "dropout", "sink", "max_logit", "window", "keep")
+# edge when causal, else left only); keep: a padded bshd batch with spans and [B, S] keep masks; keep_strided:
+# the same with keep masks that are views of [S, B] storage (position stride B, not specialized to 1, so the
+# masks' lane offsets are multiplies). A problem's feature is one of these or several joined by "+"
+# ("dropout+sink"): one kernel with all of their code.
+FEATURES = ("", "dropout", "sink", "max_logit", "window", "keep", "keep_strided")
 WINDOW_LEFT = 256
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -434,9 +436,11 @@ def launch_problem(problem: Problem, kernels=None) -> None:
     features = problem.features
     heads_kv = HEADS_Q // problem.group
     lens = torch.tensor(SEQLENS, dtype=torch.int32)
-    if "keep" in features:  # padded bshd [B, S, H, D] with spans and keep masks, used in place
+    if features & {"keep", "keep_strided"}:  # padded bshd [B, S, H, D] with spans and keep masks, used in place
         rows, longest = (len(SEQLENS), max(SEQLENS)), max(SEQLENS)
         keep = torch.ones(*rows, dtype=torch.uint8)  # [B, S]
+        if "keep_strided" in features:
+            keep = torch.ones(*rows[::-1], dtype=torch.uint8).t()  # [B, S] over [S, B] storage
         pack = Packing("bshd", torch.zeros(len(SEQLENS), dtype=torch.int32), lens, keep)
     else:  # packed thd [T, H, D]
         rows, longest = (sum(SEQLENS),), max(SEQLENS)

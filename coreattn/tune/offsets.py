@@ -8,7 +8,9 @@ tiles) the kernel reads or writes the wrong address, silently or with an illegal
 The kernels' ``INT64_LANES`` variant (kernels/attn_common.py ``_lane_offsets``) forms those
 products in int64, and the launchers pick it when a stride needs it (``int64_lanes``).
 
-What: ``scan(ttgir)`` walks back from the offset operand of every ``tt.addptr`` through the ops
+What: ``scan(ttgir)`` walks back from the offset operand of every ``tt.addptr`` (and of AMD's buffer
+ops, ``amdg.buffer_load %base[%offsets]`` and the like, ``amdgpu.`` before Triton 3.9, into which
+Triton's HIP backend turns loads and stores whose offsets are i32) through the ops
 that pass an offset's value along (``arith.addi``/``subi``, ``arith.select``'s values, splats,
 broadcasts, expand_dims, layout changes, reshapes, transposes, sign/zero extensions, loop-carried
 values, branch results and warp-specialized partitions' captures) and reports each i32
@@ -47,6 +49,7 @@ _CARRIED = ("scf.for.iter_arg", "scf.for.result", "partition_arg", "block_arg", 
 _TERMS = _MOVES + ("arith.addi", "arith.subi", "arith.select")  # an offset's value passes through these
 _FACTORS = _MOVES + ("arith.addi", "arith.subi", "arith.muli", "arith.select")  # a runtime factor is built with these
 _I32 = re.compile(r"^(?:tensor<(?:\d+x)*)?i32\b")
+_BUFFER_OFFSETS = re.compile(r"%[\w$.\-]+\[(%[\w$.\-]+(?:#\d+)?)\]")  # amdg.buffer_*: %base[%offsets]
 
 
 class Site(NamedTuple):
@@ -123,14 +126,23 @@ def _label(graph: Graph, nid: int) -> str:
     return re.sub(r"_\d+$", "", name.lstrip("%"))
 
 
+def address_offsets(node) -> list[int]:
+    """The offset operand of an address op: ``tt.addptr``'s second, an AMD buffer op's ``[%offsets]``."""
+    if node.op == "tt.addptr":
+        return node.operands[1:2]
+    if ".buffer_" in node.op and node.op.startswith(("amdg.", "amdgpu.")):
+        m = _BUFFER_OFFSETS.search(_strip_locs(node.text))
+        if m and m.group(1) in node.refs:
+            return [node.operands[node.refs.index(m.group(1))]]
+    return []
+
+
 def scan(ttgir: str | Graph) -> list[Site]:
     """Every i32 stride product on a pointer offset, one per source location, in TTGIR order."""
     graph = ttgir if isinstance(ttgir, Graph) else Graph(ttgir)
     products: set[int] = set()
     for node in graph.nodes:
-        if node.op != "tt.addptr" or len(node.operands) < 2:
-            continue
-        stack, seen = [node.operands[1]], set()
+        stack, seen = address_offsets(node), set()
         while stack:
             nid = stack.pop()
             if nid in seen:

@@ -156,3 +156,15 @@ def test_the_variant_follows_strides_not_lengths(lanes):
     keep = torch.empty(2, BIG, dtype=torch.bool).t()  # [B, S] over [S, B] storage: position stride B = BIG
     assert attn_fwd.lane_flags(16, D, ((pack._replace(keep=keep), ()),))["INT64_LANES"]
     assert not attn_fwd.lane_flags(16, D, ((pack._replace(keep=keep[:8].contiguous()), ()),))["INT64_LANES"]
+
+
+def test_persistent_task_counters_stay_in_int32():
+    """Ascend's persistent kernels step an int32 task counter by the grid past the last task: the
+    launch grid refuses a task count that would carry it past 2**31 - 1 (the interpreter's stand-in
+    core counts: 4 programs for the attention kernels)."""
+    cpu = torch.device("cpu")
+    fits = INT32_MAX - 3  # the counter's last value: fits - 1 + 4 = INT32_MAX
+    assert attn_fwd.launch_grid(cpu, "ascend", fits, 1) == ((4,), True)
+    with pytest.raises(ValueError, match="int32 task counter"):
+        attn_fwd.launch_grid(cpu, "ascend", fits + 1, 1)
+    assert attn_fwd.launch_grid(cpu, "sm90", fits + 1, 1) == ((fits + 1,), False)  # one program per task
