@@ -13,6 +13,8 @@ both kernels: kernels/tile_map.py), the NaN answer to malformed cu_seqlens and `
 (Ascend) follow the forward. The softmax offset needs no change to dQ/dK/dV: the saved
 lse includes its sink term, so P = exp(S - lse) is already the forward's probability; for the
 offset's own gradient the dQ kernel can also sum P * dP per row in fp32 (``SINK_GRAD``).
+Each kernel's lane offsets take the ``INT64_LANES`` variant when its tensors' strides need it
+(``lane_flags``, per kernel from its own tile: kernels/attn_common.py).
 """
 
 from __future__ import annotations

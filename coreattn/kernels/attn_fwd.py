@@ -13,6 +13,9 @@ program's work does not grow with the number of sequences. One query tile per pr
 kernel free of an outer loop around the pipelined key loop (which made Hopper spill). Lengths and
 token counts are runtime ints that never specialize: a new packed batch never recompiles.
 ``PERSISTENT`` (Ascend) runs the same programs as tasks of a core-count 1D grid (kernels/config.py).
+A tile's rows are an int64 base plus per-lane ``lane * stride``, in int32 unless ``INT64_LANES``,
+which ``lane_flags`` sets when a stride times the tile's rows can pass 2**31 (strides only, never
+lengths: kernels/attn_common.py ``_lane_offsets``).
 """
 
 from __future__ import annotations
