@@ -244,7 +244,8 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
             k_row0 = k_start + n0
             k, k2 = _load_rows(k_base, stride_kt, n0, col_ok, seqlen_k - 1, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2,
                                BLOCK_N, INT64_LANES)
-            v, _ = _load_rows(v_base, stride_vt, n0, col_ok, seqlen_k - 1, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N, INT64_LANES)
+            v, _ = _load_rows(v_base, stride_vt, n0, col_ok, seqlen_k - 1, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N,
+                              INT64_LANES)
             k_keep = col_ok
             if HAS_K_KEEP:
                 k_keep = _load_keep(k_keep_base, stride_kks, n0, tl.arange(0, BLOCK_N), seqlen_k, INT64_LANES)  # [N]
@@ -641,6 +642,11 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     blocks = (block_dqk + block_dqk2, block_dv, q.element_size())
     cols = max(block_dqk + block_dqk2, block_dv)  # the widest row a kernel reads or writes
     cfg_dkdv, cfg_dq = bwd_configs(q.device, *blocks, dropout=dropout_p > 0, cls=cls)
+    lanes_dkdv = lane_flags(max(cfg_dkdv.block_m, cfg_dkdv.block_n), cols,
+                            ((q_pack, (q, dout)), (k_pack, (k, v, dk, dv))))
+    lanes_dq = lane_flags(max(cfg_dq.block_m, cfg_dq.block_n), cols, ((q_pack, (q, dout, dq)), (k_pack, (k, v))))
+    if lanes_dq["INT64_LANES"]:  # that variant's own tile where it has one (no more rows: still INT64_LANES)
+        cfg_dq = bwd_configs(q.device, *blocks, dropout=dropout_p > 0, cls=cls, int64_lanes=True)[1]
     cfg_pre = preprocess_config(q.device, *blocks, dropout=dropout_p > 0, cls=cls)
 
     delta = new_rowstat(q, q_pack, fill=0.0)  # [H, T] or [B, H, S]
@@ -690,8 +696,6 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                                                                         (dout, block_dv))))
         q_desc, q2_desc = row_descriptors(q, cfg_dkdv.block_m, block_dqk, block_dqk2) if loop["TMA"] else (None, None)
         do_desc = row_descriptor(dout, cfg_dkdv.block_m, block_dv) if loop["TMA"] else None
-        lanes = lane_flags(max(cfg_dkdv.block_m, cfg_dkdv.block_n), cols,
-                           ((q_pack, (q, dout)), (k_pack, (k, v, dk, dv))))
         for do_dk, do_dv in passes:
             _attn_bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, dkdv_map, heads=heads_kv,
                                         n_tiles=n_tiles_k, q_desc=q_desc, q2_desc=q2_desc, do_desc=do_desc,
@@ -700,7 +704,7 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                         **dict(zip(("stride_dvb", "stride_dvt", "stride_dvh"),
                                                    seq_strides(dv, k_pack.fmt))),
                                         BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, DK=do_dk, DV=do_dv,
-                                        PERSISTENT=persistent, **lanes, **loop, **cfg_dkdv.launch(), **common)
+                                        PERSISTENT=persistent, **lanes_dkdv, **loop, **cfg_dkdv.launch(), **common)
     if run_dq:
         grid, persistent = launch_grid(q.device, target, n_tiles_q, heads_q)
         loop = loop_flags(cfg_dq, target, cfg_dq.tma and usable((q_pack, k_pack), ((k, block_dqk + block_dqk2),
@@ -712,7 +716,5 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                   heads=heads_q, n_tiles=n_tiles_q, SINK_GRAD=sink_rowsum is not None,
                                   **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, q_pack.fmt))),
                                   BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, PERSISTENT=persistent,
-                                  **lane_flags(max(cfg_dq.block_m, cfg_dq.block_n), cols,
-                                               ((q_pack, (q, dout, dq)), (k_pack, (k, v)))),
-                                  **loop, **cfg_dq.launch(), **common)
+                                  **lanes_dq, **loop, **cfg_dq.launch(), **common)
     return dq, dk, dv

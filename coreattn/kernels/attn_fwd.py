@@ -259,7 +259,8 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
             lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
             o_base = o_head + seq64 * stride_ob + q_start.to(tl.int64) * stride_ot
             o_rows = tl.minimum(offs_m, seqlen_q - 1 - m0)  # [M] rows from m0, inside the sequence
-            o_ptrs = (o_base + tl.cast(m0, tl.int64) * stride_ot + _lane_offsets(o_rows[:, None], stride_ot, INT64_LANES)
+            o_ptrs = (o_base + tl.cast(m0, tl.int64) * stride_ot + _lane_offsets(o_rows[:, None], stride_ot,
+                                                                                 INT64_LANES)
                       + _cols(offs_dv, HEAD_DIM_V, BLOCK_DV)[None, :])
             tl.store(o_ptrs, out.to(o_base.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
             lse_base = lse_head + seq64 * stride_lb + q_start.to(tl.int64)

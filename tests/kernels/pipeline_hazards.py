@@ -13,7 +13,8 @@ with the dK/dV loop's shape, its divisor unclamped and clamped with ``tl.maximum
 for sm90 with 3 stages: what the scanner must and must not find in this Triton's output; and one
 that loads and stores rows through the kernels' lane-offset helpers in both variants (INT64_LANES
 off and on): what the offset scan must and must not find. ``int64-lanes`` (anywhere among the
-arguments): every attention launch takes the INT64_LANES variant (kernels/attn_common.py).
+arguments): every attention launch takes the INT64_LANES variant (kernels/attn_common.py), and the
+CUDA rows carry registers and spill bytes.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from coreattn.kernels.attn_common import _load_keep, _load_rows, _store_rows, fo
 from coreattn.tune import compiler, hazards, offsets  # noqa: E402
 
 FLAGS = ("DK", "DV", "TMA", "WARP_SPEC", "HAS_LEFT", "HAS_RIGHT", "PACKED", "SPANS", "HAS_Q_KEEP", "HAS_K_KEEP",
-         "DROPOUT", "HAS_SINK", "RETURN_MAX", "SINK_GRAD", "GATHER", "WRITE_POS", "WRITE_SEQ", "INT64_LANES")
+         "DROPOUT", "HAS_SINK", "RETURN_MAX", "SINK_GRAD", "GATHER", "WRITE_POS", "WRITE_SEQ", "INT64_LANES",
+         "BLOCK_M", "BLOCK_N")
 
 
 def parse_case(case: str) -> tuple[compiler.Problem, str]:
@@ -65,7 +67,7 @@ def variant_configs(arch: str, problem: compiler.Problem, variant: str) -> dict:
     return forced
 
 
-def rows_for(arch: str, cases: list[str], errors: list[dict]) -> list[dict]:
+def rows_for(arch: str, cases: list[str], errors: list[dict], spills: bool = False) -> list[dict]:
     """One row per distinct compiled kernel of ``cases`` on ``arch``; a launch that fails to compile
     appends (arch, case, kernel, error) to ``errors`` (a loop variant is compiled kernel by kernel,
     so one that this Triton cannot compile leaves the others)."""
@@ -101,6 +103,8 @@ def rows_for(arch: str, cases: list[str], errors: list[dict]) -> list[dict]:
                    flags={k: v for k, v in launch["constants"].items() if k in FLAGS},
                    hazards=[h.describe() for h in hazards.scan(graph)], unresolved=graph.unresolved[:5],
                    i32_offsets=[s.describe() for s in offsets.scan(graph)], **hazards.load_counts(graph))
+        if spills and arch in compiler.ARCHS:  # registers and spill bytes (ptxas -v; reruns ptxas when cached)
+            row.update(compiler.ptxas_stats(launch["ptxas_log"], kernel, compiler.ARCHS[arch].capability))
         seen[kernel.hash] = row
         rows.append(row)
     return rows
@@ -188,7 +192,7 @@ def main(specs: list[str]) -> None:
                 rows += canary_rows()
                 continue
             arch, _, cases = spec.partition(":")
-            rows += rows_for(arch, [c for c in cases.split(",") if c], errors)
+            rows += rows_for(arch, [c for c in cases.split(",") if c], errors, spills="int64-lanes" in specs)
     json.dump(dict(triton=triton.__version__, rows=rows, errors=errors), sys.stdout)
 
 

@@ -168,3 +168,15 @@ def test_persistent_task_counters_stay_in_int32():
     with pytest.raises(ValueError, match="int32 task counter"):
         attn_fwd.launch_grid(cpu, "ascend", fits + 1, 1)
     assert attn_fwd.launch_grid(cpu, "sm90", fits + 1, 1) == ((fits + 1,), False)  # one program per task
+
+
+def test_the_int64_variant_takes_its_own_tile_where_it_has_one():
+    """sm90's dropout dQ at 64 spilled 4 B on the table's 128 x 64 in the INT64_LANES variant: that
+    variant takes 128 x 32 there (config.py ``_DQ_DROPOUT_INT64``); nothing else changes."""
+    from coreattn.kernels.config import shipped_config
+
+    assert shipped_config("sm90", "dq", 64, 64, 2, True, int64_lanes=True)[:4] == (128, 32, 8, 2)
+    assert shipped_config("sm90", "dq", 64, 64, 2, True)[:4] == (128, 64, 8, 2)
+    for args in (("sm90", "dq", 128, 128, 2, True), ("sm90", "dq", 64, 64, 2, False), ("sm90", "fwd", 64, 64, 2, True),
+                 ("sm100", "dq", 64, 64, 2, True), ("sm90", "dq", 64, 64, 4, True)):
+        assert shipped_config(*args, int64_lanes=True) == shipped_config(*args)

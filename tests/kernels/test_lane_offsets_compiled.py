@@ -11,6 +11,8 @@ pipelined-load hazard):
 - sm90 (wgmma): head dim 128 (MHA causal: the one-pass dK/dV); 192/128 with GQA 4 (dK and dV in two
   passes), a causal sliding window, dropout, a softmax offset (the dQ kernel's SINK_GRAD), max logit
   and a padded batch whose keep masks are strided views (position stride B: their lanes multiply);
+  64 with dropout, whose dQ takes the variant's own tile (config.py ``_DQ_DROPOUT_INT64``). These
+  sm90 kernels must not spill either, under the Triton releases CI tests;
 - sm100 (tcgen05), sm80 (mma.sync) and gfx942 (CDNA3: Triton's HIP backend turns loads into buffer
   ops with i32 offsets, which the scan reads too): one case each with the keep masks and features;
 - per arch the tile scan and map kernels and the mask utilities' kernels, which have no lane
@@ -29,11 +31,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import triton
+
+from coreattn.kernels.versions import TESTED_TRITON
 
 SCRIPT = Path(__file__).with_name("pipeline_hazards.py")
 FEATURES = "gqa+window+dropout+sink+max_logit+keep_strided"
 CASES = {
-    "sm90": ("128", f"192/128+{FEATURES}"),
+    "sm90": ("128", f"192/128+{FEATURES}", "64+dropout"),
     "sm100": (f"128+{FEATURES}",),
     "sm80": (f"96/80+full+window+keep_strided",),
     "gfx942": (f"128+{FEATURES}",),
@@ -92,3 +97,17 @@ def test_no_i32_stride_product_on_a_pointer_offset(compiled, arch):
         + "\n".join(found)
     assert not [h for r in mine for h in r["hazards"]]
     assert not [(_label(r), r["unresolved"]) for r in mine if r["unresolved"]]
+
+
+@pytest.mark.compiler_output
+@pytest.mark.parametrize("arch", ["sm90"])
+def test_the_int64_variant_does_not_spill(compiled, arch):
+    """sm90's INT64_LANES kernels stay within the register file (docs/compile-report.md has every
+    class's registers in both variants, under each Triton CI tests)."""
+    assert triton.__version__ in TESTED_TRITON
+    mine = [r for r in compiled["rows"] if r["arch"] == arch]
+    spilling = [f"{_label(r)}: {r['regs']} registers, {r['spill_stores']}/{r['spill_loads']} B" for r in mine
+                if r["spill_stores"] or r["spill_loads"]]
+    assert mine and not spilling, spilling
+    dq64 = [r for r in mine if r["kernel"] == "dq" and r["cases"][0] == "64+dropout"]
+    assert [(r["flags"]["BLOCK_M"], r["flags"]["BLOCK_N"]) for r in dq64] == [(128, 32)]  # _DQ_DROPOUT_INT64
