@@ -5,8 +5,8 @@ performance data for the torch backend, written to bench/results/<cpu>_<date>/ b
 ``python -m bench --what sparse`` runs the sparse (top-k, DeepSeek Sparse Attention) section alone
 (bench/sparse.py): time and peak memory over T at fixed top-k, coreattn against Megatron-Core's own
 DSA path and dense attention (Megatron's rows need megatron-core >= 0.19 in the interpreter).
-``python -m bench --what kernels [--arch sm90 gfx942 ...]`` is the compile report (bench/kernels.py):
-static compiler output per CUDA or AMD CDNA architecture, no GPU needed, written to
+``python -m bench --what kernels [--arch sm90 gfx942 ...] [--int64-lanes]`` is the compile report
+(bench/kernels.py): static compiler output per CUDA or AMD CDNA architecture, no GPU needed, written to
 bench/results/compile-report_<date>/ (compile-report-cdna_<date>/ when every arch is a CDNA one)."""
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "torch's choice, one per core); 1 gives steadier ratios on a loaded machine")
     p.add_argument("--arch", nargs="+", choices=list(kernels_report.ALL_ARCHS), default=list(kernels_report.ALL_ARCHS),
                    help="CUDA and AMD CDNA architectures of the compile report (--what kernels)")
+    p.add_argument("--int64-lanes", action="store_true",
+                   help="compile report: every attention kernel in its INT64_LANES variant (64-bit lane offsets, "
+                        "what launches with strides past the int32 bound take), to compare with the default report")
     p.add_argument("--configs", nargs="+", metavar="SUBSTR",
                    help="keep configs whose id contains every SUBSTR (e.g. hdim192x128 causal 16k; b64)")
     p.add_argument("--modes", nargs="+", choices=MODES, help="attention modes (default: all; fwd fwdbwd with --quick)")
@@ -203,7 +206,7 @@ def main(argv=None) -> int:
             rows += sparse_bench.run_sparse(sparse_cases, args.sparse_providers, args.quick, sparse_device, bar,
                                             sparse_modes, args.cpu_threads)
         if run_kernels:
-            rows += kernels_report.run_kernels(args.arch, args.quick, bar)
+            rows += kernels_report.run_kernels(args.arch, args.quick, bar, int64_lanes=args.int64_lanes)
     add_speedups(rows, PRIMARY)
     print(format_table(rows, meta, PRIMARY))
     args_record = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

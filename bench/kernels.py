@@ -5,8 +5,12 @@ them by default), the kernels of every problem below are compiled through the re
 that arch's configs, without a GPU (coreattn/tune/compiler.py), and tabulated: tile, warps/stages,
 registers, spill bytes, shared memory (LDS on CDNA) against the arch's per-block limit, MMA kind x
 instruction count (PTX; AMDGCN for CDNA), duplicated MMA work, an occupancy estimate (CTAs per
-SM; waves per SIMD on CDNA) and pipelined-load hazards (divisions by a value that may be zero on
-the address of an asynchronous load: coreattn/tune/hazards.py; listed under the tables). Every row
+SM; waves per SIMD on CDNA), pipelined-load hazards (divisions by a value that may be zero on
+the address of an asynchronous load: coreattn/tune/hazards.py; listed under the tables) and i32
+stride offsets (i32 multiplies of a runtime stride on a pointer offset, which wrap past 2**31:
+coreattn/tune/offsets.py). ``--int64-lanes`` compiles every attention kernel in its
+``INT64_LANES`` variant (what a launch whose strides need 64-bit lane offsets takes:
+kernels/attn_common.py), so the two reports side by side give that variant's cost. Every row
 and each arch's table name the Triton release that compiled it: the figures differ by release (it
 runs under any installed Triton; CI tests 3.6.0 to 3.9.0, coreattn/kernels/versions.py). Static
 compiler output: it shows whether a config fits an arch, not how fast it runs.
@@ -40,7 +44,7 @@ def sparse_problems(quick: bool = False) -> list[SparseProblem]:
 
 def problems(quick: bool = False) -> list:
     """bf16 MHA and fp16 GQA-4 at every main head dim, causal and not; one fp32 row; dropout,
-    softmax offset (with the sink-gradient dQ) and max logit (causal bf16) at every main head dim;
+    softmax offset (with the sink-gradient dQ), max logit and a padded batch with keep masks (causal bf16) at every main head dim;
     then the sparse kernels' problems (``sparse_problems``). quick: the bf16 causal problems only
     and the quick sparse ones."""
     if quick:
@@ -48,7 +52,8 @@ def problems(quick: bool = False) -> list:
     cases = [Problem(qk, v, "bf16", causal) for qk, v in MAIN_DIMS for causal in (False, True)]
     cases += [Problem(qk, v, "fp16", causal, group=4) for qk, v in MAIN_DIMS for causal in (False, True)]
     cases.append(Problem(128, 128, "fp32", False))
-    cases += [Problem(qk, v, "bf16", True, feature=f) for qk, v in FEATURE_DIMS for f in ("dropout", "sink", "max_logit")]
+    cases += [Problem(qk, v, "bf16", True, feature=f) for qk, v in FEATURE_DIMS
+              for f in ("dropout", "sink", "max_logit", "keep")]
     return cases + sparse_problems()
 
 
@@ -88,15 +93,17 @@ def indexer_rows(arch: str, quick: bool = False) -> list[dict]:
     return rows
 
 
-def run_kernels(archs, quick: bool = False, bar=None) -> list[dict]:
-    """One row per compiled kernel launch (kind "kernels"): the attention problems', then the indexer's."""
+def run_kernels(archs, quick: bool = False, bar=None, int64_lanes: bool = False) -> list[dict]:
+    """One row per compiled kernel launch (kind "kernels"): the attention problems', then the indexer's;
+    ``int64_lanes``: every dense attention kernel in its INT64_LANES variant (else the launchers' choice
+    for these ordinary strides: int32 lanes)."""
     from coreattn.kernels import runs_in_interpreter
 
     if runs_in_interpreter():
         raise SystemExit("--what kernels compiles the kernels: unset TRITON_INTERPRET")
     rows = []
     for arch in archs:
-        arch_rows = compile_report([arch], problems(quick)) + indexer_rows(arch, quick)
+        arch_rows = compile_report([arch], problems(quick), True if int64_lanes else None) + indexer_rows(arch, quick)
         rows += [dict(r, kind="kernels", status="ok", provider="triton") for r in arch_rows]
         if bar is not None:
             bar.update(len(problems(quick)))
@@ -147,9 +154,9 @@ def _cdna_table(rows: list[dict], arch: str) -> str:
                       str(r["matrix_instr_nonkdim"] or "-"),
                       f"{r['vgprs']}/{r['agprs']}/{r['sgprs']}", f"{r['vgpr_spills']}/{r['sgpr_spills']}",
                       f"{r['spill_stores']}/{r['spill_loads']}", lds, mma,
-                      f"{r['waves_per_simd']} ({r['occupancy_limit']})", _hazards(r)])
+                      f"{r['waves_per_simd']} ({r['occupancy_limit']})", _hazards(r), _offsets(r)])
     header = ["kernel", "problem", "tile", "warps/stages", "nonkdim", "VGPR/AGPR/SGPR", "spilled v/s",
-              "spill st/ld B", "LDS", "MFMA (AMDGCN)", "waves/SIMD (limit)", "hazards"]
+              "spill st/ld B", "LDS", "MFMA (AMDGCN)", "waves/SIMD (limit)", "hazards", "i32 offs"]
     title = (f"{arch} (compiled for AMD {arch}, wave64, by Triton {_triton(rows, arch)}; "
              f"LDS per workgroup {limits.lds_per_workgroup // 1024} KB, "
              f"per CU {limits.lds_per_cu // 1024} KB; {limits.vgprs_per_simd} VGPRs per SIMD lane):")
@@ -162,6 +169,14 @@ def _hazards(row: dict) -> str:
     if "pipeline_hazards" not in row:
         return "-"
     return f"{row['pipeline_hazards']}/{row['async_loads']}" + (" HAZARD" if row["pipeline_hazards"] else "")
+
+
+def _offsets(row: dict) -> str:
+    """The kernel's i32 stride products on pointer offsets, with ``(i64)`` when it is the INT64_LANES
+    variant ("0 (i64)"); "-" for rows recorded before the column existed."""
+    if "i32_offsets" not in row:
+        return "-"
+    return f"{row['i32_offsets']}" + (" (i64)" if row.get("int64_lanes") else "")
 
 
 def _hazard_list(rows: list[dict]) -> str:
@@ -204,9 +219,9 @@ def format_tables(rows: list[dict]) -> str:
             tile = _tile(r)
             occ = f"{r.get('ctas_per_sm', '-')} ({r.get('occupancy_limit', '-')})"
             lines.append([_kernel(r), r["problem"], tile, f"{r['num_warps']}/{r['num_stages']}", str(r["regs"]),
-                          f"{r['spill_stores']}/{r['spill_loads']}", smem, _mma(r), occ, _hazards(r)])
+                          f"{r['spill_stores']}/{r['spill_loads']}", smem, _mma(r), occ, _hazards(r), _offsets(r)])
         header = ["kernel", "problem", "tile", "warps/stages", "regs", "spill st/ld B", "smem", "MMA (PTX)",
-                  "CTAs/SM (limit)", "hazards"]
+                  "CTAs/SM (limit)", "hazards", "i32 offs"]
         title = (f"{arch} (compiled for capability {limits.capability / 10:.1f} by Triton {_triton(rows, arch)}; "
                  f"smem per block {limits.smem_per_block // 1024} KB, per SM {limits.smem_per_sm // 1024} KB):")
         parts.append(title + "\n" + _table(header, lines))
@@ -218,7 +233,10 @@ def format_tables(rows: list[dict]) -> str:
                      "top-k slots), CTAs/SM from registers, shared memory (+1 KB per "
                      "block), warps and the block cap, hazards = divisions by a value that may be zero on the "
                      "addresses of the kernel's asynchronous (pipelined: cp.async) loads / those loads, from the "
-                     "TTGIR (TMA loads are bounds-checked by the hardware and not counted). Not speed.")
+                     "TTGIR (TMA loads are bounds-checked by the hardware and not counted), i32 offs = source "
+                     "lines whose i32 multiply of a runtime stride feeds a pointer offset (TTGIR; they wrap once "
+                     "a product reaches 2**31: the launchers take the INT64_LANES variant, marked (i64), when a "
+                     "stride needs it). Not speed.")
     if any(arch in CDNA_ARCHS for arch in archs):
         parts.append(CDNA_LEGEND)
     hazard_list = _hazard_list(rows)
@@ -235,4 +253,4 @@ CDNA_LEGEND = ("STATIC COMPILER OUTPUT for AMD CDNA targets (no AMD GPU ran; Tri
                "DUP = an MFMA layout wider than its tile, FMA dots = dots without an MFMA layout, waves/SIMD "
                "from registers (the 512-entry unified file), LDS and the 8-wave cap, a workgroup's waves spread "
                "over 4 SIMDs, hazards = divisions by a value that may be zero on the addresses of asynchronous "
-               "(direct-to-LDS) loads / those loads (none at num_stages 1). Not speed.")
+               "(direct-to-LDS) loads / those loads (none at num_stages 1), i32 offs as on CUDA. Not speed.")

@@ -443,3 +443,18 @@ def test_cpu_timing_warms_up_before_timing():
 
     timing = time_cpu(fn, quick=True)
     assert timing.ms < 25 and len(calls) >= WARMUP_CALLS + 3 and "warm-up calls" in timing.method
+
+
+def test_compile_report_tables_show_i32_stride_offsets():
+    from bench.kernels import format_tables
+
+    row = dict(arch="sm90", triton="3.9.0", kernel="fwd", problem="hdim128x128-bf16-causal", block_m=128, block_n=64,
+               dk=True, dv=True, num_warps=8, num_stages=3, regs=250, spill_stores=0, spill_loads=0, smem=131072,
+               smem_fits=True, mma={"wgmma": 24}, mma_dup=1, hash="a", ctas_per_sm=1, occupancy_limit="regs",
+               pipeline_hazards=0, async_loads=18, i32_offsets=8, int64_lanes=False)
+    text = format_tables([row, dict(row, hash="b", regs=249, i32_offsets=0, int64_lanes=True),
+                          {k: v for k, v in dict(row, hash="c").items() if k not in ("i32_offsets", "int64_lanes")}])
+    lines = [line.rstrip() for line in text.splitlines()]
+    assert lines[1].split()[-3:] == ["hazards", "i32", "offs"]
+    assert lines[3].endswith(" 8") and lines[4].endswith(" 0 (i64)") and lines[5].endswith(" -")
+    assert "i32 offs = " in text

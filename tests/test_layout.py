@@ -96,3 +96,15 @@ def test_kernels_modules_import_without_a_circle():
         graphlib.TopologicalSorter(graph).prepare()
     except graphlib.CycleError as exc:
         pytest.fail(f"import circle: {' -> '.join(exc.args[1])}")
+
+
+def test_test_files_have_unique_basenames():
+    """tests/ has no __init__.py, so pytest imports each test file by its basename (rootdir import mode):
+    two files with one name in different folders stop the whole run at collection ("import file mismatch")."""
+    tests = Path(__file__).resolve().parent
+    seen: dict[str, Path] = {}
+    for path in sorted(tests.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        assert path.name not in seen, f"{path.relative_to(tests)} and {seen[path.name].relative_to(tests)} share a basename"
+        seen[path.name] = path

@@ -13,6 +13,8 @@ both kernels: kernels/tile_map.py), the NaN answer to malformed cu_seqlens and `
 (Ascend) follow the forward. The softmax offset needs no change to dQ/dK/dV: the saved
 lse includes its sink term, so P = exp(S - lse) is already the forward's probability; for the
 offset's own gradient the dQ kernel can also sum P * dP per row in fp32 (``SINK_GRAD``).
+Each kernel's lane offsets take the ``INT64_LANES`` variant when its tensors' strides need it
+(``lane_flags``, per kernel from its own tile: kernels/attn_common.py).
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import triton
 import triton.language as tl
 
 from coreattn.kernels.attn_common import (LENGTH_STRIDES, _cols, _dropout_keep, _first_gid, _first_row, _key_range,
-                                          _load_keep, _load_rows, _poison, _query_range, _store_rows, _tile_visible,
+                                          _lane_offsets, _load_keep, _load_rows, _poison, _query_range, _store_rows,
+                                          _tile_visible,
                                           _visible)
-from coreattn.kernels.attn_fwd import (LOG2E, RUNTIME_INTS, dot_precision, dropout_args, kernel_window, launch_grid,
-                                       mask_flags)
+from coreattn.kernels.attn_fwd import (LOG2E, RUNTIME_INTS, dot_precision, dropout_args, kernel_window, lane_flags,
+                                       launch_grid, mask_flags)
 from coreattn.kernels.configs.base import head_blocks
 from coreattn.kernels.configs.dense import bwd_configs, preprocess_config, split_dkdv
 from coreattn.kernels.configs.pick import tuned_fallback
@@ -42,7 +45,8 @@ from coreattn.kernels.tuned_cache import launch_class
 @triton.jit
 def _preprocess_program(pid_m, b, head, out_ptr, do_ptr, delta_ptr, seqlen_total,
                         stride_ob, stride_ot, stride_oh, stride_db, stride_dt, stride_dh, stride_lb, stride_lh,
-                        HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr):
+                        HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                        INT64_LANES: tl.constexpr):
     """Row block pid_m of sample b (0 when packed), head ``head``; rows outside any sequence get
     harmless values."""
     b = b.to(tl.int64)
@@ -55,9 +59,9 @@ def _preprocess_program(pid_m, b, head, out_ptr, do_ptr, delta_ptr, seqlen_total
     cols = _cols(offs_d, HEAD_DIM_V, BLOCK_DV)
     mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM_V)
     o = tl.load(out_ptr + b * stride_ob + head * stride_oh + r0 * stride_ot
-                + offs_r[:, None] * stride_ot + cols[None, :], mask=mask, other=0.0)
+                + _lane_offsets(offs_r[:, None], stride_ot, INT64_LANES) + cols[None, :], mask=mask, other=0.0)
     do = tl.load(do_ptr + b * stride_db + head * stride_dh + r0 * stride_dt
-                 + offs_r[:, None] * stride_dt + cols[None, :], mask=mask, other=0.0)
+                 + _lane_offsets(offs_r[:, None], stride_dt, INT64_LANES) + cols[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(delta_ptr + b * stride_lb + head * stride_lh + r0 + offs_r, delta, mask=row_ok)
 
@@ -67,7 +71,7 @@ def _attn_bwd_preprocess_kernel(out_ptr, do_ptr, delta_ptr, seqlen_total, grid_m
                                 stride_ob, stride_ot, stride_oh, stride_db, stride_dt, stride_dh,
                                 stride_lb, stride_lh,
                                 HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                                PERSISTENT: tl.constexpr):
+                                PERSISTENT: tl.constexpr, INT64_LANES: tl.constexpr):
     # tasks: (grid_m row blocks, batch (1 when packed), heads), row blocks fastest; PERSISTENT:
     # those tasks over a core-count 1D grid
     if PERSISTENT:
@@ -75,12 +79,12 @@ def _attn_bwd_preprocess_kernel(out_ptr, do_ptr, delta_ptr, seqlen_total, grid_m
             t = tl.minimum(task, grid_m * batch * heads - 1)  # addresses inside for any task (see attn_common)
             _preprocess_program(t % grid_m, t // (grid_m * heads), (t // grid_m) % heads, out_ptr, do_ptr,
                                 delta_ptr, seqlen_total, stride_ob, stride_ot, stride_oh, stride_db, stride_dt,
-                                stride_dh, stride_lb, stride_lh, HEAD_DIM_V, BLOCK_DV, BLOCK_M)
+                                stride_dh, stride_lb, stride_lh, HEAD_DIM_V, BLOCK_DV, BLOCK_M, INT64_LANES)
     else:
         task = tl.program_id(0)
         _preprocess_program(task % grid_m, task // (grid_m * heads), (task // grid_m) % heads, out_ptr, do_ptr,
                             delta_ptr, seqlen_total, stride_ob, stride_ot, stride_oh, stride_db, stride_dt, stride_dh,
-                            stride_lb, stride_lh, HEAD_DIM_V, BLOCK_DV, BLOCK_M)
+                            stride_lb, stride_lh, HEAD_DIM_V, BLOCK_DV, BLOCK_M, INT64_LANES)
 
 
 @triton.jit
@@ -102,7 +106,7 @@ def _dkdv_q_step(dk, dk2, dv, head, m0, offs_m, k, k2, v, k_keep, q_seq, do_seq,
                  HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
                  HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, INT64_LANES: tl.constexpr):
     """Query block [m0, m0 + BLOCK_M) of q head ``head``. TMA: q and dO through descriptors (row
     ``q_row0 + m0``); in the MASKED blocks, which hold the partial last block (see _dkdv_tile),
     their rows past the sequence (another sequence's) are zeroed: a P of 0 times a non-finite q or
@@ -123,9 +127,9 @@ def _dkdv_q_step(dk, dk2, dv, head, m0, offs_m, k, k2, v, k_keep, q_seq, do_seq,
             do = tl.where(row_ok[:, None], do, 0.0)
     else:
         q, q2 = _load_rows(q_seq + h64 * stride_qh, stride_qt, m0, row_ok, seqlen_q - 1, HEAD_DIM_QK, BLOCK_DQK,
-                           BLOCK_DQK2, BLOCK_M)  # [M, DQK]
+                           BLOCK_DQK2, BLOCK_M, INT64_LANES)  # [M, DQK]
         do, _ = _load_rows(do_seq + h64 * stride_doh, stride_dot, m0, row_ok, seqlen_q - 1, HEAD_DIM_V, BLOCK_DV, 0,
-                           BLOCK_M)  # [M, DV]
+                           BLOCK_M, INT64_LANES)  # [M, DV]
     lse, delta = _load_row_stats(lse_seq + h64 * stride_lh, delta_seq + h64 * stride_lh, rows, row_ok, seqlen_q - 1)
     sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
     if BLOCK_DQK2 > 0:
@@ -137,7 +141,7 @@ def _dkdv_q_step(dk, dk2, dv, head, m0, offs_m, k, k2, v, k_keep, q_seq, do_seq,
         if HAS_K_KEEP:
             vis = vis & k_keep[:, None]
         if HAS_Q_KEEP:
-            vis = vis & _load_keep(q_keep_base, stride_qks, rows, seqlen_q)[None, :]
+            vis = vis & _load_keep(q_keep_base, stride_qks, m0, offs_m, seqlen_q, INT64_LANES)[None, :]
         pT = tl.where(vis, pT, 0.0)
     keep = pT == pT
     if DROPOUT:
@@ -169,7 +173,8 @@ def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_s
                   BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
                   HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+                  INT64_LANES: tl.constexpr):
     """Query blocks [m_lo, m_hi) of each q head head0 .. head0 + group - 1 (GQA), as one flat loop
     (block-major: the group's heads of a block one after the other), so no loop nests around the
     pipelined steps; WARP_SPEC as in the forward's _fwd_kv_steps. A step's head is ``step % group``,
@@ -188,7 +193,7 @@ def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_s
                 stride_dot, stride_doh, stride_lh, stride_qks, cols, seqlen_q, seqlen_k, shift, window_left,
                 window_right, sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
                 q_desc, q2_desc, do_desc, q_row0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M,
-                HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, MASKED, DOT_PRECISION, TMA)
+                HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, MASKED, DOT_PRECISION, TMA, INT64_LANES)
     else:
         for step in range(0, n_blocks * group):
             dk, dk2, dv = _dkdv_q_step(
@@ -197,7 +202,7 @@ def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_s
                 stride_dot, stride_doh, stride_lh, stride_qks, cols, seqlen_q, seqlen_k, shift, window_left,
                 window_right, sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
                 q_desc, q2_desc, do_desc, q_row0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M,
-                HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, MASKED, DOT_PRECISION, TMA)
+                HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, MASKED, DOT_PRECISION, TMA, INT64_LANES)
     return dk, dk2, dv
 
 
@@ -214,7 +219,7 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
                PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
                DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr, INT64_LANES: tl.constexpr):
     """Task ``task`` of the (key tile, kv head) grid, heads fastest (``heads`` = kv heads): dK and/or
     dV (DK, DV) of one key tile. TMA: q and dO through the descriptors ``q_desc`` (``q2_desc``) and
     ``do_desc`` (packed thd only)."""
@@ -241,11 +246,12 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
             col_ok = cols < seqlen_k
             k_row0 = k_start + n0
             k, k2 = _load_rows(k_base, stride_kt, n0, col_ok, seqlen_k - 1, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2,
-                               BLOCK_N)
-            v, _ = _load_rows(v_base, stride_vt, n0, col_ok, seqlen_k - 1, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)
+                               BLOCK_N, INT64_LANES)
+            v, _ = _load_rows(v_base, stride_vt, n0, col_ok, seqlen_k - 1, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N,
+                              INT64_LANES)
             k_keep = col_ok
             if HAS_K_KEEP:
-                k_keep = _load_keep(k_keep_base, stride_kks, cols, seqlen_k)  # [N]
+                k_keep = _load_keep(k_keep_base, stride_kks, n0, tl.arange(0, BLOCK_N), seqlen_k, INT64_LANES)  # [N]
             seed = 0
             rng_offset = 0
             drop_head0 = 0  # the call's head offset in dropout's head ids
@@ -273,7 +279,7 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
                                         seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
                                         q_desc, q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
                                         BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
-                                        DROPOUT, DK, DV, True, DOT_PRECISION, TMA, WARP_SPEC)
+                                        DROPOUT, DK, DV, True, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
             dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
                                         delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
                                         stride_doh, stride_lh, stride_qks, cols, full_lo, full_hi, kv_head * group,
@@ -281,7 +287,7 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
                                         seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
                                         q_desc, q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
                                         BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
-                                        DROPOUT, DK, DV, False, DOT_PRECISION, TMA, WARP_SPEC)
+                                        DROPOUT, DK, DV, False, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
             dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
                                         delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
                                         stride_doh, stride_lh, stride_qks, cols, full_hi, hi, kv_head * group,
@@ -289,7 +295,7 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
                                         seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
                                         q_desc, q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
                                         BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
-                                        DROPOUT, DK, DV, True, DOT_PRECISION, TMA, WARP_SPEC)
+                                        DROPOUT, DK, DV, True, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
             # the head offsets are added here and the rows counted from the sample's start, so no
             # more than one row index stays live over the loops (sm90 192/128 is at 254 registers)
             dk_base = dk_ptr + kv64 * stride_dkh
@@ -300,9 +306,10 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
             k_last = k_start + seqlen_k - 1  # the sequence's last row, counted from the sample's start
             if DK:
                 _store_rows(dk_base, stride_dkt, k_row0, col_ok, k_last, dk * sm_scale, dk2 * sm_scale, HEAD_DIM_QK,
-                            BLOCK_DQK, BLOCK_DQK2, BLOCK_N)
+                            BLOCK_DQK, BLOCK_DQK2, BLOCK_N, INT64_LANES)
             if DV:
-                _store_rows(dv_base, stride_dvt, k_row0, col_ok, k_last, dv, dv, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)
+                _store_rows(dv_base, stride_dvt, k_row0, col_ok, k_last, dv, dv, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N,
+                            INT64_LANES)
     else:
         n_rows_k = seqlen_k_total
         if not PACKED:
@@ -329,7 +336,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_GID: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
-    TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
+    INT64_LANES: tl.constexpr, TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
 ):
     # grid: n_tiles key tiles x kv heads (``heads``) programs; PERSISTENT: those tasks over a
     # core-count 1D grid
@@ -344,7 +351,8 @@ def _attn_bwd_dkdv_kernel(
                        stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dkb, stride_dkt,
                        stride_dkh, stride_dvb, stride_dvt, stride_dvh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
                        BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
-                       PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, DK, DV, DOT_PRECISION, TMA, WARP_SPEC)
+                       PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, DK, DV, DOT_PRECISION, TMA, WARP_SPEC,
+                       INT64_LANES)
     else:
         _dkdv_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, map_ptr,
                    q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, q_desc, q2_desc, do_desc, batch,
@@ -354,7 +362,7 @@ def _attn_bwd_dkdv_kernel(
                    stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dkb, stride_dkt, stride_dkh,
                    stride_dvb, stride_dvt, stride_dvh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
                    BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, PACKED, HAS_Q_KEEP,
-                   HAS_K_KEEP, DROPOUT, HAS_GID, DK, DV, DOT_PRECISION, TMA, WARP_SPEC)
+                   HAS_K_KEEP, DROPOUT, HAS_GID, DK, DV, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
 
 
 @triton.jit
@@ -366,7 +374,7 @@ def _dq_kv_step(dq, dq2, delta_exact, n0, offs_n, q, q2, do, lse, delta, q_keep,
                 BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
                 HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, SINK_GRAD: tl.constexpr, MASKED: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, INT64_LANES: tl.constexpr):
     """dQ over key block [n0, n0 + BLOCK_N); with SINK_GRAD also delta_exact += rowsum(P * dP) in
     fp32 (the softmax offset's gradient needs delta without the output's rounding). TMA: k and v
     through descriptors; in the MASKED (edge) blocks their rows past the sequence (another
@@ -387,15 +395,16 @@ def _dq_kv_step(dq, dq2, delta_exact, n0, offs_n, q, q2, do, lse, delta, q_keep,
             v = tl.where(col_ok[:, None], v, 0.0)
     else:
         k, k2 = _load_rows(k_base, stride_kt, n0, col_ok, seqlen_k - 1, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2,
-                           BLOCK_N)  # [N, DQK]
-        v, _ = _load_rows(v_base, stride_vt, n0, col_ok, seqlen_k - 1, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N)  # [N, DV]
+                           BLOCK_N, INT64_LANES)  # [N, DQK]
+        v, _ = _load_rows(v_base, stride_vt, n0, col_ok, seqlen_k - 1, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_N,
+                          INT64_LANES)  # [N, DV]
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
     if BLOCK_DQK2 > 0:
         s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
     p = tl.math.exp2(s * sm_scale_log2 - lse[:, None])
     if MASKED:
-        vis = _tile_visible(rows, cols, q_keep, k_keep_base, stride_kks, seqlen_k, shift, window_left, window_right,
-                            HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP)
+        vis = _tile_visible(rows, n0, offs_n, q_keep, k_keep_base, stride_kks, seqlen_k, shift, window_left,
+                            window_right, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, INT64_LANES)
         p = tl.where(vis, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [M, N]
     if DROPOUT:
@@ -419,7 +428,7 @@ def _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_
                  BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
                  HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, SINK_GRAD: tl.constexpr, MASKED: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr, INT64_LANES: tl.constexpr):
     """dQ over key blocks [n_lo, n_hi); WARP_SPEC as in the forward's _fwd_kv_steps."""
     offs_n = tl.arange(0, BLOCK_N)
     if WARP_SPEC:
@@ -429,7 +438,8 @@ def _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_
                 stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left, window_right,
                 sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale, k_desc, k2_desc,
                 v_desc, k_row0, k_col, v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, MASKED, DOT_PRECISION, TMA)
+                HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, MASKED, DOT_PRECISION, TMA,
+                INT64_LANES)
     else:
         for n0 in range(n_lo, n_hi, BLOCK_N):
             dq, dq2, delta_exact = _dq_kv_step(
@@ -437,7 +447,8 @@ def _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_
                 stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left, window_right,
                 sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale, k_desc, k2_desc,
                 v_desc, k_row0, k_col, v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, MASKED, DOT_PRECISION, TMA)
+                HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, MASKED, DOT_PRECISION, TMA,
+                INT64_LANES)
     return dq, dq2, delta_exact
 
 
@@ -454,7 +465,7 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
              PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
              DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, SINK_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-             TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+             TMA: tl.constexpr, WARP_SPEC: tl.constexpr, INT64_LANES: tl.constexpr):
     """Task ``task`` of the (query tile, q head) grid, heads fastest. With SINK_GRAD, rowsum(P * dP)
     of each row goes to ``dsink_ptr`` (lse's layout). TMA: k and v through the descriptors
     ``k_desc`` (``k2_desc``) and ``v_desc`` (packed thd only)."""
@@ -482,12 +493,13 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
             rows = m0 + tl.arange(0, BLOCK_M)
             row_ok = rows < seqlen_q
             q, q2 = _load_rows(q_base, stride_qt, m0, row_ok, seqlen_q - 1, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2,
-                               BLOCK_M)
-            do, _ = _load_rows(do_base, stride_dot, m0, row_ok, seqlen_q - 1, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_M)
+                               BLOCK_M, INT64_LANES)
+            do, _ = _load_rows(do_base, stride_dot, m0, row_ok, seqlen_q - 1, HEAD_DIM_V, BLOCK_DV, 0, BLOCK_M,
+                               INT64_LANES)
             lse, delta = _load_row_stats(lse_ptr + stat, delta_ptr + stat, rows, row_ok, seqlen_q - 1)
             q_keep = row_ok
             if HAS_Q_KEEP:
-                q_keep = _load_keep(q_keep_base, stride_qks, rows, seqlen_q)  # [M]
+                q_keep = _load_keep(q_keep_base, stride_qks, m0, tl.arange(0, BLOCK_M), seqlen_q, INT64_LANES)  # [M]
             seed = 0
             rng_offset = 0
             drop_head = head  # the q head as dropout counts it: plus the call's head offset
@@ -518,7 +530,7 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
                                                 drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_start, k_col,
                                                 v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
                                                 BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT,
-                                                SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC)
+                                                SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
             dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
                                                 k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_lo,
                                                 full_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
@@ -526,7 +538,7 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
                                                 drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_start, k_col,
                                                 v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
                                                 BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT,
-                                                SINK_GRAD, False, DOT_PRECISION, TMA, WARP_SPEC)
+                                                SINK_GRAD, False, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
             dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
                                                 k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_hi, hi,
                                                 seqlen_q, seqlen_k, shift, window_left, window_right,
@@ -534,10 +546,10 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
                                                 drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_start, k_col,
                                                 v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
                                                 BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT,
-                                                SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC)
+                                                SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
             dq_base = dq_head + seq64 * stride_dqb + q_start.to(tl.int64) * stride_dqt
             _store_rows(dq_base, stride_dqt, m0, row_ok, seqlen_q - 1, dq * sm_scale, dq2 * sm_scale, HEAD_DIM_QK,
-                        BLOCK_DQK, BLOCK_DQK2, BLOCK_M)
+                        BLOCK_DQK, BLOCK_DQK2, BLOCK_M, INT64_LANES)
             if SINK_GRAD:
                 tl.store(dsink_ptr + stat + tl.minimum(rows, seqlen_q - 1), delta_exact, mask=row_ok)
     else:
@@ -564,7 +576,7 @@ def _attn_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_GID: tl.constexpr, SINK_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
-    TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
+    INT64_LANES: tl.constexpr, TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
 ):
     # grid: n_tiles query tiles x q heads (``heads``) programs; PERSISTENT: those tasks over a
     # core-count 1D grid
@@ -580,7 +592,7 @@ def _attn_bwd_dq_kernel(
                      stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dqb, stride_dqt, stride_dqh,
                      HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N,
                      HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID,
-                     SINK_GRAD, DOT_PRECISION, TMA, WARP_SPEC)
+                     SINK_GRAD, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
     else:
         _dq_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr, map_ptr,
                  q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, k_desc, k2_desc, v_desc, batch, heads, n_tiles,
@@ -590,7 +602,7 @@ def _attn_bwd_dq_kernel(
                  stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dqb, stride_dqt, stride_dqh,
                  HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N,
                  HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID,
-                 SINK_GRAD, DOT_PRECISION, TMA, WARP_SPEC)
+                 SINK_GRAD, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
 
 
 @on_device
@@ -631,7 +643,13 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     cls = launch_class(q, v, window_left, window_right, heads_kv=heads_kv, dropout=dropout_p > 0,
                        sink=sink_rowsum is not None, keep=q_pack.keep is not None or k_pack.keep is not None)
     blocks = (block_dqk + block_dqk2, block_dv, q.element_size())
+    cols = max(block_dqk + block_dqk2, block_dv)  # the widest row a kernel reads or writes
     cfg_dkdv, cfg_dq = bwd_configs(q.device, *blocks, dropout=dropout_p > 0, cls=cls)
+    lanes_dkdv = lane_flags(max(cfg_dkdv.block_m, cfg_dkdv.block_n), cols,
+                            ((q_pack, (q, dout)), (k_pack, (k, v, dk, dv))))
+    lanes_dq = lane_flags(max(cfg_dq.block_m, cfg_dq.block_n), cols, ((q_pack, (q, dout, dq)), (k_pack, (k, v))))
+    if lanes_dq["INT64_LANES"]:  # that variant's own tile where it has one (no more rows: still INT64_LANES)
+        cfg_dq = bwd_configs(q.device, *blocks, dropout=dropout_p > 0, cls=cls, int64_lanes=True)[1]
     cfg_pre = preprocess_config(q.device, *blocks, dropout=dropout_p > 0, cls=cls)
 
     delta = new_rowstat(q, q_pack, fill=0.0)  # [H, T] or [B, H, S]
@@ -642,7 +660,8 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         _attn_bwd_preprocess_kernel[grid](
             out, dout, delta, seqlen_q_total, grid_m, pre_batch, heads_q, *seq_strides(out, q_pack.fmt),
             *seq_strides(dout, q_pack.fmt), *rowstat_strides(delta, q_pack),
-            HEAD_DIM_V=dim_v, BLOCK_DV=block_dv, BLOCK_M=cfg_pre.block_m, PERSISTENT=persistent, **cfg_pre.launch(),
+            HEAD_DIM_V=dim_v, BLOCK_DV=block_dv, BLOCK_M=cfg_pre.block_m, PERSISTENT=persistent,
+            **lane_flags(cfg_pre.block_m, block_dv, ((q_pack, (out, dout)),)), **cfg_pre.launch(),
         )
     has_q, has_k = q.numel() > 0, k.numel() > 0
     # a side without any token still gets a row 0 for the other kernel's loops to address (packing.stand_in)
@@ -688,7 +707,7 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                         **dict(zip(("stride_dvb", "stride_dvt", "stride_dvh"),
                                                    seq_strides(dv, k_pack.fmt))),
                                         BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, DK=do_dk, DV=do_dv,
-                                        PERSISTENT=persistent, **loop, **cfg_dkdv.launch(), **common)
+                                        PERSISTENT=persistent, **lanes_dkdv, **loop, **cfg_dkdv.launch(), **common)
     if run_dq:
         grid, persistent = launch_grid(q.device, target, n_tiles_q, heads_q)
         loop = loop_flags(cfg_dq, target, cfg_dq.tma and usable((q_pack, k_pack), ((k, block_dqk + block_dqk2),
@@ -700,5 +719,5 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                   heads=heads_q, n_tiles=n_tiles_q, SINK_GRAD=sink_rowsum is not None,
                                   **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, q_pack.fmt))),
                                   BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, PERSISTENT=persistent,
-                                  **loop, **cfg_dq.launch(), **common)
+                                  **lanes_dq, **loop, **cfg_dq.launch(), **common)
     return dq, dk, dv

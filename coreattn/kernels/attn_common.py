@@ -13,7 +13,24 @@ of its sequence before the pointer is formed (``last_row``; an empty sequence's 
 and the mask keeps the values right. No address depends on a division by a value that can be
 zero. (An ``if seqlen > 0`` around the loops would skip an empty sequence's prologue too, but the
 ptxas of Triton 3.6 to 3.8 crashed on such branches around the pipelined wgmma loops of sm90.)
+
+Per-lane offsets (issue 36): a tile's rows are a scalar int64 base (the sequence's first row, the
+tile's first row, each times its stride) plus tile-local lane offsets ``lane * stride``
+(``_lane_offsets``), lane < the tile's rows, never a sequence-local index times a stride. Triton
+passes a stride below 2**31 as i32, so that product is an i32 multiply feeding the pointer add: it
+wraps once ``(rows - 1) * stride`` reaches 2**31 (an sbhd token stride B*H*D of 16.9M elements
+with 128-row tiles; the interpreter wraps alike). Kernels therefore come in two variants, chosen
+at launch by ``int64_lanes`` from the strides and the tile alone (never lengths, so a packed batch
+never recompiles; an sbhd stride grows with B, so a batch size crossing the bound compiles the
+other variant once): ``INT64_LANES`` forms ``lane.to(tl.int64) * stride``. The default variant
+keeps i32 lanes: many kernels sit at the 255-register ceiling on sm90 and sm100, and
+triton-ascend turns int64 vector arithmetic into scalar code (docs/compile-report.md has what
+the wide variant costs per kernel class). Column offsets inside a row are i32 (the last stride is
+1). The one place lanes may not be tile-local, a keep mask's positions, is read as a tile base
+plus lanes too (``_load_keep``).
 """
+
+import contextlib
 
 import triton
 import triton.language as tl
@@ -22,6 +39,39 @@ import triton.language as tl
 # [B, S]): listed in the kernels' do_not_specialize with the lengths, or Triton would compile a
 # variant per divisibility class (T == 1, T % 16 == 0, other) of each new packed batch.
 LENGTH_STRIDES = ("stride_lb", "stride_lh", "stride_qkb", "stride_kkb")
+INT32_MAX = 2**31 - 1
+_FORCED_LANES: list = []  # forced_int64_lanes' values, innermost last
+
+
+def int64_lanes(rows: int, strides, cols: int = 0) -> bool:
+    """The ``INT64_LANES`` variant for a kernel whose tiles have at most ``rows`` rows (lane offsets
+    0 .. rows - 1) and whose lanes multiply ``strides`` (token strides of its row tensors, keep masks'
+    position strides), plus up to ``cols`` column offsets inside a row: True when some lane offset
+    can pass the int32 range. Strides and tiles only, never lengths (see the module docstring)."""
+    if _FORCED_LANES:
+        return _FORCED_LANES[-1]
+    widest = max((abs(int(s)) for s in strides), default=0)
+    return (rows - 1) * widest + cols > INT32_MAX
+
+
+@contextlib.contextmanager
+def forced_int64_lanes(value: bool):
+    """Inside, every attention launch takes the given variant whatever its strides: how the compile
+    report measures the int64 variant and the offset scan checks it (coreattn/tune/compiler.py)."""
+    _FORCED_LANES.append(bool(value))
+    try:
+        yield
+    finally:
+        _FORCED_LANES.pop()
+
+
+@triton.jit
+def _lane_offsets(lanes, stride, INT64_LANES: tl.constexpr):
+    """``lanes * stride`` for tile-local lane indices (any shape, e.g. ``offs[:, None]``): in int64
+    under INT64_LANES, else in int32 (the launcher has checked it fits: ``int64_lanes``)."""
+    if INT64_LANES:
+        lanes = lanes.to(tl.int64)
+    return lanes * stride
 
 
 @triton.jit
@@ -65,24 +115,29 @@ def _cols(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _load_keep(keep_base, stride_s, idx, length):
-    """Keep-mask entries (uint8 -> bool) at sequence positions idx (only under HAS_*_KEEP), read at
-    positions clamped to the last (``_first_row``)."""
-    return tl.load(keep_base + tl.minimum(idx, length - 1) * stride_s, mask=idx < length, other=0) != 0
+def _load_keep(keep_base, stride_s, i0, lanes, length, INT64_LANES: tl.constexpr):
+    """Keep-mask entries (uint8 -> bool) at sequence positions ``i0 + lanes`` (only under
+    HAS_*_KEEP), read at positions clamped to the last (``_first_row``): the tile's first position
+    as an int64 base, then tile-local lanes (``_lane_offsets``)."""
+    at = tl.minimum(lanes, length - 1 - i0)  # lanes from i0, inside the sequence
+    ptrs = keep_base + tl.cast(i0, tl.int64) * stride_s + _lane_offsets(at, stride_s, INT64_LANES)
+    return tl.load(ptrs, mask=lanes < length - i0, other=0) != 0
 
 
 @triton.jit
-def _tile_visible(rows, cols, q_keep, k_keep_base, stride_kks, seqlen_k, shift, window_left, window_right,
+def _tile_visible(rows, n0, offs_n, q_keep, k_keep_base, stride_kks, seqlen_k, shift, window_left, window_right,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
-                  HAS_K_KEEP: tl.constexpr):
-    """[M, N] visibility of a masked (edge) tile, queries as rows: the band, the key bound and the
-    keep masks (q_keep is the tile's [M] loaded once; the keys' entries are loaded here)."""
+                  HAS_K_KEEP: tl.constexpr, INT64_LANES: tl.constexpr):
+    """[M, N] visibility of a masked (edge) tile, queries as rows and keys ``n0 + offs_n`` as
+    columns: the band, the key bound and the keep masks (q_keep is the tile's [M] loaded once; the
+    keys' entries are loaded here)."""
+    cols = n0 + offs_n
     vis = _visible(rows[:, None], cols[None, :], seqlen_k, shift, window_left, window_right, HAS_LEFT, HAS_RIGHT,
                    True)
     if HAS_Q_KEEP:
         vis = vis & q_keep[:, None]
     if HAS_K_KEEP:
-        vis = vis & _load_keep(k_keep_base, stride_kks, cols, seqlen_k)[None, :]
+        vis = vis & _load_keep(k_keep_base, stride_kks, n0, offs_n, seqlen_k, INT64_LANES)[None, :]
     return vis
 
 
@@ -188,14 +243,15 @@ def _poison(base, program, num_programs, n_rows, rows_per_batch, stride_b, strid
 
 @triton.jit
 def _load_rows(base, stride_t, r0, row_ok, last_row, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_D2: tl.constexpr, BLOCK_R: tl.constexpr):
+               BLOCK_D2: tl.constexpr, BLOCK_R: tl.constexpr, INT64_LANES: tl.constexpr):
     """Rows [r0, r0 + R) of a [rows, HEAD_DIM] view as one [R, BLOCK_D] block, or two column blocks
     ([R, BLOCK_D] and [R, BLOCK_D2]) when the head dim is split (BLOCK_D2 > 0; else the second is
     the first again). Rows past ``last_row`` (the sequence's last, counted as r0 is) are read from
-    it and masked by ``row_ok``."""
+    it and masked by ``row_ok``. Rows are ``r0`` times the stride as an int64 base plus the tile's
+    lanes (``_lane_offsets``: int64 under INT64_LANES)."""
     offs_r = tl.minimum(tl.arange(0, BLOCK_R), last_row - r0)
     offs_d = tl.arange(0, BLOCK_D)
-    ptrs = base + tl.cast(r0, tl.int64) * stride_t + offs_r[:, None] * stride_t
+    ptrs = base + tl.cast(r0, tl.int64) * stride_t + _lane_offsets(offs_r[:, None], stride_t, INT64_LANES)
     if BLOCK_D <= HEAD_DIM:  # a whole column block: only the rows need a mask
         x = tl.load(ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     else:
@@ -211,11 +267,11 @@ def _load_rows(base, stride_t, r0, row_ok, last_row, HEAD_DIM: tl.constexpr, BLO
 
 @triton.jit
 def _store_rows(base, stride_t, r0, row_ok, last_row, x, x2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_D2: tl.constexpr, BLOCK_R: tl.constexpr):
+                BLOCK_D2: tl.constexpr, BLOCK_R: tl.constexpr, INT64_LANES: tl.constexpr):
     """The inverse of _load_rows (x, x2 fp32 accumulators, cast to the destination's dtype)."""
     offs_r = tl.minimum(tl.arange(0, BLOCK_R), last_row - r0)
     offs_d = tl.arange(0, BLOCK_D)
-    ptrs = base + tl.cast(r0, tl.int64) * stride_t + offs_r[:, None] * stride_t
+    ptrs = base + tl.cast(r0, tl.int64) * stride_t + _lane_offsets(offs_r[:, None], stride_t, INT64_LANES)
     dtype = base.dtype.element_ty
     if BLOCK_D <= HEAD_DIM:
         tl.store(ptrs + offs_d[None, :], x.to(dtype), mask=row_ok[:, None])

@@ -13,6 +13,9 @@ program's work does not grow with the number of sequences. One query tile per pr
 kernel free of an outer loop around the pipelined key loop (which made Hopper spill). Lengths and
 token counts are runtime ints that never specialize: a new packed batch never recompiles.
 ``PERSISTENT`` (Ascend) runs the same programs as tasks of a core-count 1D grid (kernels/configs/targets.py).
+A tile's rows are an int64 base plus per-lane ``lane * stride``, in int32 unless ``INT64_LANES``,
+which ``lane_flags`` sets when a stride times the tile's rows can pass 2**31 (strides only, never
+lengths: kernels/attn_common.py ``_lane_offsets``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import triton
 import triton.language as tl
 
 from coreattn.kernels.attn_common import (LENGTH_STRIDES, _cols, _dropout_keep, _first_gid, _first_row, _key_range,
-                                          _load_keep, _load_rows, _poison, _tile_visible)
+                                          _lane_offsets, _load_keep, _load_rows, _poison, _tile_visible, int64_lanes)
 from coreattn.kernels.configs.base import head_blocks
 from coreattn.kernels.configs.dense import fwd_config
 from coreattn.kernels.configs.pick import tuned_fallback
@@ -46,7 +49,7 @@ RUNTIME_INTS = ("batch", "n_tiles", "seqlen_q_total", "seqlen_k_total", "window_
 @triton.jit
 def _qk_scores(q, q2, k_base, stride_kt, n0, offs_n, col_ok, k_desc, k2_desc, k_row0, k_col,
                HEAD_DIM_QK: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, MASKED: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, INT64_LANES: tl.constexpr):
     """q @ k^T for keys [n0, n0 + N): [M, N] fp32. The q/k dims may come in two blocks (q2, the
     second, is [M, BLOCK_DQK2] when BLOCK_DQK2 > 0), so a non-power-of-two dim is not padded.
     TMA: k's rows come through descriptors over the packed [T, H * D] tensor (row ``k_row0 + n0``,
@@ -59,16 +62,15 @@ def _qk_scores(q, q2, k_base, stride_kt, n0, offs_n, col_ok, k_desc, k2_desc, k_
                        input_precision=DOT_PRECISION)
         return s
     offs_d = tl.arange(0, BLOCK_DQK)
-    k_ptrs = k_base + tl.cast(n0, tl.int64) * stride_kt + offs_n[None, :] * stride_kt + _cols(offs_d, HEAD_DIM_QK,
-                                                                                              BLOCK_DQK)[:, None]
+    k_rows = k_base + tl.cast(n0, tl.int64) * stride_kt + _lane_offsets(offs_n[None, :], stride_kt, INT64_LANES)
+    k_ptrs = k_rows + _cols(offs_d, HEAD_DIM_QK, BLOCK_DQK)[:, None]
     kd_mask = offs_d[:, None] < HEAD_DIM_QK
     if MASKED:
         kd_mask = kd_mask & col_ok[None, :]
     s = tl.dot(q, tl.load(k_ptrs, mask=kd_mask, other=0.0), input_precision=DOT_PRECISION)
     if BLOCK_DQK2 > 0:
         offs_d2 = BLOCK_DQK + tl.arange(0, BLOCK_DQK2)
-        k2_ptrs = (k_base + tl.cast(n0, tl.int64) * stride_kt + offs_n[None, :] * stride_kt
-                   + _cols(offs_d2, HEAD_DIM_QK, BLOCK_DQK + BLOCK_DQK2)[:, None])
+        k2_ptrs = k_rows + _cols(offs_d2, HEAD_DIM_QK, BLOCK_DQK + BLOCK_DQK2)[:, None]
         kd2_mask = offs_d2[:, None] < HEAD_DIM_QK
         if MASKED:
             kd2_mask = kd2_mask & col_ok[None, :]
@@ -83,7 +85,7 @@ def _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_ba
                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                  BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
                  HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
-                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, INT64_LANES: tl.constexpr):
     """Key block [n0, n0 + BLOCK_N). TMA: k and v through descriptors; in the MASKED (edge) blocks
     the rows past the sequence are another sequence's (or zeros past T), so v's are zeroed there: a
     probability of 0 times a non-finite value would be NaN. The unmasked blocks lie inside the
@@ -93,21 +95,21 @@ def _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_ba
     col_ok = cols < seqlen_k
     offs_k = tl.minimum(offs_n, seqlen_k - 1 - n0)  # [N] rows from n0, inside the sequence
     s = _qk_scores(q, q2, k_base, stride_kt, n0, offs_k, col_ok, k_desc, k2_desc, k_row0, k_col, HEAD_DIM_QK,
-                   BLOCK_DQK, BLOCK_DQK2, MASKED, DOT_PRECISION, TMA) * sm_scale_log2  # [M, N], log2 domain
+                   BLOCK_DQK, BLOCK_DQK2, MASKED, DOT_PRECISION, TMA, INT64_LANES) * sm_scale_log2  # [M, N], log2
     if TMA:
         v = v_desc.load([k_row0 + n0, v_col])  # [N, DV]
         if MASKED:
             v = tl.where(col_ok[:, None], v, 0.0)
     else:
-        v_ptrs = (v_base + tl.cast(n0, tl.int64) * stride_vt + offs_k[:, None] * stride_vt
+        v_ptrs = (v_base + tl.cast(n0, tl.int64) * stride_vt + _lane_offsets(offs_k[:, None], stride_vt, INT64_LANES)
                   + _cols(offs_dv, HEAD_DIM_V, BLOCK_DV)[None, :])
         if MASKED:
             v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
         else:
             v = tl.load(v_ptrs, mask=offs_dv[None, :] < HEAD_DIM_V, other=0.0)
     if MASKED:
-        vis = _tile_visible(rows, cols, q_keep, k_keep_base, stride_kks, seqlen_k, shift, window_left, window_right,
-                            HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP)
+        vis = _tile_visible(rows, n0, offs_n, q_keep, k_keep_base, stride_kks, seqlen_k, shift, window_left,
+                            window_right, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, INT64_LANES)
         s = tl.where(vis, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row that has seen no key yet keeps m = -inf; subtract 0 instead so p and alpha are 0, not NaN
@@ -130,7 +132,7 @@ def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, str
                   BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
                   HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+                  TMA: tl.constexpr, WARP_SPEC: tl.constexpr, INT64_LANES: tl.constexpr):
     """Key blocks [n_lo, n_hi). WARP_SPEC: the loop is warp-specialized (Triton splits loads, MMAs
     and softmax into partitions); it is a separate loop so that the plain one stays what
     Tritons without ``tl.range(warp_specialize=)`` (triton-ascend 3.2) parse."""
@@ -144,7 +146,7 @@ def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, str
                                          window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
                                          drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col, HEAD_DIM_QK,
                                          HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                                         HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, MASKED, DOT_PRECISION, TMA)
+                                         HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, MASKED, DOT_PRECISION, TMA, INT64_LANES)
     else:
         for n0 in range(n_lo, n_hi, BLOCK_N):
             acc, m_i, l_i = _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_base,
@@ -153,7 +155,7 @@ def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, str
                                          window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
                                          drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col, HEAD_DIM_QK,
                                          HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                                         HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, MASKED, DOT_PRECISION, TMA)
+                                         HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, MASKED, DOT_PRECISION, TMA, INT64_LANES)
     return acc, m_i, l_i
 
 
@@ -169,7 +171,7 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
               PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
               DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, HAS_SINK: tl.constexpr, RETURN_MAX: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr, INT64_LANES: tl.constexpr):
     """Task ``task`` of the (query tile, q head) grid, heads fastest. TMA: k and v are read through
     the descriptors ``k_desc`` (``k2_desc`` for a split q/k dim) and ``v_desc`` (packed thd only)."""
     head = task % heads
@@ -197,10 +199,10 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
             rows = m0 + offs_m
             row_ok = rows < seqlen_q
             q, q2 = _load_rows(q_base, stride_qt, m0, row_ok, seqlen_q - 1, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2,
-                               BLOCK_M)
+                               BLOCK_M, INT64_LANES)
             q_keep = row_ok
             if HAS_Q_KEEP:
-                q_keep = _load_keep(q_keep_base, stride_qks, rows, seqlen_q)  # [M]
+                q_keep = _load_keep(q_keep_base, stride_qks, m0, offs_m, seqlen_q, INT64_LANES)  # [M]
             seed = 0
             rng_offset = 0
             drop_head = head  # the q head as dropout counts it: plus the call's head offset
@@ -229,21 +231,21 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
                                           q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
                                           v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
                                           HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION,
-                                          TMA, WARP_SPEC)
+                                          TMA, WARP_SPEC, INT64_LANES)
             acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
                                           stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift,
                                           window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
                                           q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
                                           v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
                                           HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, False,
-                                          DOT_PRECISION, TMA, WARP_SPEC)
+                                          DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
             acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
                                           stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift,
                                           window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
                                           q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
                                           v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
                                           HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION,
-                                          TMA, WARP_SPEC)
+                                          TMA, WARP_SPEC, INT64_LANES)
             if RETURN_MAX:  # the largest visible scaled logit of this tile (before the sink joins the max)
                 tl.store(max_ptr + head.to(tl.int64) * n_tiles + tile,
                          tl.max(tl.where(row_ok, m_i, float("-inf")), 0) * 0.6931471805599453)
@@ -260,7 +262,8 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
             lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
             o_base = o_head + seq64 * stride_ob + q_start.to(tl.int64) * stride_ot
             o_rows = tl.minimum(offs_m, seqlen_q - 1 - m0)  # [M] rows from m0, inside the sequence
-            o_ptrs = (o_base + tl.cast(m0, tl.int64) * stride_ot + o_rows[:, None] * stride_ot
+            o_ptrs = (o_base + tl.cast(m0, tl.int64) * stride_ot + _lane_offsets(o_rows[:, None], stride_ot,
+                                                                                 INT64_LANES)
                       + _cols(offs_dv, HEAD_DIM_V, BLOCK_DV)[None, :])
             tl.store(o_ptrs, out.to(o_base.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
             lse_base = lse_head + seq64 * stride_lb + q_start.to(tl.int64)
@@ -289,7 +292,7 @@ def _varlen_attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_GID: tl.constexpr, HAS_SINK: tl.constexpr, RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PERSISTENT: tl.constexpr, TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
+    PERSISTENT: tl.constexpr, INT64_LANES: tl.constexpr, TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
 ):
     # grid: n_tiles * heads programs (CUDA, interpreter), or PERSISTENT (Ascend): a core-count 1D
     # grid whose programs run those same tasks in turn. seqlen_*_total is the token count T (thd)
@@ -306,7 +309,7 @@ def _varlen_attn_fwd_kernel(
                       stride_qkb, stride_qks, stride_kkb, stride_kks, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
                       BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
                       PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, HAS_SINK, RETURN_MAX, DOT_PRECISION, TMA,
-                      WARP_SPEC)
+                      WARP_SPEC, INT64_LANES)
     else:
         _fwd_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr,
                   q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr, max_ptr, k_desc, k2_desc, v_desc,
@@ -317,7 +320,7 @@ def _varlen_attn_fwd_kernel(
                   stride_qkb, stride_qks, stride_kkb, stride_kks, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
                   BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
                   PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, HAS_SINK, RETURN_MAX, DOT_PRECISION, TMA,
-                  WARP_SPEC)
+                  WARP_SPEC, INT64_LANES)
 
 
 def dot_precision(dtype: torch.dtype, target: str) -> str:
@@ -339,7 +342,20 @@ def launch_grid(device: torch.device, target: str, n_tiles: int, heads: int,
                          "kernels; split the batch")
     if target != "ascend":
         return (tasks,), False
-    return (persistent_grid(device, tasks, vector_only),), True
+    programs = persistent_grid(device, tasks, vector_only)
+    if tasks - 1 + programs > MAX_TASKS:  # the task loop's int32 counter steps past the last task by the grid
+        raise ValueError(f"{n_tiles} tiles x {heads} heads = {tasks} tasks over {programs} programs overflow the "
+                         "int32 task counter of the persistent kernels; split the batch")
+    return (programs,), True
+
+
+def lane_flags(rows: int, cols: int, sides) -> dict:
+    """``INT64_LANES`` for a kernel whose tiles have at most ``rows`` rows and ``cols`` columns, over
+    ``sides``: (packing, tensors in its layout) pairs whose token strides, and the packing's keep
+    mask's position stride, its lanes multiply (kernels/attn_common.py ``int64_lanes``)."""
+    strides = [keep_args(pack)[2] for pack, _ in sides]
+    strides += [seq_strides(x, pack.fmt)[1] for pack, tensors in sides for x in tensors]
+    return dict(INT64_LANES=int64_lanes(rows, strides, cols))
 
 
 def kernel_window(window: int, limit: int) -> int:
@@ -435,6 +451,8 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
             HEAD_DIM_QK=dim_qk, HEAD_DIM_V=dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2, BLOCK_DV=block_dv,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype, target),
             HAS_SINK=softmax_offset is not None, RETURN_MAX=return_max_logit, PERSISTENT=persistent,
+            **lane_flags(max(cfg.block_m, cfg.block_n), max(block_dqk + block_dqk2, block_dv),
+                         ((q_pack, (q, out)), (k_pack, (k, v)))),
             **dropout_args(dropout_p, rng_state, q_pack, k_pack),
             **mask_flags(window_left, window_right, bottom_right, q_pack, k_pack),
             **loop, **cfg.launch(),

@@ -1,7 +1,9 @@
 """Mask and packing kernels: row gather/scatter (unpad/pad) and per-token position/sequence ids.
 
 Rows are addressed with scalar int64 bases (an index times a row stride can pass 2**31) and
-int32 vector offsets inside a row. Row and token counts are runtime ints that never
+int32 vector offsets inside a row, whose stride is 1: no lane is multiplied by a runtime stride,
+so these kernels need no 64-bit lane variant (coreattn/tune/offsets.py finds no i32 stride
+product in them). Row and token counts are runtime ints that never
 specialize, so a new packed batch never recompiles. Each program strides over its rows or
 token blocks, so the grid can be capped (a persistent grid, as Ascend prefers). Every address a
 loop forms is clamped inside its tensor, masked lane or not (kernels/attn_common.py says why).

@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from coreattn.kernels.attn_bwd import _attn_bwd_preprocess_kernel
+from coreattn.kernels.attn_common import int64_lanes
 from coreattn.kernels.attn_fwd import LOG2E, dot_precision
 from coreattn.kernels.configs.sparse import sparse_config
 from coreattn.kernels.configs.targets import target_of
@@ -404,7 +405,9 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     _attn_bwd_preprocess_kernel[grid](
         out, dout, delta, prob.seqlen_q, grid_m, pre_batch, prob.heads_q, *seq_strides(out, fmt),
         *seq_strides(dout, fmt), *lse_strides(delta, fmt), HEAD_DIM_V=prob.dim_v, BLOCK_DV=block_dv,
-        BLOCK_M=cfg_pre.block_m, PERSISTENT=persistent, **cfg_pre.launch(),
+        BLOCK_M=cfg_pre.block_m, PERSISTENT=persistent,
+        INT64_LANES=int64_lanes(cfg_pre.block_m, (seq_strides(out, fmt)[1], seq_strides(dout, fmt)[1]), block_dv),
+        **cfg_pre.launch(),
     )
     common = dict(seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, k_last=max(prob.seqlen_k, 1) - 1, n_slots=n_slots,
                   heads_kv=prob.heads_kv, group=prob.group, idx_heads=idx_heads, **scale)

@@ -45,7 +45,10 @@ specialized), so new packed batches do not recompile; the buffers are sized from
 Trailing zero-length sequences (fixed-capacity cu_seqlens) get no tiles: each adds one idle
 program per head to the grid, which returns after reading its entry. Vector indices are int32
 and offsets int64 scalars (Ascend's frontend falls back to scalar code for int64 vectors); the
-int64 tile totals that guard against overflowing counts are one reduction per chunk.
+int64 tile totals that guard against overflowing counts are one reduction per chunk. No lane is
+multiplied by a runtime stride (entries are an int64 task base plus ``lane * 8``; the layouts are
+read at unit stride), so these kernels need no 64-bit lane variant (coreattn/tune/offsets.py
+finds no i32 stride product in them).
 """
 
 from __future__ import annotations

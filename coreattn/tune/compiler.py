@@ -9,8 +9,10 @@ launchers (``varlen_attn_fwd``/``varlen_attn_bwd``) on CPU tensors laid out as a
 so each kernel is compiled with the constexprs, warps, stages and argument specialization a GPU
 launch would use, and ``describe`` reads each compiled kernel: registers and spill bytes (ptxas
 -v), shared memory (Triton's metadata), MMA kind and count (PTX), duplicated MMA work (TTGIR), an
-occupancy estimate from the arch's limits (``ARCHS``) and pipelined-load hazards (TTGIR: divisions
-by a value that may be zero on an asynchronous load's address, coreattn/tune/hazards.py). A
+occupancy estimate from the arch's limits (``ARCHS``), pipelined-load hazards (TTGIR: divisions
+by a value that may be zero on an asynchronous load's address, coreattn/tune/hazards.py) and i32
+stride products on pointer offsets (TTGIR: coreattn/tune/offsets.py; ``int64_lanes`` records which
+variant of the kernels' lane offsets compiled, kernels/attn_common.py). A
 ``Problem`` is head dims, dtype, mask, GQA group and features (``FEATURES``: dropout, softmax
 offset, max logit, a sliding window, a padded batch with keep masks; several may be combined);
 ``launch_mask_kernels`` compiles the mask utilities' kernels. For a CDNA arch (``CDNA_ARCHS``) the
@@ -89,9 +91,11 @@ KERNEL_NAMES = {"_varlen_attn_fwd_kernel": "fwd", "_attn_bwd_preprocess_kernel":
 ATTENTION_KERNELS = ("fwd", "dkdv", "dq")  # the kernels with tl.dot (the others: preprocess and the tile map)
 SPARSE_MMA_KERNELS = ("sparse_fwd", "sparse_dq", "sparse_dkv")  # the sparse kernels with tl.dot
 # sink: softmax_offset, with the dQ kernel's SINK_GRAD; window: a 256-token left window (with causal's right
-# edge when causal, else left only); keep: a padded bshd batch with spans and [B, S] keep masks. A problem's
-# feature is one of these or several joined by "+" ("dropout+sink"): one kernel with all of their code.
-FEATURES = ("", "dropout", "sink", "max_logit", "window", "keep")
+# edge when causal, else left only); keep: a padded bshd batch with spans and [B, S] keep masks; keep_strided:
+# the same with keep masks that are views of [S, B] storage (position stride B, not specialized to 1, so the
+# masks' lane offsets are multiplies). A problem's feature is one of these or several joined by "+"
+# ("dropout+sink"): one kernel with all of their code.
+FEATURES = ("", "dropout", "sink", "max_logit", "window", "keep", "keep_strided")
 WINDOW_LEFT = 256
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -369,13 +373,13 @@ def cdna_occupancy(regs: int, num_warps: int, lds: int, limits: CdnaLimits) -> d
     return dict(workgroups_per_cu=by[limit], waves_per_simd=by[limit] * per_simd, occupancy_limit=limit)
 
 
-def pipeline_hazards(ttgir: str) -> dict:
+def pipeline_hazards(ttgir) -> dict:
     """The asynchronous (pipelined) loads of a kernel and the divisions by a maybe-zero value on
     their addresses (coreattn/tune/hazards.py): ``async_loads``, ``pipeline_hazards`` (how many
-    division sites) and ``hazards`` (one line each)."""
+    division sites) and ``hazards`` (one line each). ``ttgir``: the text or its parsed Graph."""
     from coreattn.tune import hazards
 
-    graph = hazards.Graph(ttgir)
+    graph = ttgir if isinstance(ttgir, hazards.Graph) else hazards.Graph(ttgir)
     found = hazards.scan(graph)
     return dict(async_loads=hazards.load_counts(graph)["async_loads"], pipeline_hazards=len(found),
                 hazards=[h.describe() for h in found])
@@ -386,15 +390,19 @@ def describe(launch: dict, arch: str) -> dict:
     compiled it (its figures differ by release: kernels/versions.py)."""
     import triton
 
+    from coreattn.tune import hazards, offsets
+
     kernel = launch["kernel"]
     md = kernel.metadata
     ttgir = kernel.asm["ttgir"]
+    graph = hazards.Graph(ttgir)
     constants = launch["constants"]
     row = dict(arch=arch, triton=triton.__version__, kernel=KERNEL_NAMES.get(launch["fn"], launch["fn"]),
                block_m=constants.get("BLOCK_M", constants.get("BLOCK_H")),  # sparse: q heads x slots
                block_n=constants.get("BLOCK_N", constants.get("BLOCK_W")),  # sparse reduce: columns
                dk=constants.get("DK", True), dv=constants.get("DV", True), atomic=constants.get("ATOMIC", False),
-               num_warps=md.num_warps, num_stages=md.num_stages, smem=md.shared, **pipeline_hazards(ttgir))
+               int64_lanes=constants.get("INT64_LANES"), num_warps=md.num_warps, num_stages=md.num_stages,
+               smem=md.shared, **pipeline_hazards(graph), **offsets.counts(graph))
     if arch in CDNA_ARCHS:
         limits = CDNA_ARCHS[arch]
         asm = kernel.asm["amdgcn"]
@@ -448,9 +456,11 @@ def launch_problem(problem: Problem, kernels=None) -> None:
     features = problem.features
     heads_kv = HEADS_Q // problem.group
     lens = torch.tensor(SEQLENS, dtype=torch.int32)
-    if "keep" in features:  # padded bshd [B, S, H, D] with spans and keep masks, used in place
+    if features & {"keep", "keep_strided"}:  # padded bshd [B, S, H, D] with spans and keep masks, used in place
         rows, longest = (len(SEQLENS), max(SEQLENS)), max(SEQLENS)
         keep = torch.ones(*rows, dtype=torch.uint8)  # [B, S]
+        if "keep_strided" in features:
+            keep = torch.ones(*rows[::-1], dtype=torch.uint8).t()  # [B, S] over [S, B] storage
         pack = Packing("bshd", torch.zeros(len(SEQLENS), dtype=torch.int32), lens, keep)
     else:  # packed thd [T, H, D]
         rows, longest = (sum(SEQLENS),), max(SEQLENS)
@@ -540,11 +550,18 @@ def launch_sparse_problem(problem: SparseProblem) -> None:
         sparse_attn_bwd(torch.empty_like(out), q, k, v, out, lse, *args, **v_dim, atomic=atomic)
 
 
-def compile_report(archs, problems) -> list[dict]:
-    """Every kernel of every problem on every arch, one row each."""
+def compile_report(archs, problems, int64_lanes: bool | None = None) -> list[dict]:
+    """Every kernel of every problem on every arch, one row each. ``int64_lanes``: force that variant
+    of the attention kernels' lane offsets (kernels/attn_common.py); None: what the launchers pick
+    (the problems' strides are ordinary: the int32 one)."""
+    from coreattn.kernels.attn_common import forced_int64_lanes
+
     rows = []
     for arch in archs:
-        with emulate(arch) as launches:
+        with contextlib.ExitStack() as stack:
+            if int64_lanes is not None:
+                stack.enter_context(forced_int64_lanes(int64_lanes))
+            launches = stack.enter_context(emulate(arch))
             for problem in problems:
                 rows += compile_problem(problem, launches, arch)
     return rows

@@ -1,6 +1,7 @@
 """Compile kernel variants for CUDA or AMD CDNA architectures, without a device, and print as JSON one row
-per compiled kernel with its asynchronous loads and pipelined-load hazards (coreattn/tune/hazards.py);
-run as a script, TRITON_INTERPRET must be unset.
+per compiled kernel with its asynchronous loads and pipelined-load hazards (coreattn/tune/hazards.py)
+and its i32 stride products on pointer offsets (coreattn/tune/offsets.py); run as a script,
+TRITON_INTERPRET must be unset.
 
 ``python tests/kernels/pipeline_hazards.py sm90:128,192/128+gqa+dropout,128+gqa@tma sm100:128@ws canary``:
 arch, then cases: head dims (q/k[/v]), ``+`` features (compiler.FEATURES, ``gqa``: 4 q heads per kv
@@ -9,7 +10,11 @@ variant of each attention kernel (kernels/configs/space.py ``candidates``), comp
 launchers in bf16; each arch also compiles the mask utilities' kernels. A launch that does not
 compile is listed under ``errors``, not fatal. ``canary``: a small kernel
 with the dK/dV loop's shape, its divisor unclamped and clamped with ``tl.maximum(n, 1)``, compiled
-for sm90 with 3 stages: what the scanner must and must not find in this Triton's output.
+for sm90 with 3 stages: what the scanner must and must not find in this Triton's output; and one
+that loads and stores rows through the kernels' lane-offset helpers in both variants (INT64_LANES
+off and on): what the offset scan must and must not find. ``int64-lanes`` (anywhere among the
+arguments): every attention launch takes the INT64_LANES variant (kernels/attn_common.py), and the
+CUDA rows carry registers and spill bytes.
 """
 
 from __future__ import annotations
@@ -20,16 +25,20 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
+import contextlib  # noqa: E402
+
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from coreattn.kernels.attn_common import _load_keep, _load_rows, _store_rows, forced_int64_lanes  # noqa: E402
 from coreattn.kernels.configs.base import head_blocks  # noqa: E402
 from coreattn.kernels.configs.pick import forced_configs  # noqa: E402
 from coreattn.kernels.configs.space import candidates  # noqa: E402
-from coreattn.tune import compiler, hazards  # noqa: E402
+from coreattn.tune import compiler, hazards, offsets  # noqa: E402
 
 FLAGS = ("DK", "DV", "TMA", "WARP_SPEC", "HAS_LEFT", "HAS_RIGHT", "PACKED", "SPANS", "HAS_Q_KEEP", "HAS_K_KEEP",
-         "DROPOUT", "HAS_SINK", "RETURN_MAX", "SINK_GRAD", "GATHER", "WRITE_POS", "WRITE_SEQ", "ATOMIC", "V_IS_K")
+         "DROPOUT", "HAS_SINK", "RETURN_MAX", "SINK_GRAD", "GATHER", "WRITE_POS", "WRITE_SEQ", "ATOMIC", "V_IS_K",
+         "INT64_LANES", "BLOCK_M", "BLOCK_N")
 
 
 def parse_case(case: str) -> tuple:
@@ -64,7 +73,7 @@ def variant_configs(arch: str, problem: compiler.Problem, variant: str) -> dict:
     return forced
 
 
-def rows_for(arch: str, cases: list[str], errors: list[dict]) -> list[dict]:
+def rows_for(arch: str, cases: list[str], errors: list[dict], spills: bool = False) -> list[dict]:
     """One row per distinct compiled kernel of ``cases`` on ``arch``; a launch that fails to compile
     appends (arch, case, kernel, error) to ``errors`` (a loop variant is compiled kernel by kernel,
     so one that this Triton cannot compile leaves the others)."""
@@ -102,7 +111,9 @@ def rows_for(arch: str, cases: list[str], errors: list[dict]) -> list[dict]:
                    fn=launch["fn"], num_stages=kernel.metadata.num_stages, hash=kernel.hash,
                    flags={k: v for k, v in launch["constants"].items() if k in FLAGS},
                    hazards=[h.describe() for h in hazards.scan(graph)], unresolved=graph.unresolved[:5],
-                   **hazards.load_counts(graph))
+                   i32_offsets=[s.describe() for s in offsets.scan(graph)], **hazards.load_counts(graph))
+        if spills and arch in compiler.ARCHS:  # registers and spill bytes (ptxas -v; reruns ptxas when cached)
+            row.update(compiler.ptxas_stats(launch["ptxas_log"], kernel, compiler.ARCHS[arch].capability))
         seen[kernel.hash] = row
         rows.append(row)
     return rows
@@ -126,6 +137,41 @@ def _canary_kernel(x_ptr, out_ptr, lo, hi, group, CLAMP: tl.constexpr):
     tl.store(out_ptr + offs[:, None] * 64 + cols[None, :], acc)
 
 
+@triton.jit
+def _lanes_canary_kernel(x_ptr, keep_ptr, out_ptr, r0, seqlen, stride_t, stride_s, INT64_LANES: tl.constexpr):
+    """A tile's rows in and out through the kernels' lane-offset helpers, in a loop."""
+    acc = tl.zeros([32, 64], tl.float32)
+    for r in range(r0, seqlen, 32):
+        rows_ok = r + tl.arange(0, 32) < seqlen
+        x, _ = _load_rows(x_ptr, stride_t, r, rows_ok, seqlen - 1, 64, 64, 0, 32, INT64_LANES)
+        keep = _load_keep(keep_ptr, stride_s, r, tl.arange(0, 32), seqlen, INT64_LANES)
+        acc += tl.where(keep[:, None], x.to(tl.float32), 0.0)
+    _store_rows(out_ptr, stride_t, r0, r0 + tl.arange(0, 32) < seqlen, seqlen - 1, acc, acc, 64, 64, 0, 32,
+                INT64_LANES)
+
+
+def lanes_canary_rows() -> list[dict]:
+    """The lane-offset canary compiled for sm90 (3 stages) with INT64_LANES off and on."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    rows = []
+    signature = {"x_ptr": "*fp16", "keep_ptr": "*u8", "out_ptr": "*fp16", "r0": "i32", "seqlen": "i32",
+                 "stride_t": "i32", "stride_s": "i32", "INT64_LANES": "constexpr"}
+    aligned = {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
+    for wide in (False, True):
+        src = ASTSource(_lanes_canary_kernel, signature, {"INT64_LANES": wide}, aligned)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_stages=3, num_warps=4, enable_fp_fusion=True))
+        graph = hazards.Graph(kernel.asm["ttgir"])
+        rows.append(dict(arch="sm90", cases=[f"lanes-canary-int64{int(wide)}"], kernel="lanes_canary",
+                         fn="_lanes_canary_kernel", num_stages=kernel.metadata.num_stages, hash=kernel.hash,
+                         flags=dict(INT64_LANES=wide), hazards=[h.describe() for h in hazards.scan(graph)],
+                         unresolved=graph.unresolved[:5],
+                         i32_offsets=[s.describe() for s in offsets.scan(graph)], **hazards.load_counts(graph)))
+    return rows
+
+
 def canary_rows() -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -141,18 +187,21 @@ def canary_rows() -> list[dict]:
         rows.append(dict(arch="sm90", cases=[f"canary-clamp{int(clamp)}"], kernel="canary", fn="_canary_kernel",
                          num_stages=kernel.metadata.num_stages, hash=kernel.hash, flags=dict(CLAMP=clamp),
                          hazards=[h.describe() for h in hazards.scan(graph)], unresolved=graph.unresolved[:5],
-                         **hazards.load_counts(graph)))
-    return rows
+                         i32_offsets=[s.describe() for s in offsets.scan(graph)], **hazards.load_counts(graph)))
+    return rows + lanes_canary_rows()
 
 
 def main(specs: list[str]) -> None:
     rows, errors = [], []
-    for spec in specs:
-        if spec == "canary":
-            rows += canary_rows()
-            continue
-        arch, _, cases = spec.partition(":")
-        rows += rows_for(arch, [c for c in cases.split(",") if c], errors)
+    with forced_int64_lanes(True) if "int64-lanes" in specs else contextlib.nullcontext():
+        for spec in specs:
+            if spec == "int64-lanes":
+                continue
+            if spec == "canary":
+                rows += canary_rows()
+                continue
+            arch, _, cases = spec.partition(":")
+            rows += rows_for(arch, [c for c in cases.split(",") if c], errors, spills="int64-lanes" in specs)
     json.dump(dict(triton=triton.__version__, rows=rows, errors=errors), sys.stdout)
 
 

@@ -30,8 +30,8 @@ def _addresses_kernel(x_ptr, keep_ptr, stat_ptr, out_ptr, start, seqlen, r0, str
     off = tl.zeros([BLOCK], tl.int1)  # every lane masked off, as in an iteration that does not run
     if CLAMP:
         first = _first_row(start, seqlen).to(tl.int64)
-        x, _ = _load_rows(x_ptr + first * stride_t, stride_t, r0, off, seqlen - 1, HEAD_DIM, BLOCK_D, 0, BLOCK)
-        k = _load_keep(keep_ptr + first, 1, rows, seqlen)
+        x, _ = _load_rows(x_ptr + first * stride_t, stride_t, r0, off, seqlen - 1, HEAD_DIM, BLOCK_D, 0, BLOCK, False)
+        k = _load_keep(keep_ptr + first, 1, r0, tl.arange(0, BLOCK), seqlen, False)
         lse, delta = _load_row_stats(stat_ptr + first, stat_ptr + first, rows, off, seqlen - 1)
     else:  # the addresses before issue 30's clamps
         cols = tl.arange(0, BLOCK_D)

@@ -24,12 +24,19 @@ with each arch's configs:
 - a canary: a small kernel with the dK/dV loop's shape, unclamped and clamped, which the scanner must
   flag and pass in this Triton's own output (the TTGIR text format differs between versions).
 
+The same compiles feed the offset scan (coreattn/tune/offsets.py, issue 36): in these kernels, which
+take the default int32 variant of the lane offsets, every i32 multiply of a runtime stride on a
+pointer offset must be a lane offset of ``attn_common._lane_offsets``, the one place the
+INT64_LANES variant widens (tests/kernels/test_lane_offsets_compiled.py compiles that variant and
+finds none); a canary loads and stores rows through the helpers in both variants.
+
 About 3 minutes of compiling on one core with an empty Triton cache; seconds when cached. What it
 cannot see: addresses that are wild for other reasons (the interpreter memcheck's job,
 tests/interp_memcheck.py) and configs other than those compiled here (the dry run compiles the
 tuner's candidates: ``python -m coreattn.tune --dry-run``).
 """
 
+import inspect
 import json
 import os
 import re
@@ -191,3 +198,42 @@ def test_no_pipelined_load_address_divides_by_a_maybe_zero_value(compiled, arch)
     assert not found, (f"{len(found)} division sites on pipelined-load addresses in {len({r['hash'] for r, _ in found})} "
                        f"compiled kernels (Triton {compiled['triton']}), from:\n  " + "\n  ".join(summary)
                        + "\nevery site:\n" + "\n".join(f"{_label(r)}: {h}" for r, h in found))
+
+
+def test_the_lanes_canary_is_flagged_in_int32_and_clean_in_int64(compiled):
+    """The offset scan reads this Triton's TTGIR: rows loaded and stored through the kernels' helpers
+    are i32 stride products in the int32 variant (loads, keep mask, store) and none in INT64_LANES."""
+    canary = {row["flags"]["INT64_LANES"]: row for row in compiled["rows"] if row["kernel"] == "lanes_canary"}
+    found = canary[False]["i32_offsets"]
+    assert len(found) >= 3 and all("attn_common.py:" in s for s in found), found
+    assert any("* stride_t [" in s for s in found) and any("* stride_s [" in s for s in found), found
+    assert canary[True]["i32_offsets"] == []
+
+
+def _lane_offsets_lines() -> set:
+    """(file name, line) of ``_lane_offsets``' body."""
+    from coreattn.kernels.attn_common import _lane_offsets
+
+    lines, first = inspect.getsourcelines(_lane_offsets.fn)
+    return {("attn_common.py", n) for n in range(first, first + len(lines))}
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_every_i32_stride_offset_is_a_lane_offset(compiled, arch):
+    """In the default (int32) variant the i32 stride products on pointer offsets all come from
+    ``_lane_offsets`` (which INT64_LANES widens), and the tile map and mask kernels have none. CUDA
+    only for the location: Triton's HIP backend rebuilds a buffer op's offsets at the load's line."""
+    if arch.startswith("gfx") and not _has_backend("amd"):
+        pytest.skip("upstream Triton's amd backend is not installed")
+    mine = [r for r in compiled["rows"] if r["arch"] == arch and "canary" not in r["kernel"]]
+    assert mine and not any(r["flags"].get("INT64_LANES") for r in mine)
+    lines = _lane_offsets_lines()
+    elsewhere = []
+    for r in mine:
+        for site in r["i32_offsets"]:
+            m = re.search(r" at (\w+\.py):(\d+)", site)
+            if not (m and (m.group(1), int(m.group(2))) in lines) and not arch.startswith("gfx"):
+                elsewhere.append(f"{_label(r)}: {site}")
+    assert not elsewhere, "i32 stride products outside _lane_offsets:\n" + "\n".join(elsewhere)
+    assert all(r["i32_offsets"] for r in mine if r["kernel"] in ATTENTION + ("bwd_pre",)), "no lane offsets seen"
+    assert not [r for r in mine if r["kernel"] not in ATTENTION + ("bwd_pre",) and r["i32_offsets"]]

@@ -164,6 +164,11 @@ _DQ = {
 # sm90 at 128: the 64-key step took 255 registers and spilled 28-40 B since issue 30's address clamps
 _FWD_DROPOUT = {"sm90": ((128, _C(128, 32, 8, 3)), (192, _C(128, 32, 8, 2))), "sm80": (), "sm86": ()}
 _DQ_DROPOUT = {"sm90": (), "sm80": (), "sm86": ()}
+# The INT64_LANES variant (64-bit lane offsets, for launches whose strides need them: kernels/attn_common.py)
+# takes a few more registers in some kernels; where that spilled on the table's tile, that variant takes these.
+# sm90's dropout dQ at 64: 128 x 64 (254 registers in the int32 variant) took 255 and spilled 4 B under Triton
+# 3.6.0 and 3.7.1 (docs/compile-report.md#64-bit-lane-offsets); 128 x 32 takes 191-227 under 3.6.0 to 3.9.0
+_DQ_DROPOUT_INT64 = {"sm90": ((64, _C(128, 32, 8, 2)),)}
 # sm100: sm90's tiles (same 227 KB per block) but for the forward, whose 64-key step at 128 and
 # 192 ran out of registers there (255, 24-84 B spilled; with dropout at 64 too): 32-key steps.
 _FWD["sm100"] = ((64, _C(128, 64, 8, 3)), (128, _C(128, 32, 8, 3)), (192, _C(128, 32, 8, 2)), (256, _C(128, 16, 8, 2)))
@@ -232,10 +237,11 @@ def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, elem: 
 
 
 def shipped_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem: int = 2,
-                   dropout: bool = False) -> AttnConfig:
+                   dropout: bool = False, int64_lanes: bool = False) -> AttnConfig:
     """The table's config of ``kernel`` ("fwd", "dkdv", "dq" or "preprocess") on ``target``:
     ``block_dqk`` the q/k blocks' total width (192 for 128 + 64), ``elem`` bytes per input element
-    (2 for fp16/bf16, 4 for fp32), ``dropout`` the dropout kernels."""
+    (2 for fp16/bf16, 4 for fp32), ``dropout`` the dropout kernels, ``int64_lanes`` the kernels'
+    INT64_LANES variant (``_DQ_DROPOUT_INT64``)."""
     if kernel == "preprocess":  # the dQ tile's rows and warps: 4 warps on 128 x 256 rows of out and dO would spill
         # and its register ceiling: left to itself, Triton 3.7.1's ptxas gave sm80's (64 and 32 rows, 4 warps) 48
         # registers and spilled 8 B
@@ -247,6 +253,8 @@ def shipped_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem
     if target == "interpreter":
         return _INTERPRETER
     table, override = {"fwd": (_FWD, _FWD_DROPOUT), "dkdv": (_DKDV, _DKDV_DROPOUT), "dq": (_DQ, _DQ_DROPOUT)}[kernel]
+    if kernel == "dq" and dropout and int64_lanes and target in _DQ_DROPOUT_INT64:
+        override = {**override, target: override.get(target, ()) + _DQ_DROPOUT_INT64[target]}
     return _cuda_config(table, target, block_dqk, block_dv, elem, override if dropout else None)
 
 
@@ -275,11 +283,11 @@ def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False
 
 
 def bwd_configs(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2,
-                dropout: bool = False, cls=None) -> tuple[AttnConfig, AttnConfig]:
-    """(dK/dV config, dQ config); arguments as for fwd_config."""
+                dropout: bool = False, cls=None, int64_lanes: bool = False) -> tuple[AttnConfig, AttnConfig]:
+    """(dK/dV config, dQ config); arguments as for fwd_config, ``int64_lanes`` as for shipped_config."""
     target = target_of(device)
     return tuple(pick_config(kernel, device, target, cls,
-                             shipped_config(target, kernel, block_dqk, block_dv, elem, dropout))
+                             shipped_config(target, kernel, block_dqk, block_dv, elem, dropout, int64_lanes))
                  for kernel in ("dkdv", "dq"))
 
 
