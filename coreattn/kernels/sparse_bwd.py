@@ -318,7 +318,7 @@ def _sparse_reduce_program(task, part_ptr, acc_ptr, row_ptr, entries_ptr, heads_
     rest = task // n_cblocks
     g = rest % heads_kv
     r = rest // heads_kv
-    seg = tl.minimum(g, idx_heads - 1) * key_rows + r
+    seg = tl.minimum(g, idx_heads - 1).to(tl.int64) * key_rows + r  # row_ptr has Hidx * key_rows + 1 entries
     start = tl.load(row_ptr + seg)
     end = tl.load(row_ptr + seg + 1)
     offs_w = cb * BLOCK_W + tl.arange(0, BLOCK_W)
