@@ -6,6 +6,7 @@ values past int32 unused, sbhd's token order) and the CSR by key (every valid en
 import pytest
 import torch
 
+import coreattn.kernels.sparse_index as sparse_index
 from coreattn.kernels.sparse_index import INT32_MAX, prepare_topk, transpose_topk
 
 
@@ -43,8 +44,13 @@ def test_topk_length_keeps_the_prefix_in_the_rows_own_order():
     assert (prepared[2] == -1).all()
 
 
+@pytest.mark.parametrize("chunk", [None, 1, 7], ids=["whole", "chunk1", "chunk7"])
 @pytest.mark.parametrize("fmt, heads", [("bshd", 1), ("sbhd", 1), ("sbhd", 2), ("thd", 3)])
-def test_token_order_and_index_heads(fmt, heads):
+def test_token_order_and_index_heads(fmt, heads, chunk, monkeypatch):
+    """Also prepared a few positions at a time (``PREPARE_CHUNK_ENTRIES``: 1 entry, so one position per
+    chunk, and 7): the same rows."""
+    if chunk is not None:
+        monkeypatch.setattr(sparse_index, "PREPARE_CHUNK_ENTRIES", chunk)
     gen = torch.Generator().manual_seed(0)
     batch, seqlen, n_slots = 2, 3, 5
     token_shape = {"thd": (batch * seqlen,), "bshd": (batch, seqlen), "sbhd": (seqlen, batch)}[fmt]
@@ -63,6 +69,7 @@ def test_token_order_and_index_heads(fmt, heads):
 
 def test_empty_inputs():
     assert prepare_topk(torch.zeros(0, 4, dtype=torch.int64), "thd").shape == (0, 1, 4)
+    assert prepare_topk(torch.zeros(0, 3, 4, dtype=torch.int64), "bshd").shape == (0, 1, 4)
     assert prepare_topk(torch.zeros(3, 0, dtype=torch.int64), "thd").shape == (3, 1, 0)
     assert prepare_topk(torch.zeros(0, 2, 4, dtype=torch.int64), "sbhd").shape == (0, 1, 4)
 
