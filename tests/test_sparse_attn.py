@@ -96,6 +96,22 @@ def test_rows_without_visible_keys_give_zeros_and_zero_gradients():
     assert not dq[4:].any() and not dq[0].any() and not dk[4:].any() and not dv[4:].any()
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.interpreter_only(
+    "the Triton kernels on CPU tensors"))])
+@pytest.mark.parametrize("shape", [(6, 0), (6, 2, 0)], ids=["K0", "heads-K0"])
+def test_no_top_k_entries_give_zeros(shape, backend):
+    """K = 0 (Megatron's min(topk, sk) with no key): every row has no key, as if all its entries were -1:
+    out 0, lse -inf, zero gradients, no NaN."""
+    gen = torch.Generator().manual_seed(2)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    q, k, v = (torch.randn(6, h, 8, generator=gen).requires_grad_() for h in (4, 2, 2))
+    topk = torch.zeros(shape, dtype=torch.int64)
+    out, lse = coreattn.sparse_varlen_attn(q, k, v, topk, cu, cu, return_lse=True, backend=backend)
+    assert out.shape == (6, 4, 8) and not out.any() and torch.isneginf(lse).all()
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert all(not g.isnan().any() and not g.any() for g in grads)
+
+
 @pytest.mark.parametrize("layout, backend", [("thd", "torch"), ("sbhd", "torch"), ("thd", "triton")])
 def test_backward_is_deterministic(layout, backend, monkeypatch):
     """Two backward runs are bitwise equal, with many tokens adding into the same keys and chunks of a

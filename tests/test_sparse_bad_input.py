@@ -47,7 +47,6 @@ BAD = [
     ("topk-5d", dict(topk_indices=torch.zeros(T, 1, 1, K, dtype=torch.int64)), ValueError, "topk_indices has shape"),
     ("topk-index-heads", dict(topk_indices=torch.zeros(T, 3, K, dtype=torch.int64)), ValueError,
      "topk_indices has 3 index heads; expected 1 or Hkv = 2"),
-    ("topk-empty", dict(topk_indices=torch.zeros(T, 0, dtype=torch.int64)), ValueError, "no top-k entries"),
     ("topk-length-float", dict(topk_length=torch.ones(T)), TypeError, "topk_length must be an integer tensor"),
     ("topk-length-shape", dict(topk_length=torch.ones(T, 1, dtype=torch.int32)), ValueError,
      r"topk_length has shape \(10, 1\); expected q's token dims \(10,\)"),

@@ -351,7 +351,8 @@ def flat_tokens(t: torch.Tensor, layout: str) -> torch.Tensor:
     """A tensor with q's token dims first as ``[N, ...]``, token n = b * S + s (sbhd: reordered)."""
     if layout == "sbhd":
         t = t.transpose(0, 1)
-    return t.reshape(-1, *t.shape[(1 if layout == "thd" else 2):])
+    dims = 1 if layout == "thd" else 2
+    return t.reshape(t.shape[:dims].numel(), *t.shape[dims:])  # not -1: a trailing dim may be 0
 
 
 def _check_integer(name: str, t, q: torch.Tensor) -> None:
@@ -392,10 +393,11 @@ def check_topk_indices(topk_indices, q: torch.Tensor, heads_kv: int, layout: str
                          f"then [K] or [Hkv, K] ({layout})")
     if extra == 2 and topk_indices.shape[-2] not in (1, heads_kv):
         raise ValueError(f"topk_indices has {topk_indices.shape[-2]} index heads; expected 1 or Hkv = {heads_kv}")
-    if topk_indices.shape[-1] == 0:
-        raise ValueError("topk_indices has no top-k entries (last dim 0)")
     flat = flat_tokens(topk_indices, layout)
-    return flat if extra == 2 else flat.unsqueeze(1)
+    flat = flat if extra == 2 else flat.unsqueeze(1)
+    if flat.shape[-1] == 0:  # no entry in any row (Megatron's K = min(topk, sk) with sk = 0): rows of one unused slot
+        flat = torch.full((*flat.shape[:-1], 1), -1, dtype=flat.dtype, device=flat.device)
+    return flat
 
 
 def check_token_values(name: str, t, q: torch.Tensor, layout: str) -> torch.Tensor | None:
