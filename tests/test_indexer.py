@@ -146,6 +146,22 @@ def test_topk_float_scores(backend, layout, relu):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_int32_indices_are_the_int64_ones(backend):
+    """``index_dtype=torch.int32`` (what coreattn's DSAttention keeps: half the memory) gives the same
+    selection as the default int64, from indexer_topk and from indexer_topk_and_loss, whose loss it
+    leaves unchanged."""
+    q, k, w, query, key = float_inputs(2, 19, 19, heads=4, dim=16, seed=5)
+    q, k, w, query, key = (to_layout(t, "sbhd") for t in (q, k, w, query, key))
+    wide = ix.indexer_topk(q, k, w, 6, layout="sbhd", backend=backend)
+    narrow = ix.indexer_topk(q, k, w, 6, layout="sbhd", backend=backend, index_dtype=torch.int32)
+    assert narrow.indices.dtype == torch.int32 and torch.equal(narrow.indices.long(), wide.indices)
+    idx64, loss64 = ix.indexer_topk_and_loss(q, k, w, query, key, 6, 0.3, 0.5, layout="sbhd", backend=backend)
+    idx32, loss32 = ix.indexer_topk_and_loss(q, k, w, query, key, 6, 0.3, 0.5, layout="sbhd", backend=backend,
+                                             index_dtype=torch.int32)
+    assert idx32.dtype == torch.int32 and torch.equal(idx32.long(), idx64) and torch.equal(loss32, loss64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_topk_and_loss_context_parallel_shape(backend):
     """Megatron's allgather context parallelism: a rank's queries are two zig-zag chunks of the sequence
     (positions 0-5 and 18-23 of 24 with cp = 2), the keys the whole gathered sequence, the bounds given
@@ -339,6 +355,9 @@ def _bad_calls():
         (lambda: topk(q, k, w, 2, key_bounds=(torch.zeros(7, dtype=torch.int32),) * 2), ValueError,
          "key_bounds[0] must have shape"),
         (lambda: topk(q, k, w, 2, backend="npu_fused"), ValueError, "no indexer ops"),
+        (lambda: topk(q, k, w, 2, index_dtype=torch.int16), TypeError, "index_dtype must be torch.int32"),
+        (lambda: ix.indexer_topk_and_loss(q, k, w, query, key, 2, 1.0, 1.0, index_dtype=torch.float32), TypeError,
+         "index_dtype must be torch.int32"),
         (lambda: topk(q[None].expand(2, -1, -1, -1), k[None], w[None].expand(2, -1, -1), 2, layout="bshd"),
          ValueError, "k's batch dim"),
         (lambda: loss(q, k, w, query, key, 1.0, 1.0, sparse=True), ValueError, "needs topk_indices"),

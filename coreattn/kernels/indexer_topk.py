@@ -161,14 +161,15 @@ def topk_blocks(topk: int, block_n: int) -> int:
 @on_device
 def indexer_topk_fwd(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, key_lo: torch.Tensor,
                      key_hi: torch.Tensor, topk: int, fmt: str, *, relu: bool = True,
-                     return_scores: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     return_scores: bool = False, index_dtype: torch.dtype = torch.int64,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the fused scores + top-k kernel.
 
     ``fmt`` "thd": q [T, H, D], k [T, D], weights [T, H]; "bshd": q [B, S, H, D], k [B, Sk, D],
     weights [B, S, H]; "sbhd": q [S, B, H, D], k [Sk, B, D], weights [S, B, H] (views with last stride
     1, used in place). key_lo / key_hi: int32 [N] contiguous, query token n = b * S + s (thd: the
-    row), key positions in the sample (thd: rows of the packed stream). Returns indices int64
-    [N, K] with K = min(topk, Sk) (score descending, then position ascending; -1 in unused slots)
+    row), key positions in the sample (thd: rows of the packed stream). Returns indices
+    (``index_dtype``, int64 or int32: key positions fit either) [N, K] with K = min(topk, Sk) (score descending, then position ascending; -1 in unused slots)
     and, with ``return_scores``, their float32 scores [N, K] (-inf in unused slots), else None.
     Inputs are assumed checked by the caller (coreattn/layers/dsa/indexer).
     """
@@ -190,7 +191,7 @@ def indexer_topk_fwd(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ke
         wb, ws, wh = weights.stride(1), weights.stride(0), weights.stride(2)
     n_rows = batch * seqlen_q
     width = min(topk, seqlen_k)
-    idx = torch.empty(n_rows, width, dtype=torch.int64, device=q.device)
+    idx = torch.empty(n_rows, width, dtype=index_dtype, device=q.device)  # the kernel's store casts
     scores = torch.empty(n_rows, width, dtype=torch.float32, device=q.device) if return_scores else None
     if n_rows == 0 or width == 0:
         return idx, scores

@@ -51,7 +51,7 @@ EPS = 1e-10  # Megatron's INDEXER_LOSS_EPS: target normalizer and log clamp, and
 class LossResult(NamedTuple):
     loss: torch.Tensor  # 0-dim, float32 (float64 for float64 inputs)
     kl_rows: torch.Tensor  # [N] kl[n] before the row mask and scaling
-    topk_indices: torch.Tensor | None  # [N, K] int64 when the loss computed them
+    topk_indices: torch.Tensor | None  # [N, K] (index_dtype) when the loss computed them
     dq: torch.Tensor | None  # gradients for an incoming gradient of 1, in the score dtype
     dk: torch.Tensor | None
     dw: torch.Tensor | None
@@ -104,13 +104,13 @@ def attention_target(query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor
 def loss_torch(q, k, weights, query, key, key_lo, key_hi, fmt: str, *, softmax_scale: float, loss_coeff: float,
                sparse: bool, topk_indices: torch.Tensor | None = None, topk: int | None = None, relu: bool = True,
                query_valid_rows: torch.Tensor | None = None, per_token: bool = False, tp_group=None,
-               grads: bool = False, key_range=None) -> LossResult:
+               grads: bool = False, key_range=None, index_dtype: torch.dtype = torch.int64) -> LossResult:
     """The indexer loss of the module docstring on checked inputs.
 
     Index side q/k/weights and attention side query [.., np, Dq] / key [.., Hkv, Dq] in the layout
     ``fmt`` (as in coreattn/kernels/indexer_topk.py: thd, bshd or sbhd); key_lo/key_hi int32 [N];
     ``topk_indices`` int [N, K] (flat token rows n = b * S + s), or None with ``topk`` set: the
-    chunks select them first (the torch top-k rule) and return them. ``query_valid_rows`` bool [N]
+    chunks select them first (the torch top-k rule) and return them (``index_dtype``). ``query_valid_rows`` bool [N]
     or None. ``grads``: also return dq, dk, dw for an incoming gradient of 1.
     """
     heads = q.shape[-2]
@@ -130,7 +130,7 @@ def loss_torch(q, k, weights, query, key, key_lo, key_hi, fmt: str, *, softmax_s
     row_scale = loss_coeff * rows_ok.to(dtype) / (1.0 if per_token else count)  # [N]: dL/dkl[n]
     computed = None
     if topk_indices is None and topk is not None:
-        computed = torch.full((n_rows, min(topk, seqlen_k)), -1, dtype=torch.int64, device=device)
+        computed = torch.full((n_rows, min(topk, seqlen_k)), -1, dtype=index_dtype, device=device)
     dq = torch.zeros(q.shape, dtype=dtype, device=device) if grads else None
     dk = torch.zeros(k.shape, dtype=dtype, device=device) if grads else None
     dw = torch.zeros(weights.shape, dtype=dtype, device=device) if grads else None

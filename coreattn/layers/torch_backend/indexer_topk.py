@@ -23,15 +23,19 @@ from coreattn.layers.checks import reads_values
 
 ENV_CHUNK_BYTES = "COREATTN_INDEXER_CHUNK_BYTES"
 DEFAULT_CHUNK_BYTES = 64 * 2**20  # per chunk's largest temporary (the [C, H, keys] product and its peers)
+CHUNK_BYTES = {"cpu": 16 * 2**20}  # per device type; a CPU chunk's temporaries are host memory next to the model's
 LOW_WORD = 2**32 - 1
 NEG_INF_WORD = -2139095041  # the ordered high word of -inf: keys at or below it are never selected
 MIN_KEY = -(2**63)
 
 
-def chunk_bytes() -> int:
-    """The byte budget of one chunk's largest temporary (``COREATTN_INDEXER_CHUNK_BYTES`` overrides)."""
+def chunk_bytes(device: torch.device | None = None) -> int:
+    """The byte budget of one chunk's largest temporary on ``device`` (``CHUNK_BYTES``, else
+    ``DEFAULT_CHUNK_BYTES``; ``COREATTN_INDEXER_CHUNK_BYTES`` overrides)."""
     value = os.environ.get(ENV_CHUNK_BYTES, "").strip()
-    return int(value) if value else DEFAULT_CHUNK_BYTES
+    if value:
+        return max(1, int(value))
+    return CHUNK_BYTES.get(getattr(device, "type", None), DEFAULT_CHUNK_BYTES)
 
 
 class Chunk(NamedTuple):
@@ -62,7 +66,7 @@ def chunks(key_lo: torch.Tensor, key_hi: torch.Tensor, batch: int, seqlen_q: int
     stream's start max_seqlen - 1 before its first row) or the whole sample."""
     if batch * seqlen_q == 0:
         return
-    size = max(1, chunk_bytes() // max(1, row_bytes))
+    size = max(1, chunk_bytes(key_lo.device) // max(1, row_bytes))
     exact = reads_values(key_lo)
     if exact:
         lo = key_lo.view(batch, seqlen_q)
@@ -151,7 +155,8 @@ def select(scores: torch.Tensor, valid: torch.Tensor, k0: int, width: int) -> tu
 
 
 def topk_torch(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, key_lo: torch.Tensor, key_hi: torch.Tensor,
-               topk: int, fmt: str, *, relu: bool = True, return_scores: bool = False, key_range=None):
+               topk: int, fmt: str, *, relu: bool = True, return_scores: bool = False, key_range=None,
+               index_dtype: torch.dtype = torch.int64):
     """The torch backend of ``indexer_topk_fwd`` (same arguments and results; ``key_range``: host-known
     key ranges per chunk, see ``chunks``). Scores in float32, float64 for float64 inputs (then the
     returned scores are float64)."""
@@ -164,8 +169,8 @@ def topk_torch(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, key_lo: 
         batch, seqlen_q, seqlen_k = q.shape[1], q.shape[0], k.shape[0]
     width = min(topk, seqlen_k)
     dtype = score_dtype(q, k, weights)
-    idx = torch.full((batch * seqlen_q, width), -1, dtype=torch.int64, device=q.device)
-    scores = torch.full((batch * seqlen_q, width), float("-inf"), dtype=dtype, device=q.device)
+    idx = torch.full((batch * seqlen_q, width), -1, dtype=index_dtype, device=q.device)
+    scores = torch.full((batch * seqlen_q, width), float("-inf"), dtype=dtype, device=q.device) if return_scores else None
     # per key: x, its activated and weighted copies [H], the score, its key, mask and position
     row_bytes = (3 * heads + 2) * torch.finfo(dtype).bits // 8 * seqlen_k + 24 * seqlen_k
     for ch in chunks(key_lo, key_hi, batch, seqlen_q, seqlen_k, row_bytes, key_range):
@@ -174,5 +179,7 @@ def topk_torch(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, key_lo: 
         wc = side_rows(weights, fmt, ch.b, ch.s0, ch.s1)  # [C, H]
         kc = side_rows(k, fmt, ch.b, ch.k0, ch.k1)  # [J, D]
         sc, _ = index_scores(qc, kc, wc, relu, dtype)
-        idx[rows], scores[rows] = select(sc, visible(ch, key_lo[rows], key_hi[rows]), ch.k0, width)
-    return idx, scores if return_scores else None
+        idx[rows], chosen = select(sc, visible(ch, key_lo[rows], key_hi[rows]), ch.k0, width)
+        if scores is not None:
+            scores[rows] = chosen
+    return idx, scores

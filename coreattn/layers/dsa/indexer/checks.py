@@ -102,6 +102,15 @@ def check_index_side(q, k, weights, layout: str) -> tuple[Tokens, torch.Tensor, 
     return tokens, _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(weights)
 
 
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_index_dtype(index_dtype) -> torch.dtype:
+    if index_dtype not in INDEX_DTYPES:
+        raise TypeError(f"index_dtype must be torch.int32 or torch.int64, got {index_dtype!r}")
+    return index_dtype
+
+
 def check_topk(topk) -> int:
     if isinstance(topk, bool):
         raise TypeError("topk must be an int, got bool")

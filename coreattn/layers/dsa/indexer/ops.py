@@ -25,22 +25,24 @@ from coreattn.layers.torch_backend.indexer_topk import topk_torch
 
 
 class IndexerTopk(NamedTuple):
-    indices: torch.Tensor  # int64 [*tokens, K], K = min(topk, Sk): score descending, then position; -1 unused
+    indices: torch.Tensor  # index_dtype [*tokens, K], K = min(topk, Sk): score descending, then position; -1 unused
     scores: torch.Tensor | None  # float32 [*tokens, K] (float64 for float64 inputs on torch), -inf unused
 
 
-def _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, backend: Backend):
+def _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, backend: Backend, index_dtype):
     if backend is Backend.TRITON and q.dtype != torch.float64:
         from coreattn.kernels.indexer_topk import indexer_topk_fwd
 
-        return indexer_topk_fwd(q, k, weights, lo, hi, topk, tokens.layout, relu=relu, return_scores=return_scores)
+        return indexer_topk_fwd(q, k, weights, lo, hi, topk, tokens.layout, relu=relu, return_scores=return_scores,
+                                index_dtype=index_dtype)
     return topk_torch(q, k, weights, lo, hi, topk, tokens.layout, relu=relu, return_scores=return_scores,
-                      key_range=key_range)
+                      key_range=key_range, index_dtype=index_dtype)
 
 
 def indexer_topk(q, k, weights, topk: int, *, layout: str = "thd", cu_seqlens=None, causal: bool = True,
                  causal_alignment: str = "bottom_right", key_bounds=None, relu: bool = True,
-                 return_scores: bool = False, max_seqlen=None, backend=None) -> IndexerTopk:
+                 return_scores: bool = False, max_seqlen=None, backend=None,
+                 index_dtype: torch.dtype = torch.int64) -> IndexerTopk:
     """The ``topk`` keys of largest index score for every query token, without a [T, T] tensor.
 
     ``score[n, j] = sum_h weights[n, h] * act(q[n, h] . k[j])`` in float32 (act: ReLU with
@@ -52,8 +54,9 @@ def indexer_topk(q, k, weights, topk: int, *, layout: str = "thd", cu_seqlens=No
     the last bits: the head sums run in another order). float64 inputs (torch backend) rank float64
     scores with the same tie rule. Not differentiable (indices).
 
-    Returns ``IndexerTopk(indices, scores)``: indices int64 [*tokens, K] (thd [T, K]; bshd
-    [B, S, K]; sbhd [S, B, K]), scores (with ``return_scores``) their float32 scores, -inf unused.
+    Returns ``IndexerTopk(indices, scores)``: indices [*tokens, K] (thd [T, K]; bshd [B, S, K]; sbhd
+    [S, B, K]) of ``index_dtype`` (int64, Megatron's, or int32: half the memory, what coreattn's
+    sparse attention keeps), scores (with ``return_scores``) their float32 scores, -inf unused.
 
     ``max_seqlen`` (thd, optional host int): at least every row's key span, the tail past
     ``cu_seqlens[-1]`` included; the torch backend on a GPU then scores each chunk of rows against
@@ -61,19 +64,21 @@ def indexer_topk(q, k, weights, topk: int, *, layout: str = "thd", cu_seqlens=No
     """
     tokens, q, k, weights = checks.check_index_side(q, k, weights, layout)
     topk = checks.check_topk(topk)
+    index_dtype = checks.check_index_dtype(index_dtype)
     lo, hi, key_range = checks.key_bounds(tokens, q.device, cu_seqlens=cu_seqlens, causal=causal,
                                           causal_alignment=causal_alignment, bounds=key_bounds,
                                           max_seqlen=checks.check_span(max_seqlen, tokens))
     chosen = indexer_backend(q.device, backend)
     with torch.no_grad():
-        idx, scores = _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, chosen)
+        idx, scores = _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, chosen, index_dtype)
     return IndexerTopk(tokens.unflat(idx), None if scores is None else tokens.unflat(scores))
 
 
 def _loss(q, k, weights, query, key, softmax_scale, loss_coeff, topk_indices, topk, *, sparse, layout, cu_seqlens,
           causal, causal_alignment, key_bounds, relu, query_valid_rows, calculate_per_token_loss, tp_group, max_seqlen,
-          backend):
+          backend, index_dtype=torch.int64):
     tokens, q, k, weights = checks.check_index_side(q, k, weights, layout)
+    index_dtype = checks.check_index_dtype(index_dtype)
     query, key = checks.check_attention_side(query, key, tokens, q.device)
     lo, hi, key_range = checks.key_bounds(tokens, q.device, cu_seqlens=cu_seqlens, causal=causal,
                                           causal_alignment=causal_alignment, bounds=key_bounds,
@@ -83,7 +88,7 @@ def _loss(q, k, weights, query, key, softmax_scale, loss_coeff, topk_indices, to
     selected = None
     if topk is not None and (chosen is Backend.TRITON and q.dtype != torch.float64):
         with torch.no_grad():  # the kernel selects; the loss chunks take its indices
-            selected, _ = _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, False, chosen)
+            selected, _ = _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, False, chosen, index_dtype)
         topk_indices, topk = selected, None
     elif topk_indices is not None:
         topk_indices = checks.check_topk_indices(topk_indices, tokens, q.device)
@@ -91,7 +96,7 @@ def _loss(q, k, weights, query, key, softmax_scale, loss_coeff, topk_indices, to
         raise ValueError("the sparse loss needs topk_indices (or topk, to select them)")
     options = dict(fmt=layout, softmax_scale=float(softmax_scale), loss_coeff=float(loss_coeff), sparse=bool(sparse),
                    topk=topk, relu=relu, query_valid_rows=rows, per_token=bool(calculate_per_token_loss),
-                   tp_group=tp_group, key_range=key_range)
+                   tp_group=tp_group, key_range=key_range, index_dtype=index_dtype)
     loss, computed = IndexerLossFunction.apply(q, k, weights, query, key, lo, hi, topk_indices,
                                                torch.is_grad_enabled(), options)
     if topk is not None:  # the torch chunks selected them
@@ -128,14 +133,15 @@ def indexer_topk_and_loss(q, k, weights, query, key, topk: int, softmax_scale: f
                           sparse: bool = False, layout: str = "thd", cu_seqlens=None, causal: bool = True,
                           causal_alignment: str = "bottom_right", key_bounds=None, relu: bool = True,
                           query_valid_rows=None, calculate_per_token_loss: bool = False, tp_group=None,
-                          max_seqlen=None, backend=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(indices, loss)``: ``indexer_topk``'s indices and ``indexer_loss`` over them, as Megatron's
-    ``FusedDSAIndexerLoss`` returns them (the torch backend scores each chunk once for both)."""
+                          max_seqlen=None, backend=None,
+                          index_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices, loss)``: ``indexer_topk``'s indices (``index_dtype``) and ``indexer_loss`` over them,
+    as Megatron's ``FusedDSAIndexerLoss`` returns them (the torch backend scores each chunk once for both)."""
     loss, indices = _loss(q, k, weights, query, key, softmax_scale, loss_coeff, None, checks.check_topk(topk), sparse=sparse,
                  layout=layout, cu_seqlens=cu_seqlens, causal=causal, causal_alignment=causal_alignment,
                           key_bounds=key_bounds, relu=relu, query_valid_rows=query_valid_rows,
                           calculate_per_token_loss=calculate_per_token_loss, tp_group=tp_group,
-                          max_seqlen=max_seqlen, backend=backend)
+                          max_seqlen=max_seqlen, backend=backend, index_dtype=index_dtype)
     return indices, loss
 
 
