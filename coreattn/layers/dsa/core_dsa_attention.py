@@ -1,16 +1,29 @@
-"""CoreDSAttention: Megatron-Core's DeepSeek Sparse Attention with its sparse attention on coreattn.
+"""CoreDSAttention: Megatron-Core's DeepSeek Sparse Attention with its sparse attention and its
+indexer's top-k and loss on coreattn.
 
 ``coreattn.adapters.megatron.use_coreattn(spec)`` puts it where a spec has Megatron's
-``DSAttention``. It is a subclass of that ``DSAttention``: the indexer and its parameters, the
-top-k selection, the indexer loss and its logging (``DSAIndexerLossLoggingHelper``), index sharing
-across layers (``dsa_indexer_topk_freq``, ``dsa_indexer_skip_topk_offset``), sbhd and thd batches,
-sequence and context parallelism (gathering the keys, undoing the zig-zag order, each query row's
-key bounds) and the V up-projection stay Megatron's. One step changes: attending each query to
-its top-k keys. Megatron's own path for it (``dsa_kernel_backend="none"``, the only one off CUDA)
-builds dense ``[b, heads, sq, sk]`` scores and an S×S index mask; here it is
-:func:`coreattn.layers.dsa.sparse_attn.sparse_padded_attn`: memory O(tokens × top-k), a deterministic
-backward, on the backend picked per device as :class:`~coreattn.layers.core_attention.CoreAttention`
-picks it (``backend=``, ``config.coreattn_backend``, ``COREATTN_BACKEND``).
+``DSAttention``. It is a subclass of that ``DSAttention``: the indexer's parameters and projections,
+the indexer loss's logging (``DSAIndexerLossLoggingHelper``) and scaling, index sharing across
+layers (``dsa_indexer_topk_freq``, ``dsa_indexer_skip_topk_offset``), sbhd and thd batches, sequence
+and context parallelism (gathering the keys, undoing the zig-zag order, each query row's key
+bounds) and the V up-projection stay Megatron's. Two steps change, each selected per device as
+:class:`~coreattn.layers.core_attention.CoreAttention` picks its backend (``backend=``,
+``config.coreattn_backend``, ``COREATTN_BACKEND``):
+
+- attending each query to its top-k keys. Megatron's own path for it (``dsa_kernel_backend="none"``,
+  the only one off CUDA) builds dense ``[b, heads, sq, sk]`` scores and an S×S index mask; here it is
+  :func:`coreattn.layers.dsa.sparse_attn.sparse_padded_attn`: memory O(tokens × top-k), a
+  deterministic backward;
+- (megatron-core 0.19) the indexer's scoring and top-k (``fused_qk_topk_naive``), its loss with the
+  top-k (``FusedDSAIndexerLoss``) and its Hadamard rotation (``rotate_activation``: bf16 and a CUDA
+  library there). Megatron's build ``[b, sq, sk]`` scores and, for the loss, per-head ``[sq, sk]``
+  probabilities twice; here they are :mod:`coreattn.layers.dsa.indexer`'s ops, chunk by chunk, in
+  memory O(tokens × top-k); their top-k indices are int32 (Megatron's are int64). Where Megatron
+  hands the indexer an additive mask (a boolean ``attention_mask``) or explicit key positions,
+  its own functions run (``INDEXER_ON_COREATTN`` is False, with ``INDEXER_REASON``, on a
+  megatron-core without them, 0.16 to 0.18: the indexer is then Megatron's). Megatron's fused
+  indexer hooks (``dsa_kernels.run_fused_qk_topk(_with_loss)``) are declined, so a layer's top-k
+  comes from one place.
 
 The seam: ``DSAttention.forward`` calls a module-level function of Megatron's ``dsa`` module for
 that step, looked up by name when it runs:
@@ -22,14 +35,16 @@ that step, looked up by name when it runs:
 - megatron-core 0.16 to 0.18: ``unfused_dsa_fn(query, key, value, topk_indices, softmax_scale)``,
   per-head K and V, top-left causal.
 
-While a CoreDSAttention's forward runs, that name (and, on 0.19, the fully fused
-``dsa_kernels.run_fused_dsa_attention``, which would bypass it) resolves to a dispatcher: calls made
-inside a CoreDSAttention forward (a context variable: per thread and per asyncio task) go to
-coreattn, or are declined for the fully fused hook, so Megatron goes on with its indexer and then
+While a CoreDSAttention's forward runs, that name, the indexer's three (0.19), and the fully fused
+``dsa_kernels.run_fused_dsa_attention`` (0.19, which would bypass them) resolve to dispatchers: calls
+made inside a CoreDSAttention forward (a context variable: per thread and per asyncio task) go to
+coreattn (or back to Megatron's function where coreattn's answers NotImplemented: the indexer under
+an additive mask), or are declined for the fused hooks, so Megatron goes on with the indexer and then
 calls the seam; every other call goes to Megatron's function. The dispatchers are set when the
 first CoreDSAttention forward starts and Megatron's functions put back when the last one ends
 (counted under a lock). Which seam this megatron-core has, and that it takes exactly the
-parameters read here, is checked when this module is imported: an ImportError names the version.
+parameters read here, is checked when this module is imported: an ImportError names the version
+(for the indexer's functions, a mismatch leaves Megatron's indexer in place, ``INDEXER_REASON``).
 
 Masks reach the seam as Megatron builds them: per query row key bounds ``[start, end)``
 (``varlen_starts/ends``, identity key positions: passed to the kernels as they are), explicit
@@ -53,6 +68,7 @@ from megatron.core.transformer.experimental_attention_variant import dsa as _dsa
 
 from coreattn.layers.backends import Backend, parse_backend
 from coreattn.layers.core_attention import CONFIG_BACKEND_ATTR
+from coreattn.layers.dsa import indexer as _indexer
 from coreattn.layers.dsa.sparse_attn import sparse_padded_attn
 
 MEGATRON_VERSION = getattr(megatron.core, "__version__", "unknown")
@@ -84,7 +100,8 @@ def _visible_topk(topk_indices, sq: int, b: int, skv: int, mask=None, starts=Non
             mask = mask.unsqueeze(0)
         if mask.dim() != 3 or tuple(mask.shape[1:]) != (sq, skv) or mask.shape[0] not in (1, b):
             raise ValueError(f"mask must be [sq, sk] or [b, sq, sk] = [{b}, {sq}, {skv}], got {tuple(mask.shape)}")
-        picked = mask.expand(b, sq, skv).gather(-1, topk_indices.clamp(0, skv - 1)).transpose(0, 1)  # [sq, b, K]
+        safe = topk_indices.clamp(0, skv - 1).long()  # gather takes int64 (coreattn's indexer hands int32)
+        picked = mask.expand(b, sq, skv).gather(-1, safe).transpose(0, 1)  # [sq, b, K]
         named = (idx >= 0) & (idx < skv)
         torch._assert_async(((picked == 0) | (picked == float("-inf")) | ~named).all(),
                             "coreattn's DSAttention takes 0/-inf masks only (the sparse op has no additive bias)")
@@ -140,6 +157,64 @@ def _unfused_dsa_fn_v016(module, query, key, value, topk_indices, softmax_scale)
     return _sparse(module, query, key, value, visible, softmax_scale).reshape(sq, b, -1)
 
 
+def _indexer_keys(mask, varlen_starts, varlen_ends, key_positions):
+    """The keys Megatron's indexer masks let each query see, as the indexer ops take them, or
+    NotImplemented (then Megatron's own function runs): key bounds per query row on key rows (the
+    causal, packed and context-parallel forms Megatron builds for a causal mask type), or every key
+    (no mask). An additive mask (a boolean ``attention_mask``) or explicit key positions are Megatron's."""
+    if mask is not None or key_positions is not None:
+        return NotImplemented
+    if varlen_starts is None and varlen_ends is None:
+        return dict(causal=False)
+    if varlen_starts is None or varlen_ends is None:
+        return NotImplemented
+    return dict(key_bounds=(varlen_starts, varlen_ends))
+
+
+def _fused_qk_topk(module, q, k, weights, index_topk, mask=None, varlen_starts=None, varlen_ends=None,
+                   key_positions=None, use_relu=True):
+    """megatron-core 0.19's ``dsa.fused_qk_topk_naive`` on coreattn: ``(None, topk_indices [b, sq, K])``.
+    Megatron returns the full ``[b, sq, sk]`` scores first and DSAttention drops them; here there are none.
+    The indices are int32, not Megatron's int64 (key positions fit; half the memory: 64 MiB, not 128, at
+    8k tokens and top-k 2,048): DSAttention only hands them on to the sparse attention (coreattn's, which
+    keeps int32) and to the index-sharing layers after it (CoreDSAttentions too)."""
+    keys = _indexer_keys(mask, varlen_starts, varlen_ends, key_positions)
+    if keys is NotImplemented or index_topk < 1:
+        return NotImplemented
+    got = _indexer.indexer_topk(q, k, weights, index_topk, layout="sbhd", relu=use_relu, backend=module.backend,
+                                index_dtype=torch.int32, **keys)
+    return None, got.indices.transpose(0, 1)  # [sq, b, K] view of a [b, sq, K] buffer: Megatron's, contiguous
+
+
+def _indexer_loss(module, q, weights, k, query, key, softmax_scale, topk, loss_coeff, mask, sparse_loss,
+                  pg_collection, varlen_starts=None, varlen_ends=None, key_positions=None, query_valid_rows=None,
+                  calculate_per_token_loss=False, use_relu=True):
+    """megatron-core 0.19's ``dsa.FusedDSAIndexerLoss.apply`` on coreattn: ``(topk_indices [b, sq, K] int32,
+    loss)``, the loss differentiable in q, k and weights, computed chunk by chunk (no [b, sq, sk] tensor)."""
+    keys = _indexer_keys(mask, varlen_starts, varlen_ends, key_positions)
+    if keys is NotImplemented or topk < 1:
+        return NotImplemented
+    if key.dim() == 4 and key.shape[2] > 1 and key.stride(2) == 0:
+        key = key[:, :, :1]  # Megatron expands the absorbed latent key over the heads: one head it is
+    tp = getattr(pg_collection, "tp", None)
+    rows = query_valid_rows
+    if rows is not None:  # Megatron's [sq] or [b, sq] -> the token dims [sq, b]
+        rows = rows.to(torch.bool)
+        rows = (rows[:, None] if rows.dim() == 1 else rows.transpose(0, 1)).expand(q.shape[0], q.shape[1])
+    indices, loss = _indexer.indexer_topk_and_loss(
+        q, k, weights, query, key, topk, softmax_scale, loss_coeff, sparse=bool(sparse_loss), layout="sbhd",
+        relu=use_relu, query_valid_rows=rows, calculate_per_token_loss=bool(calculate_per_token_loss),
+        tp_group=tp if tp is not None and tp.size() > 1 else None, backend=module.backend, index_dtype=torch.int32,
+        **keys)
+    return indices.transpose(0, 1), loss
+
+
+def _rotate_activation(module, x):
+    """Megatron's ``dsa.rotate_activation`` (bf16 only, fast_hadamard_transform's CUDA kernel) on
+    coreattn: any float dtype, any device."""
+    return _indexer.rotate_activation(x, backend=module.backend)
+
+
 class _Seam:
     """One of Megatron's sparse-attention functions and what replaces it (see the module docstring)."""
 
@@ -162,6 +237,9 @@ class _Seam:
 _SEAMS = (_Seam("_run_sparse_attention", _run_sparse_attention_v019, keyword_only=True),  # 0.19
           _Seam("unfused_dsa_fn", _unfused_dsa_fn_v016, keyword_only=False))  # 0.16 to 0.18
 _DECLINED = (("dsa_kernels", "run_fused_dsa_attention"),)  # 0.19: fused indexer + attention, one call
+# 0.19's fused (TileLang/cuDNN) indexer hooks, asked before the reference path when a fused DSA backend is
+# configured: declined while the indexer runs on coreattn, so one layer's top-k comes from one place
+_DECLINED_INDEXER = (("dsa_kernels", "run_fused_qk_topk"), ("dsa_kernels", "run_fused_qk_topk_with_loss"))
 
 
 def _find_seam() -> _Seam:
@@ -183,21 +261,86 @@ def _find_seam() -> _Seam:
 
 
 SEAM = _find_seam()
+
+
+def _names(fn) -> set:
+    """The globals and attributes ``fn`` looks up, in its nested functions too."""
+    codes, names = [inspect.unwrap(fn).__code__], set()
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes += [c for c in code.co_consts if inspect.iscode(c)]
+    return names
+
+
+def _same_params(fn, replacement) -> bool:
+    mine = list(inspect.signature(replacement).parameters)[1:]  # without ``module``
+    return list(inspect.signature(fn).parameters) == mine
+
+
+def _find_indexer_hooks() -> tuple[list, str | None]:
+    """Megatron's indexer steps CoreDSAttention runs on coreattn, as (owner, name, replacement, is a
+    Function) hooks, and None; or no hooks and why (then Megatron's indexer runs, S x S and all)."""
+    loss = getattr(_dsa, "FusedDSAIndexerLoss", None)
+    topk = getattr(_dsa, "fused_qk_topk_naive", None)
+    rotate = getattr(_dsa, "rotate_activation", None)
+    indexer = getattr(_dsa, "DSAIndexer", None)
+    if loss is None or topk is None or rotate is None or indexer is None:
+        return [], f"megatron-core {MEGATRON_VERSION} has no FusedDSAIndexerLoss / fused_qk_topk_naive (0.19's indexer)"
+    forward = _names(_dsa.DSAttention.forward)
+    loss_params = list(inspect.signature(loss.forward).parameters)[1:]  # without ``ctx``
+    checks = [("FusedDSAIndexerLoss" in forward and loss_params == list(inspect.signature(_indexer_loss).parameters)[1:],
+               "FusedDSAIndexerLoss"),
+              ("fused_qk_topk_naive" in forward and _same_params(topk, _fused_qk_topk), "fused_qk_topk_naive"),
+              ("rotate_activation" in _names(indexer.forward_before_topk) and _same_params(rotate, _rotate_activation),
+               "rotate_activation")]
+    wrong = [name for ok, name in checks if not ok]
+    if wrong:
+        return [], (f"megatron-core {MEGATRON_VERSION}: DSAttention's {', '.join(wrong)} is not what coreattn's "
+                    "indexer replaces (megatron-core 0.19's)")
+    return [(_dsa, "FusedDSAIndexerLoss", _indexer_loss, True), (_dsa, "fused_qk_topk_naive", _fused_qk_topk, False),
+            (_dsa, "rotate_activation", _rotate_activation, False)], None
+
+
+_INDEXER_HOOKS, INDEXER_REASON = _find_indexer_hooks()
+INDEXER_ON_COREATTN = bool(_INDEXER_HOOKS)  # else Megatron's indexer runs (INDEXER_REASON says why)
 _active: contextvars.ContextVar = contextvars.ContextVar("coreattn_dsattention", default=None)
 _lock = threading.Lock()
 _users = 0
 _installed: list = []  # (owner, name, Megatron's function, dispatcher) while _users > 0
 
 
+def _dispatch(original, replacement, args, kwargs):
+    """``replacement(module, ...)`` inside a CoreDSAttention forward, unless it answers NotImplemented;
+    Megatron's ``original`` everywhere else."""
+    module = _active.get()
+    if module is not None:
+        out = replacement(module, *args, **kwargs)
+        if out is not NotImplemented:
+            return out
+    return original(*args, **kwargs)
+
+
 def _dispatcher(original, replacement):
     @functools.wraps(original)
     def dispatch(*args, **kwargs):
-        module = _active.get()
-        if module is None:  # not called from a CoreDSAttention forward
-            return original(*args, **kwargs)
-        return replacement(module, *args, **kwargs)
+        return _dispatch(original, replacement, args, kwargs)
 
     return dispatch
+
+
+class _FunctionDispatcher:
+    """Stands in for an autograd Function class whose ``apply`` Megatron calls (FusedDSAIndexerLoss);
+    any other attribute is the class's."""
+
+    def __init__(self, original, replacement):
+        self.original, self.replacement = original, replacement
+
+    def apply(self, *args, **kwargs):
+        return _dispatch(self.original.apply, self.replacement, args, kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.original, name)
 
 
 def _decline(module, *args, **kwargs):
@@ -208,12 +351,13 @@ def _install() -> None:
     global _users
     with _lock:
         if _users == 0:
-            hooks = [(_dsa, SEAM.name, SEAM.replacement)]
-            hooks += [(getattr(_dsa, owner), name, _decline) for owner, name in _DECLINED
+            hooks = [(_dsa, SEAM.name, SEAM.replacement, False)] + _INDEXER_HOOKS
+            declined = _DECLINED + (_DECLINED_INDEXER if _INDEXER_HOOKS else ())
+            hooks += [(getattr(_dsa, owner), name, _decline, False) for owner, name in declined
                       if hasattr(getattr(_dsa, owner, None), name)]
-            for owner, name, replacement in hooks:
+            for owner, name, replacement, function in hooks:
                 original = getattr(owner, name)
-                dispatch = _dispatcher(original, replacement)
+                dispatch = (_FunctionDispatcher if function else _dispatcher)(original, replacement)
                 setattr(owner, name, dispatch)
                 _installed.append((owner, name, original, dispatch))
         _users += 1
