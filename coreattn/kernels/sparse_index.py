@@ -39,7 +39,8 @@ def _tokens_first(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return x.transpose(0, 1) if fmt == "sbhd" else x
 
 
-PREPARE_CHUNK_ENTRIES = 1 << 21  # index entries prepared at once: bounds the int64 temporaries (16 MiB each)
+PREPARE_CHUNK_ENTRIES = 1 << 20  # index entries prepared at once: bounds the temporaries (the sort's int64
+# permutation, 8 MiB, is the largest)
 
 
 def prepare_topk(indices: torch.Tensor, fmt: str, topk_length: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,7 +51,7 @@ def prepare_topk(indices: torch.Tensor, fmt: str, topk_length: torch.Tensor | No
     integer, shaped like the token dims (thd ``[T]``, bshd ``[B, S]``, sbhd ``[S, B]``), or None.
     Shapes and dtypes are the caller's to check (coreattn.layers); this does torch ops only.
     Prepared a chunk of positions at a time (``PREPARE_CHUNK_ENTRIES`` entries, every sample's rows
-    of those positions), straight from the caller's tensor into the int32 result: the sort's int64
+    of those positions), straight from the caller's tensor into the int32 result: the sort's
     temporaries stay bounded whatever T x K is (at T = 8,192 and K = 2,048 they were 6.5 times the
     int32 result when prepared at once), and no copy of the whole index tensor is made."""
     dims = TOKEN_DIMS[fmt]
@@ -69,17 +70,19 @@ def prepare_topk(indices: torch.Tensor, fmt: str, topk_length: torch.Tensor | No
 
 
 def _prepare_rows(idx: torch.Tensor, length: torch.Tensor | None) -> torch.Tensor:
-    """``prepare_topk`` on a chunk ``[..., Hidx, K]`` (``length``: its ``[...]`` valid counts)."""
-    idx = idx.to(torch.int64)
+    """``prepare_topk`` on a chunk ``[..., Hidx, K]`` (``length``: its ``[...]`` valid counts), int32
+    from the first copy on (no entry past int32 survives the first step)."""
+    if idx.dtype not in (torch.int32, torch.int64):  # uint8, int16...: -1 must fit
+        idx = idx.to(torch.int64)
     bad = (idx < 0) | (idx > INT32_MAX)
     if length is not None:
         bad |= torch.arange(idx.shape[-1], device=idx.device) >= length.to(torch.int64)[..., None, None]
-    idx = torch.where(bad, -1, idx)
+    idx = idx.masked_fill(bad, -1).to(torch.int32)
     idx, _ = torch.sort(idx, dim=-1)
     if idx.shape[-1] > 1:  # duplicates: an entry equal to the one before it (sorted, so every repeat)
         repeat = (idx[..., 1:] == idx[..., :-1]) & (idx[..., 1:] >= 0)
-        idx[..., 1:] = torch.where(repeat, -1, idx[..., 1:])
-    return idx.to(torch.int32)
+        idx[..., 1:].masked_fill_(repeat, -1)
+    return idx
 
 
 class TopkCSR(NamedTuple):

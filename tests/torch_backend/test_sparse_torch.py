@@ -68,12 +68,12 @@ def test_chunks_change_nothing_but_memory(case, monkeypatch):
 
 def test_chunk_size_follows_the_budget(monkeypatch):
     """576/512 absorbed, 16 heads, top-k 2,048: the estimate covers at least the gathered keys and the
-    scores, the CPU's 16 MiB chunk holds one token or a few, the environment variable sets the
+    scores, the CPU's 8 MiB chunk holds one token or a few, the environment variable sets the
     budget, and a budget below one token still makes progress (one token per chunk)."""
     q, k = torch.empty(0, 16, 576), torch.empty(0, 1, 576)
     per_token = sparse.bytes_per_token(q, k, None, 1, 2048, backward=True)
     assert per_token >= 4 * 2048 * (576 + 16 * 4)
-    assert sparse._chunk_tokens(q, k, None, 1, 2048, backward=True) == max(1, (16 << 20) // per_token) <= 4
+    assert sparse._chunk_tokens(q, k, None, 1, 2048, backward=True) == max(1, (8 << 20) // per_token) <= 4
     monkeypatch.setenv(sparse.ENV_CHUNK_BYTES, str(per_token * 3 + 5))
     assert sparse._chunk_tokens(q, k, None, 1, 2048, backward=True) == 3
     monkeypatch.setenv(sparse.ENV_CHUNK_BYTES, "1")

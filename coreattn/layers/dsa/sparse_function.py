@@ -161,13 +161,16 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, topk, key_lo, key_hi)
     ctx.options = (args["fmt"], args["softmax_scale"], args["v_dim"], args["backend"])
     ctx.mark_non_differentiable(lse, topk, key_lo, key_hi)
+    # no zero gradients made for the outputs without one: the prepared indices' alone would be a
+    # T x K int32 tensor at the start of the backward
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, *_):
     # lse, the indices and the bounds are non-differentiable: their incoming gradients are ignored
     q, k, v, out, lse, topk, key_lo, key_hi = ctx.saved_tensors
     grads = dict.fromkeys(_FWD_ARGS)
-    if any(ctx.needs_input_grad[:3]):
+    if dout is not None and any(ctx.needs_input_grad[:3]):
         dq, dk, dv = sparse_attn_bwd(dout, q, k, v, out, lse, topk, key_lo, key_hi, *ctx.options)
         grads.update(q=dq, k=dk, v=None if v is None else dv)
     return tuple(grads[name] for name in _FWD_ARGS)

@@ -15,7 +15,7 @@ prepared inputs, and return the same results:
   ``[Hq, T]`` (thd) or ``[B, Hq, S]``; a token with no visible key gets out 0 and lse -inf, and
   every gradient through it is 0, never NaN.
 
-Memory: the work runs over chunks of C query tokens, C from a byte budget (``CHUNK_BYTES``: 16 MiB on
+Memory: the work runs over chunks of C query tokens, C from a byte budget (``CHUNK_BYTES``: 8 MiB on
 CPU, where a chunk then stays in the last-level cache between its gather and its products, 256 MiB
 on other devices; or the ``COREATTN_SPARSE_TORCH_CHUNK_BYTES`` environment variable): a chunk gathers its tokens' keys
 (``[C, Hkv, K, Dqk]``, and values unless absorbed) and holds ``[C, Hq, K]`` scores; nothing is
@@ -25,7 +25,7 @@ delta), delta = rowsum(dO * O)), writes the chunk's dQ rows, and adds the chunk'
 rows into float32 (float64) accumulators ``[rows, Hkv, D]``: with ``index_add_`` on CPU
 (sequential, deterministic) and ``index_put_(accumulate=True)`` elsewhere (sort-based,
 deterministic, on CUDA). k and v are copied once per call into ``[rows + 1, Hkv, D]`` sources in
-the work dtype whose last row is zeros: a slot a token cannot see reads that row (and adds its
+their own dtype (each chunk's gather is converted to the work dtype) whose last row is zeros: a slot a token cannot see reads that row (and adds its
 zero gradient there), so a NaN or inf in a key the token must not see never reaches it, and
 gathers need no masking pass. Total: O(T * H * D + T * K) plus one chunk.
 """
@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 # working set of one chunk of query tokens (gathers, scores, partial gradients), per device type
-CHUNK_BYTES = {"cpu": 16 << 20}
+CHUNK_BYTES = {"cpu": 8 << 20}
 DEFAULT_CHUNK_BYTES = 256 << 20
 ENV_CHUNK_BYTES = "COREATTN_SPARSE_TORCH_CHUNK_BYTES"
 
@@ -100,20 +100,21 @@ def _chunk(n0: int, n1: int, batch: int, seqlen_q: int, seqlen_k: int, heads_kv:
     return _Chunk(where, valid[:, :, None, :], rows)
 
 
-def _source(x: torch.Tensor, fmt: str, work: torch.dtype) -> torch.Tensor:
-    """``[(B * S + 1) * H, D]``: x's rows (sample-major) in the work dtype, then H zero rows, which the
-    slots that see nothing read: one copy of x per call instead of masking every gathered chunk."""
+def _source(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``[(B * S + 1) * H, D]``: x's rows (sample-major) in x's dtype, then H zero rows, which the
+    slots that see nothing read: one copy of x per call instead of masking every gathered chunk
+    (in x's dtype: a bf16 latent key of 8k x 576 is 9 MiB here, not 18 in float32)."""
     x_bs = _by_sample(x, fmt)
     batch, seqlen, heads, dim = x_bs.shape
-    src = torch.empty(batch * seqlen + 1, heads, dim, dtype=work, device=x.device)
+    src = torch.empty(batch * seqlen + 1, heads, dim, dtype=x.dtype, device=x.device)
     src[:-1].view(batch, seqlen, heads, dim).copy_(x_bs)
     src[-1].zero_()
     return src.view(-1, dim)
 
 
-def _gather(src: torch.Tensor, c: _Chunk, heads_kv: int, topk_k: int) -> torch.Tensor:
-    """The chunk's keys (or values) ``[C, Hkv, K, D]``: one row per (token, kv head, slot)."""
-    return src.index_select(0, c.rows).view(-1, heads_kv, topk_k, src.shape[-1])
+def _gather(src: torch.Tensor, c: _Chunk, heads_kv: int, topk_k: int, work: torch.dtype) -> torch.Tensor:
+    """The chunk's keys (or values) ``[C, Hkv, K, D]`` in the work dtype: one row per (token, kv head, slot)."""
+    return src.index_select(0, c.rows).view(-1, heads_kv, topk_k, src.shape[-1]).to(work)
 
 
 def bytes_per_token(q, k, v, hidx: int, topk_k: int, backward: bool) -> int:
@@ -125,7 +126,8 @@ def bytes_per_token(q, k, v, hidx: int, topk_k: int, backward: bool) -> int:
     gathered = hkv * topk_k * (dqk + dv_sep)  # keys (and values) of every slot
     scores = hq * topk_k * (6 if backward else 2)  # s, p (+ [s; dp], ds, [ds; p])
     partial = hkv * topk_k * (dqk + dv_sep) if backward else 0  # per-slot dK (dV)
-    return work * (gathered + scores + partial) + 8 * hkv * topk_k + 24 * hidx * topk_k
+    narrow = gathered * k.element_size() if k.element_size() != work else 0  # the gather before its conversion
+    return work * (gathered + scores + partial) + narrow + 8 * hkv * topk_k + 24 * hidx * topk_k
 
 
 def _chunk_tokens(q, k, v, hidx: int, topk_k: int, backward: bool) -> int:
@@ -150,14 +152,14 @@ def sparse_attn_torch_fwd(q, k, v, topk, key_lo, key_hi, fmt: str, softmax_scale
     out = q.new_empty(tuple(q.shape[:-1]) + (v_dim,)) if out is None else out
     lse = new_lse(q, fmt) if lse is None else lse
     q_bs, out_bs, lse_bs = _by_sample(q, fmt), _by_sample(out, fmt), _lse_by_sample(lse, fmt)
-    k_src = _source(k, fmt, work)
-    v_src = None if v is None else _source(v, fmt, work)
+    k_src = _source(k, fmt)
+    v_src = None if v is None else _source(v, fmt)
     step = _chunk_tokens(q, k, v, topk.shape[1], topk_k, backward=False)
     for n0 in range(0, topk.shape[0], step):
         c = _chunk(n0, min(n0 + step, topk.shape[0]), batch, seqlen_q, seqlen_k, hkv, topk, key_lo, key_hi)
         qc = q_bs[c.where].to(work).view(-1, hkv, group, q.shape[-1])  # [C, Hkv, G, Dqk]
-        kc = _gather(k_src, c, hkv, topk_k)  # [C, Hkv, K, Dqk]
-        vc = kc[..., :v_dim] if v_src is None else _gather(v_src, c, hkv, topk_k)
+        kc = _gather(k_src, c, hkv, topk_k, work)  # [C, Hkv, K, Dqk]
+        vc = kc[..., :v_dim] if v_src is None else _gather(v_src, c, hkv, topk_k, work)
         s = torch.matmul(qc, kc.transpose(-1, -2)).mul_(softmax_scale)  # [C, Hkv, G, K]
         s = s.masked_fill_(~c.valid, float("-inf"))
         m = s.amax(-1, keepdim=True)
@@ -202,22 +204,22 @@ def sparse_attn_torch_bwd(dout, q, k, v, out, lse, topk, key_lo, key_hi, fmt: st
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     q_bs, dq_bs = _by_sample(q, fmt), _by_sample(dq, fmt)
     dout_bs, out_bs, lse_bs = _by_sample(dout, fmt), _by_sample(out, fmt), _lse_by_sample(lse, fmt)
-    k_src = _source(k, fmt, work)
-    v_src = None if v is None else _source(v, fmt, work)
-    dk_acc = torch.zeros_like(k_src)
-    dv_acc = None if v is None else torch.zeros_like(v_src)
+    k_src = _source(k, fmt)
+    v_src = None if v is None else _source(v, fmt)
+    dk_acc = torch.zeros(k_src.shape, dtype=work, device=k.device)
+    dv_acc = None if v is None else torch.zeros(v_src.shape, dtype=work, device=v.device)
     step = _chunk_tokens(q, k, v, topk.shape[1], topk_k, backward=True)
     for n0 in range(0, topk.shape[0], step):
         c = _chunk(n0, min(n0 + step, topk.shape[0]), batch, seqlen_q, seqlen_k, hkv, topk, key_lo, key_hi)
         qc = q_bs[c.where].to(work).view(-1, hkv, group, dqk)  # [C, Hkv, G, Dqk]
         do = dout_bs[c.where].to(work).view(-1, hkv, group, v_dim)  # [C, Hkv, G, Dv]
         delta = (do * out_bs[c.where].to(work).view(-1, hkv, group, v_dim)).sum(-1, keepdim=True)
-        kc = _gather(k_src, c, hkv, topk_k)  # [C, Hkv, K, Dqk]
+        kc = _gather(k_src, c, hkv, topk_k, work)  # [C, Hkv, K, Dqk]
         if v_src is None:  # absorbed: V is kc's first columns, so one product gives S and dP: [q; dO] kc^T
             qdo = torch.cat([qc, torch.nn.functional.pad(do, (0, dqk - v_dim))], dim=2)  # [C, Hkv, 2G, Dqk]
             s, dp = torch.matmul(qdo, kc.transpose(-1, -2)).split(group, dim=2)
         else:
-            vc = _gather(v_src, c, hkv, topk_k)
+            vc = _gather(v_src, c, hkv, topk_k, work)
             s, dp = torch.matmul(qc, kc.transpose(-1, -2)), torch.matmul(do, vc.transpose(-1, -2))
         row_lse = lse_bs[c.where].to(work).view(-1, hkv, group, 1)
         # a row that sees nothing has lse -inf: +inf makes its P exactly 0
