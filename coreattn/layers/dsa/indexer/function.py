@@ -3,8 +3,9 @@
 - The loss (``IndexerLossFunction``): its forward runs the chunked loss of
   coreattn/layers/torch_backend/indexer_loss.py and, when q, k or the weights need a gradient,
   computes their gradients for an incoming gradient of 1 in the same pass; the backward multiplies
-  those by the incoming gradient and casts them to the inputs' dtypes. Saved: the three gradients
-  (q's, k's and the weights' sizes, in float32), nothing of size T x T. The attention side (query,
+  those by the incoming gradient (in float32) and casts them to the inputs' dtypes. Saved: the three
+  gradients, in the inputs' dtypes (q's, k's and the weights' sizes; a bf16 q's is half the float32
+  one, and the product rounds once more, within one bf16 ulp), nothing of size T x T. The attention side (query,
   key) gets no gradient: Megatron detaches it. The top-k indices it may return are not
   differentiable.
 - The Hadamard transform (``HadamardFunction``): the backward is the same transform of the
@@ -58,19 +59,21 @@ class IndexerLossFunction(torch.autograd.Function):
                                 **options)
         ctx.dtypes = (q.dtype, k.dtype, weights.dtype)
         if grads:
-            ctx.save_for_backward(result.dq, result.dk, result.dw)
+            ctx.save_for_backward(*(g.to(dtype) for g, dtype in zip((result.dq, result.dk, result.dw), ctx.dtypes)))
         indices = result.topk_indices
         if indices is None:  # apply's outputs are tensors: an empty stand-in when the chunks selected none
             indices = torch.empty(0, dtype=torch.int64, device=q.device)
         ctx.mark_non_differentiable(indices)
+        ctx.set_materialize_grads(False)  # no zero [T, K] gradient made for the indices in the backward
         return result.loss.to(torch.float32) if q.dtype != torch.float64 else result.loss, indices
 
     @staticmethod
     def backward(ctx, grad_loss, grad_indices):
         dq = dk = dw = None
-        if any(ctx.needs_input_grad[:3]):
+        if grad_loss is not None and any(ctx.needs_input_grad[:3]):
             saved = ctx.saved_tensors
-            dq, dk, dw = ((g * grad_loss.to(g.dtype)).to(dtype) for g, dtype in zip(saved, ctx.dtypes))
+            work = [torch.float64 if g.dtype == torch.float64 else torch.float32 for g in saved]
+            dq, dk, dw = ((g.to(w) * grad_loss.to(w)).to(g.dtype) for g, w in zip(saved, work))
         return dq, dk, dw, None, None, None, None, None, None, None
 
 
