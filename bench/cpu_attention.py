@@ -277,6 +277,18 @@ def _child_env() -> dict:
     return env
 
 
+def worker_row(args: list[str], row: dict, timeout: float = 3600) -> dict:
+    """``row`` with the result of ``python ARGS`` in a fresh process (status "ok" and the last JSON
+    line it printed, or status "error" and the last line of its stderr)."""
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO_ROOT, env=_child_env(),
+                          timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return dict(row, status="error", reason=tail[:300])
+    return dict(row, status="ok", **json.loads(lines[-1]))
+
+
 def _run_child(spec: dict) -> dict:
     proc = subprocess.run([sys.executable, "-m", "bench.cpu_attention", json.dumps(spec)], capture_output=True,
                           text=True, timeout=SUBPROCESS_TIMEOUT_S, cwd=REPO_ROOT, env=_child_env())

@@ -28,15 +28,13 @@ import argparse
 import gc
 import json
 import statistics
-import subprocess
 import sys
 import time
 import warnings
 
 import torch
 
-from bench.cpu_attention import _child_env, _reset_peak, _status_kib
-from bench.env import REPO_ROOT
+from bench.cpu_attention import _reset_peak, _status_kib, worker_row
 
 OPS = ("topk", "loss-dense", "loss-sparse")
 PROVIDERS = ("coreattn", "megatron")
@@ -149,14 +147,7 @@ def run(tokens, ops, quick: bool, threads: int = 1) -> list[dict]:
                                                                    f"of [T, T] buffers > {BASELINE_BUDGET >> 30} GiB"))
                     continue
                 spec = dict(op=op, provider=provider, tokens=n, reps=1 if quick else 2, threads=threads)
-                proc = subprocess.run([sys.executable, "-m", "bench.indexer", "--worker", json.dumps(spec)],
-                                      capture_output=True, text=True, cwd=REPO_ROOT, env=_child_env(), timeout=3600)
-                lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-                if proc.returncode or not lines:
-                    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                    rows.append(dict(row, status="error", reason=tail[:300]))
-                else:
-                    rows.append(dict(row, status="ok", **json.loads(lines[-1])))
+                rows.append(worker_row(["-m", "bench.indexer", "--worker", json.dumps(spec)], row))
                 print(format_row(rows[-1]), flush=True)
     return rows
 

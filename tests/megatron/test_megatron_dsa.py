@@ -673,3 +673,14 @@ def test_parallel_models_match_megatron(tmp_path):
     import torch.multiprocessing as mp
 
     mp.spawn(_parallel_worker, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+
+
+@needs_019
+def test_layer_bench_smoke():
+    """``python -m bench.dsa_layer`` (docs/dsa-indexer.md's one-layer memory figures) runs both
+    providers at a small T, each in its own process, and reports time and memory growth."""
+    from bench import dsa_layer
+
+    rows = dsa_layer.run([96], ["coreattn", "megatron"], quick=True)
+    assert [r["status"] for r in rows] == ["ok", "ok"], rows
+    assert all(r["extra_mib"] is not None and r["s"] > 0 for r in rows)
