@@ -33,10 +33,11 @@ POINTER_TYPES = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "q_seq_ptr": "*i32", 
 SHAPES = dict(HEAD_DIM_QK=192, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DQK2=64, BLOCK_DV=128, BLOCK_M=32, BLOCK_N=32,
               DK=True, DV=True, BLOCK_Q=32, BLOCK_K=64, MAP_Q=True, MAP_K=True, CHUNK=SCAN_CHUNK, BLOCK=32,
               REVERSE=True, TILES=MAP_TILES)
-# the pointer loads and the plain loop (the TMA and warp-specialized variants: tests/kernels/test_tune_dry_run.py);
-# the descriptor arguments are then None, which Triton makes constexprs
+# the pointer loads and the plain loop (the TMA and warp-specialized variants: tests/tune/test_dry_run.py);
+# the descriptor arguments are then None, which Triton makes constexprs; int32 lane offsets, the default
+# variant (the INT64_LANES one: tests/kernels/test_lane_offsets_compiled.py)
 POINTER_LOOP = dict(TMA=False, WARP_SPEC=False, k_desc=None, k2_desc=None, v_desc=None, q_desc=None, q2_desc=None,
-                    do_desc=None)
+                    do_desc=None, INT64_LANES=False)
 NO_FEATURES = dict(DROPOUT=False, HAS_GID=False, HAS_SINK=False, RETURN_MAX=False, SINK_GRAD=False)
 VARIANTS = {
     "thd-causal-window": dict(HAS_LEFT=True, HAS_RIGHT=True, BOTTOM_RIGHT=True, SPANS=False, PACKED=True,
