@@ -43,7 +43,8 @@ from typing import NamedTuple
 
 import torch
 
-from coreattn.layers.torch_backend.indexer_topk import chunks, index_scores, score_dtype, select, side_rows, visible
+from coreattn.layers.torch_backend.indexer_topk import (chunks, index_scores, sample_dims, score_dtype, select, side_rows,
+                                                        visible)
 
 EPS = 1e-10  # Megatron's INDEXER_LOSS_EPS: target normalizer and log clamp, and the softmax normalizer's floor
 
@@ -114,12 +115,7 @@ def loss_torch(q, k, weights, query, key, key_lo, key_hi, fmt: str, *, softmax_s
     or None. ``grads``: also return dq, dk, dw for an incoming gradient of 1.
     """
     heads = q.shape[-2]
-    if fmt == "thd":
-        batch, seqlen_q, seqlen_k = 1, q.shape[0], k.shape[0]
-    elif fmt == "bshd":
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-    else:
-        batch, seqlen_q, seqlen_k = q.shape[1], q.shape[0], k.shape[0]
+    batch, seqlen_q, seqlen_k = sample_dims(q, k, fmt)
     n_rows = batch * seqlen_q
     dtype = score_dtype(q, k, weights)
     device = q.device

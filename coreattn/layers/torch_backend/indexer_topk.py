@@ -84,6 +84,16 @@ def chunks(key_lo: torch.Tensor, key_hi: torch.Tensor, batch: int, seqlen_q: int
             yield Chunk(b, s0, s1, k0, k1)
 
 
+def sample_dims(q: torch.Tensor, k: torch.Tensor, fmt: str) -> tuple[int, int, int]:
+    """(samples, query positions per sample, key positions per sample) of index-side q and k in ``fmt``
+    (thd: one sample, the packed stream)."""
+    if fmt == "thd":
+        return 1, q.shape[0], k.shape[0]
+    if fmt == "bshd":
+        return q.shape[0], q.shape[1], k.shape[1]
+    return q.shape[1], q.shape[0], k.shape[0]
+
+
 def side_rows(x: torch.Tensor, fmt: str, b: int, s0: int, s1: int) -> torch.Tensor:
     """Tokens [s0, s1) of sample b of a thd/bshd/sbhd tensor, token dim first."""
     if fmt == "thd":
@@ -161,12 +171,7 @@ def topk_torch(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, key_lo: 
     key ranges per chunk, see ``chunks``). Scores in float32, float64 for float64 inputs (then the
     returned scores are float64)."""
     heads = q.shape[-2]
-    if fmt == "thd":
-        batch, seqlen_q, seqlen_k = 1, q.shape[0], k.shape[0]
-    elif fmt == "bshd":
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-    else:
-        batch, seqlen_q, seqlen_k = q.shape[1], q.shape[0], k.shape[0]
+    batch, seqlen_q, seqlen_k = sample_dims(q, k, fmt)
     width = min(topk, seqlen_k)
     dtype = score_dtype(q, k, weights)
     idx = torch.full((batch * seqlen_q, width), -1, dtype=index_dtype, device=q.device)
