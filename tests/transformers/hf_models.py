@@ -2,7 +2,11 @@
 batches the tests feed them: the same sequences right-padded, left-padded and packed.
 
 Models: Llama (GQA 4/2), Qwen3 (GQA, q/k norms), gpt-oss (sinks, a sliding window of 4 on every
-other layer, MoE) and DeepSeek-V3 (MLA scaled down from 192/128: q/k 48 = 32 + 16 rope, v 32; MoE).
+other layer, MoE), DeepSeek-V3 (MLA scaled down from 192/128: q/k 48 = 32 + 16 rope, v 32; MoE) and the
+DeepSeek Sparse Attention models DeepSeek-V3.2 and GLM-5 (the same MLA, an indexer of 8 heads of 32
+choosing the top 4 keys: sparse for the 7- and 9-token sequences; GLM-5's second layer reuses the
+first one's top-k). ``v4_config`` builds DeepSeek-V4 (shared K = V of 32, sinks, a window of 4;
+sliding-only or with its compressed layers).
 """
 
 from __future__ import annotations
@@ -15,12 +19,24 @@ VOCAB = 61
 LENS = (7, 3, 9)  # sequence lengths: longer and shorter than gpt-oss's window
 
 
+DSA_MODELS = ("deepseek_v32", "glm_moe_dsa")
+TOPK = 4  # the DSA models' index_topk: below the longer sequences' lengths
+
+
 def _configs():
-    from transformers import DeepseekV3Config, GptOssConfig, LlamaConfig, Qwen3Config
+    from transformers import (DeepseekV3Config, DeepseekV32Config, GlmMoeDsaConfig, GptOssConfig, LlamaConfig,
+                              Qwen3Config)
 
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, max_position_embeddings=64,
                   tie_word_embeddings=False)
+    mla = dict(intermediate_size=48, moe_intermediate_size=16, num_attention_heads=4, num_key_value_heads=4,
+               n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+               first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=32, qk_rope_head_dim=16,
+               v_head_dim=32)
+    dsa = dict(index_topk=TOPK, index_head_dim=32, index_n_heads=8)
     return {
+        "deepseek_v32": lambda: DeepseekV32Config(**common, **mla, **dsa),
+        "glm_moe_dsa": lambda: GlmMoeDsaConfig(**common, **mla, **dsa, indexer_types=["full", "shared"]),
         "llama": lambda: LlamaConfig(**common, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2),
         "qwen3": lambda: Qwen3Config(**common, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
                                      head_dim=16),
@@ -36,7 +52,21 @@ def _configs():
     }
 
 
-MODELS = ("llama", "qwen3", "gpt_oss", "deepseek_v3")
+MODELS = ("llama", "qwen3", "gpt_oss", "deepseek_v3") + DSA_MODELS
+
+
+def v4_config(layer_types):
+    """A tiny DeepSeek-V4 (``layer_types``: "sliding_attention", "compressed_sparse_attention",
+    "heavily_compressed_attention"; compress rates 2 and 4)."""
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_attention_heads=4,
+                            num_hidden_layers=len(layer_types), head_dim=32, q_lora_rank=16, n_routed_experts=4,
+                            num_experts_per_tok=2, n_shared_experts=1, hc_mult=2, hc_sinkhorn_iters=2, sliding_window=4,
+                            o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=16, index_topk=2,
+                            layer_types=list(layer_types), mlp_layer_types=["moe"] * len(layer_types),
+                            compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                            max_position_embeddings=64, partial_rotary_factor=0.25)
 
 
 def build(name: str, dtype: torch.dtype, attn_implementation: str, seed: int = 0):

@@ -91,15 +91,16 @@ class _Float32AsFloat64:
 
 @pytest.mark.parametrize("name", hm.MODELS)
 def test_packed_equals_one_by_one_float64(name, monkeypatch):
-    if name == "deepseek_v3":
-        # DeepSeek-V3 runs its router in float32 by design (F.linear of float32 casts): a matmul
-        # whose rounding follows the number of rows, so packed and one-by-one differ at float32
-        # rounding there, and through the router's input gradient in every parameter upstream of
-        # it (seen: 3.5e-10 relative in the embedding's gradient). Its float32 casts run in float64
-        # here, so everything must agree to float64 rounding.
-        from transformers.models.deepseek_v3 import modeling_deepseek_v3
+    if name in ("deepseek_v3",) + hm.DSA_MODELS:
+        # DeepSeek-V3 (and V3.2, GLM-5) runs its router in float32 by design (F.linear of float32
+        # casts): a matmul whose rounding follows the number of rows, so packed and one-by-one differ
+        # at float32 rounding there, and through the router's input gradient in every parameter
+        # upstream of it (seen: 3.5e-10 relative in the embedding's gradient). Its float32 casts run
+        # in float64 here, so everything must agree to float64 rounding.
+        import importlib
 
-        monkeypatch.setattr(modeling_deepseek_v3, "torch", _Float32AsFloat64())
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        monkeypatch.setattr(module, "torch", _Float32AsFloat64())
     seqs = hm.sequences()
     w = hm.weights(seqs)
     alone = hm.run_one_by_one(hm.build(name, torch.float64, TORCH_IMPL), seqs, w)
@@ -198,7 +199,7 @@ def test_unsupported_arguments_raise(kwargs, exc, match):
 
 
 def test_output_attentions_warns_once(caplog):
-    coreattn_hf._warned.discard("output_attentions")
+    coreattn_hf.attention._warned.discard("output_attentions")
     with caplog.at_level(logging.WARNING, logger="coreattn"):
         for _ in range(2):
             out, weights = coreattn_hf.attention_forward(_module(), *_qkv(), None, backend="torch",

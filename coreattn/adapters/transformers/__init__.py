@@ -1,0 +1,74 @@
+"""coreattn as a Hugging Face transformers attention implementation.
+
+    import coreattn.adapters.transformers as coreattn_hf
+    coreattn_hf.register()                      # once, before building the model
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="coreattn")
+    model.set_attn_implementation("coreattn")   # or switch an existing model
+
+Owns: ``attention.py`` (``attention_forward``, the attention function, and the tables of the
+keyword arguments it honours, ignores and rejects), ``masks.py`` (``padding_mask``, the mask
+builder, and the models and mask patterns it refuses) and ``dsa.py`` (DeepSeek Sparse Attention
+models: their mask, indexer and sparse attention). ``register()`` adds ``attention_forward`` to
+transformers' ``AttentionInterface`` and ``padding_mask`` to its ``AttentionMaskInterface`` under the
+same name, and wraps the DSA models' indexers (``dsa.install_indexers``: they run coreattn's top-k
+when handed coreattn's mask, transformers' own code otherwise). transformers is imported only by
+``register()`` and the functions it installs.
+
+What a call runs (q ``[B, Hq, Sq, Dqk]``, k ``[B, Hkv, Sk, Dqk]``, v ``[B, Hkv, Sk, Dv]`` as the
+model passes them; GQA/MQA and Dv != Dqk natively, the inputs used in place as bshd views):
+
+- a ``[B, S]`` padding mask (left, right or with holes): ``coreattn.padded_attn`` with it as the
+  q and k keep masks, read in the kernels (no unpadding, no S×S mask); padded query rows output
+  zeros, as with flash attention;
+- packed sequences given as ``cu_seq_lens_q/k`` (+ ``max_length_q/k``; transformers'
+  ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``): ``coreattn.varlen_attn``;
+- no mask and ``position_ids`` (which transformers' models always pass): the sequences are where
+  the position ids do not go up by one (transformers' own packed-sequence rule); the op derives
+  cu_seqlens from them when it runs. With B > 1, q/k/v are copied into the packed layout;
+- neither: ``coreattn.padded_attn`` on the whole rows;
+- DeepSeek-V3.2 and GLM-5 (``dsa.SERVED``): the indexer's ``indices`` through
+  ``coreattn.sparse_padded_attn``, the mask as per-query key bounds (``dsa.py``).
+
+Raises (NotImplementedError or ValueError, naming the feature and the model): keyword arguments
+coreattn does not implement (``attention.REJECTED`` and any it does not know), a 4D attention mask
+or BlockMask (a custom mask), a padding mask together with packed sequences, mask patterns other
+than causal / bidirectional / sliding window / padding / packing, DeepSeek-V4's compressed layers
+and the DSA indexers of other models (``masks.unsupported_model``). Under torch.compile the mask
+builder cannot inspect transformers' mask closures: it still rejects overlays (``use_vmap``) and
+chunked masks (``local_size``), but a blockwise overlay is detected in eager mode only.
+
+May import: ``coreattn.kernels``, ``coreattn.layers`` and ``coreattn.adapters.transformers``;
+transformers inside functions only.
+"""
+
+from __future__ import annotations
+
+from coreattn.adapters.transformers.attention import HONOURED, IGNORED, REJECTED, attention_forward
+from coreattn.adapters.transformers.dsa import SparseMask
+from coreattn.adapters.transformers.masks import padding_mask
+
+NAME = "coreattn"
+
+
+def register(name: str = NAME, *, backend=None) -> str:
+    """Register coreattn with transformers as ``attn_implementation=name`` (attention function and
+    mask builder) and wrap the DSA models' indexers; ``backend`` pins a coreattn backend ("triton",
+    "torch"; None: per device) for the attention and the DSA indexer. Returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from coreattn.adapters.transformers.dsa import install_indexers
+
+    def coreattn_attention(module, query, key, value, attention_mask, **kwargs):
+        return attention_forward(module, query, key, value, attention_mask, backend=backend, **kwargs)
+
+    def coreattn_mask(*args, **kwargs):
+        return padding_mask(*args, backend=backend, **kwargs)
+
+    AttentionInterface.register(name, coreattn_attention)
+    AttentionMaskInterface.register(name, coreattn_mask)
+    install_indexers()
+    return name
+
+
+__all__ = ["NAME", "HONOURED", "IGNORED", "REJECTED", "SparseMask", "attention_forward", "padding_mask", "register"]

@@ -1,0 +1,148 @@
+"""coreattn's mask builder for transformers (``AttentionMaskInterface``), and what it refuses.
+
+``padding_mask`` runs once per model forward. It hands the attention function a ``[B, kv_length]``
+bool keep mask, or None when nothing is padded; DSA models (``dsa.SERVED``) get a ``dsa.SparseMask``.
+It raises, naming the feature, for mask patterns coreattn cannot run and for models whose layers
+change K/V or the mask after it was built (``unsupported_model``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coreattn.adapters.transformers import dsa
+
+_SUPPORTED_PARTS = {
+    "sliding_window_overlay.<locals>.inner_mask": "sliding window",
+    "sliding_window_bidirectional_overlay.<locals>.inner_mask": "sliding window",
+    "packed_sequence_mask_function.<locals>.inner_mask": "packed sequences",
+    "padding_mask_function.<locals>.inner_mask": "padding",
+}
+_UNSUPPORTED_PARTS = {
+    "chunked_overlay.<locals>.inner_mask": "chunked attention (attention_chunk_size, Llama 4)",
+    "blockwise_overlay.<locals>.inner_mask": "blockwise overlays (block_sequence_ids, e.g. bidirectional image tokens)",
+    "or_masks.<locals>.or_mask": "or_mask_function overlays",
+}
+_SEQUENCE_IDS = "packed_sequence_mask_function.<locals>.inner_mask"
+_WINDOWS = ("sliding_window_overlay.<locals>.inner_mask", "sliding_window_bidirectional_overlay.<locals>.inner_mask")
+_USE_EAGER = "use attn_implementation='sdpa' or 'eager' for this model"
+
+
+def _closure(fn) -> dict:
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in (fn.__closure__ or ()))))
+
+
+def _parts(fn) -> list:
+    """The mask functions an and_masks / packed-sequence remap combines (transformers' combinators)."""
+    name = getattr(fn, "__qualname__", repr(fn))
+    if name == "and_masks.<locals>.and_mask":
+        return [part for inner in _closure(fn).get("mask_functions", ()) for part in _parts(inner)]
+    if name == "remap_positions_for_packed_sequence.<locals>.inner_mask":
+        return _parts(_closure(fn)["mask_function"])
+    return [fn]
+
+
+def _unsupported_parts(fn) -> list[str]:
+    """What of a transformers mask function coreattn cannot run (empty: causal or bidirectional,
+    with sliding windows, padding and packing only)."""
+    from transformers import masking_utils as mu
+
+    found = []
+    for part in _parts(fn):
+        name = getattr(part, "__qualname__", repr(part))
+        if part in (mu.causal_mask_function, mu.bidirectional_mask_function) or name in _SUPPORTED_PARTS:
+            continue
+        found.append(_UNSUPPORTED_PARTS.get(name, f"a custom mask function ({name})"))
+    return found
+
+
+def unsupported_model(config) -> str | None:
+    """Why coreattn cannot run this model's attention (None: it can): the layers of DeepSeek-V4 that
+    append compressed entries to K/V after the mask was built, and DSA indexers coreattn does not serve."""
+    if config is None:
+        return None
+    model_type = getattr(config, "model_type", "")
+    if model_type == "deepseek_v4":
+        compressed = sorted({t for t in getattr(config, "layer_types", None) or () if t != "sliding_attention"})
+        if compressed:
+            return (f"DeepSeek-V4's compressed attention layers ({', '.join(compressed)}): they append compressed "
+                    "KV entries to K/V after the mask is built and mask them with a block_bias (and, on CSA layers, "
+                    "the indexer's top-k), which coreattn does not serve yet")
+        return None
+    if getattr(config, "index_topk", None) is not None and model_type not in dsa.SERVED:
+        return (f"the sparse attention of {model_type!r} (its indexer reads a [B, S, T] mask and passes a top-k "
+                f"as indices=); coreattn serves DSA for {', '.join(dsa.SERVED)}")
+    return None
+
+
+def _dsa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, config,
+              backend, device) -> dsa.SparseMask:
+    from transformers import masking_utils as mu
+
+    parts = _parts(mask_function) if mask_function is not None else [mu.causal_mask_function]
+    names = [getattr(p, "__qualname__", "") for p in parts]
+    if any(name in _WINDOWS for name in names):
+        raise NotImplementedError(f"coreattn's DSA path has no sliding window ({config.model_type}); {_USE_EAGER}")
+    sequence_ids = next((_closure(p)["packed_sequence_mask"] for p, n in zip(parts, names) if n == _SEQUENCE_IDS),
+                        None)
+    causal = mu.bidirectional_mask_function not in parts
+    keep = None
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError(f"coreattn expects a [batch, seq] padding mask, got shape {tuple(attention_mask.shape)}")
+        keep = attention_mask[:, -kv_length:].to(torch.bool)
+        # the indexer takes each row's keys as one range: a mask with holes cannot be served (one read per
+        # model forward, as the dense path's; under torch.compile or CUDA-graph capture it is not checked)
+        if not _capturing_or_tracing(keep) and bool(dsa.has_holes(keep)):
+            raise NotImplementedError(f"coreattn's DSA path takes left or right padding; this attention mask has "
+                                      f"holes (more than one run of kept tokens in a row) ({config.model_type}); "
+                                      f"{_USE_EAGER}")
+    if attention_mask is not None:
+        device = attention_mask.device
+    lo, hi = dsa.key_bounds(batch_size, q_length, kv_length, q_offset, kv_offset, causal, keep, sequence_ids, device)
+    return dsa.SparseMask(lo, hi, backend)
+
+
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
+                 attention_mask: torch.Tensor | None = None, use_vmap: bool = False, config=None, backend=None,
+                 **kwargs):
+    """transformers' mask builder for coreattn: the ``[B, kv_length]`` bool keep mask (its last
+    kv_length columns, as for flash attention), or None without padding (no mask given, or one
+    that keeps every token: read once per forward, except under torch.compile or CUDA-graph capture,
+    which keep the mask). Never expanded to ``[B, 1, Sq, Sk]``; causal and window patterns come from
+    the attention call itself. DSA models get a ``SparseMask`` (``backend``: the pin it carries to
+    their indexer). Mask patterns and models coreattn cannot run raise here (see the module docstring)."""
+    reason = unsupported_model(config)
+    if reason:
+        raise NotImplementedError(f"coreattn cannot run {reason}; {_USE_EAGER}")
+    local_size = kwargs.get("local_size")
+    if use_vmap:
+        raise NotImplementedError("coreattn cannot run or_mask_function/and_mask_function mask overlays (custom "
+                                  f"mask patterns); {_USE_EAGER}")
+    if torch.compiler.is_compiling():
+        if local_size is not None and local_size != getattr(config, "sliding_window", None):
+            raise NotImplementedError(f"coreattn cannot run chunked attention masks (attention_chunk_size); {_USE_EAGER}")
+    elif mask_function is not None:
+        parts = _unsupported_parts(mask_function)
+        if parts:
+            raise NotImplementedError(f"coreattn cannot run this mask pattern: {', '.join(parts)}; {_USE_EAGER}")
+    if getattr(config, "model_type", None) in dsa.SERVED:
+        return _dsa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, config,
+                         backend, kwargs.get("device") or torch.device("cpu"))
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        raise ValueError(f"coreattn expects a [batch, seq] padding mask, got shape {tuple(attention_mask.shape)}")
+    keep = attention_mask[:, -kv_length:].to(torch.bool)
+    if attention_mask.shape[1] != kv_length or _capturing_or_tracing(keep):
+        return keep
+    # Nothing padded: no keep mask, so no layer takes the kernels' masked path for every key block.
+    # One read of the mask per model forward (this builder runs once for all layers), as transformers'
+    # own flash-attention builder reads it; never while torch.compile traces or a CUDA graph captures.
+    return None if bool(keep.all()) else keep
+
+
+def _capturing_or_tracing(x: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
