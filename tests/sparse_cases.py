@@ -40,6 +40,7 @@ class SparseCase:
     index_dtype: torch.dtype = torch.int64
     noncontig: bool = False
     softmax_scale: float | None = None
+    full_rows: float = 0.0  # this share of the rows name every key of their causal range (and masked extras)
 
     @property
     def id(self) -> str:
@@ -51,6 +52,8 @@ class SparseCase:
         parts += [name for name, on in (("qk-lens-differ", self.lens_k is not None), ("topk-length", self.topk_length),
                                         ("bounds", self.bounds), ("left-pad", self.left_pad),
                                         ("strided", self.noncontig)) if on]
+        if self.full_rows:
+            parts.append("all-rows-full" if self.full_rows >= 1 else f"full-rows{int(self.full_rows * 100)}")
         return "-".join(parts)
 
 
@@ -114,6 +117,13 @@ class SparseInputs:
                     k0, lk = k_start[b], lens_k[b]
                     shift = lk - lens_q[b] if case.bottom_right else 0
                     vis_hi = min(lk, token_pos[n] + 1 + shift) if case.causal else lk
+                    if 0 < vis_hi <= case.topk and n % 7 != 3 and rng.random() < case.full_rows:
+                        # a full row: every visible key, shuffled, then masked extras (-1, repeats, the future)
+                        row = [k0 + j for j in range(vis_hi)]
+                        row += [rng.choice([-1, row[0], k0 + lk]) for _ in range(case.topk - vis_hi)]
+                        rng.shuffle(row)
+                        heads.append(row)
+                        continue
                 for slot in range(case.topk):
                     r = rng.random()
                     if b is None or n % 7 == 3:  # a row with no visible key

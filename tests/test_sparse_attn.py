@@ -33,6 +33,14 @@ CASES = [
     (SparseCase(layout="sbhd", dqk=48, dv=32, hq=4, hkv=1, absorbed=True, topk_length=True, bounds=True,
                 lens_q=(6, 1, 10)), (BF16, F32)),
     (SparseCase(layout="sbhd", per_head=True, causal=False, left_pad=True, noncontig=True, lens_q=(5, 9)), (F16, F64)),
+    # full rows (every key of the causal range named: read as ranges) alone, and mixed with sparse rows
+    (SparseCase(dqk=576, dv=512, hq=4, hkv=1, absorbed=True, topk=16, lens_q=(7, 0, 12), full_rows=1.0),
+     (BF16, F32, F64)),
+    (SparseCase(per_head=True, topk=12, lens_q=(5, 0, 19, 1, 9), full_rows=0.7, bounds=True), (F32, F64)),
+    (SparseCase(layout="bshd", hq=4, hkv=2, topk=10, lens_q=(6, 0, 14), lens_k=(9, 2, 14), full_rows=0.8),
+     (F32,)),
+    (SparseCase(layout="sbhd", hq=2, hkv=1, absorbed=True, dqk=24, dv=16, topk=8, left_pad=True, lens_q=(3, 11),
+                full_rows=1.0, causal=True, bottom_right=False), (F32,)),
 ]
 
 
@@ -51,6 +59,7 @@ TRITON_CASES = [
     (SparseCase(lens_q=(5, 0, 9)), (F16,)),
     (SparseCase(dqk=576, dv=512, hq=16, hkv=1, absorbed=True, topk=16, lens_q=(3, 6)), (BF16,)),
     (SparseCase(layout="sbhd", per_head=True, topk_length=True, bounds=True, lens_q=(4, 7)), (F32,)),
+    (SparseCase(dqk=576, dv=512, hq=16, hkv=1, absorbed=True, topk=8, lens_q=(5, 11), full_rows=0.7), (BF16,)),
 ]
 
 
@@ -121,7 +130,7 @@ def test_backward_is_deterministic(layout, backend, monkeypatch):
     monkeypatch.setenv(sparse.ENV_CHUNK_BYTES, str(1 << 14))
     big = backend == "torch" or KERNEL_DEVICE != "cpu"
     case = SparseCase(layout=layout, dqk=64 if big else 32, dv=64 if big else 16, hq=8 if big else 4, hkv=2,
-                      topk=32 if big else 8, lens_q=(40, 23) if big else (7, 5))
+                      topk=32 if big else 8, lens_q=(40, 23) if big else (7, 5), full_rows=0.6)
     inp = SparseInputs(case, F32).on(KERNEL_DEVICE if backend == "triton" else "cpu")
     runs = []
     for _ in range(2):

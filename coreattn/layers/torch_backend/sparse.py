@@ -15,16 +15,25 @@ prepared inputs, and return the same results:
   ``[Hq, T]`` (thd) or ``[B, Hq, S]``; a token with no visible key gets out 0 and lse -inf, and
   every gradient through it is 0, never NaN.
 
-Memory: the work runs over chunks of C query tokens, C from a byte budget (``CHUNK_BYTES``: 8 MiB on
-CPU, where a chunk then stays in the last-level cache between its gather and its products, 256 MiB
-on other devices; or the ``COREATTN_SPARSE_TORCH_CHUNK_BYTES`` environment variable): a chunk gathers its tokens' keys
-(``[C, Hkv, K, Dqk]``, and values unless absorbed) and holds ``[C, Hq, K]`` scores; nothing is
-S x S and nothing gathers the whole sequence's ``[T, K, D]``. The forward keeps nothing but out
+The query tokens are walked in segments (``sparse_plan.py``): **range blocks** of full rows (the
+row's visible keys are its whole bounds, as on sequences shorter than the top-k) read one
+contiguous slice of k in place and take one product per block, and **gather chunks** of the other
+rows gather each token's named keys, as many slots per row as the chunk's longest row holds (the
+prepared rows are compact). Where coreattn may not read values (a device), every row is gathered
+in full (``sparse_blocks.py`` says why gathered rows do not share their keys' union).
+
+Memory: each segment's work fits a byte budget (``CHUNK_BYTES``: 8 MiB on CPU, where a chunk then
+stays in the last-level cache between its gather and its products, 256 MiB on other devices; or
+the ``COREATTN_SPARSE_TORCH_CHUNK_BYTES`` environment variable): a gather chunk gathers its tokens'
+keys (``[C, Hkv, W, Dqk]``, and values unless absorbed) and holds ``[C, Hq, W]`` scores, a range
+block holds ``[C, Hq, J]`` scores over its J keys; nothing is S x S and nothing gathers the whole
+sequence's ``[T, K, D]``. The forward keeps nothing but out
 and lse; the backward recomputes each chunk's scores from lse (P = exp(S - lse), dS = P (dP -
 delta), delta = rowsum(dO * O)), writes the chunk's dQ rows, and adds the chunk's per-slot dK/dV
 rows into float32 (float64) accumulators ``[rows, Hkv, D]``: with ``index_add_`` on CPU
 (sequential, deterministic) and ``index_put_(accumulate=True)`` elsewhere (sort-based,
-deterministic, on CUDA). k and v are copied once per call into ``[rows + 1, Hkv, D]`` sources in
+deterministic, on CUDA); a range block adds its dK/dV into its contiguous slice of them (one
+product each, no per-slot scatter). k and v are copied once per call into ``[rows + 1, Hkv, D]`` sources in
 their own dtype (each chunk's gather is converted to the work dtype) whose last row is zeros: a slot a token cannot see reads that row (and adds its
 zero gradient there), so a NaN or inf in a key the token must not see never reaches it, and
 gathers need no masking pass. Total: O(T * H * D + T * K) plus one chunk.
@@ -36,6 +45,9 @@ import os
 from typing import NamedTuple
 
 import torch
+
+from coreattn.layers.torch_backend import sparse_blocks
+from coreattn.layers.torch_backend.sparse_plan import Segment, plan
 
 # working set of one chunk of query tokens (gathers, scores, partial gradients), per device type
 CHUNK_BYTES = {"cpu": 8 << 20}
@@ -82,7 +94,10 @@ class _Chunk(NamedTuple):
     rows: torch.Tensor  # [C * Hkv * K] int64: row of each (token, kv head, slot) in a _source (the zero row if not valid)
 
 
-def _chunk(n0: int, n1: int, batch: int, seqlen_q: int, seqlen_k: int, heads_kv: int, topk, key_lo, key_hi) -> _Chunk:
+def _chunk(seg: Segment, batch: int, seqlen_q: int, seqlen_k: int, heads_kv: int, topk, key_lo, key_hi) -> _Chunk:
+    """A gather chunk's tokens and the rows of their first ``seg.width`` slots (the prepared rows are
+    compact: the slots past a row's count hold -1)."""
+    n0, n1 = seg.n0, seg.n1
     device = topk.device
     if batch == 1:
         where, sample = (0, slice(n0, n1)), 0
@@ -90,7 +105,7 @@ def _chunk(n0: int, n1: int, batch: int, seqlen_q: int, seqlen_k: int, heads_kv:
         n = torch.arange(n0, n1, device=device)
         where = (n // seqlen_q, n % seqlen_q)
         sample = where[0][:, None, None]
-    idx = topk[n0:n1].to(torch.int64)  # [C, Hidx, K]
+    idx = topk[n0:n1, :, :seg.width].to(torch.int64)  # [C, Hidx, W]
     lo = key_lo[n0:n1].to(torch.int64).clamp(min=0)[:, None, None]
     hi = key_hi[n0:n1].to(torch.int64).clamp(max=seqlen_k)[:, None, None]
     valid = (idx >= lo) & (idx < hi)
@@ -112,9 +127,9 @@ def _source(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return src.view(-1, dim)
 
 
-def _gather(src: torch.Tensor, c: _Chunk, heads_kv: int, topk_k: int, work: torch.dtype) -> torch.Tensor:
-    """The chunk's keys (or values) ``[C, Hkv, K, D]`` in the work dtype: one row per (token, kv head, slot)."""
-    return src.index_select(0, c.rows).view(-1, heads_kv, topk_k, src.shape[-1]).to(work)
+def _gather(src: torch.Tensor, c: _Chunk, heads_kv: int, width: int, work: torch.dtype) -> torch.Tensor:
+    """The chunk's keys (or values) ``[C, Hkv, W, D]`` in the work dtype: one row per (token, kv head, slot)."""
+    return src.index_select(0, c.rows).view(c.valid.shape[0], heads_kv, width, src.shape[-1]).to(work)
 
 
 def bytes_per_token(q, k, v, hidx: int, topk_k: int, backward: bool) -> int:
@@ -135,9 +150,28 @@ def _chunk_tokens(q, k, v, hidx: int, topk_k: int, backward: bool) -> int:
     return max(1, chunk_bytes(q.device) // max(1, bytes_per_token(q, k, v, hidx, topk_k, backward)))
 
 
+def _segments(q, k, v, topk, key_lo, key_hi, seqlen_q: int, seqlen_k: int, backward: bool) -> list[Segment]:
+    """The plan (``sparse_plan.plan``) within this call's budgets: a gather chunk visits as many
+    (row, slot) pairs as a chunk of K-slot rows would; a range block holds as many (row, key) scores."""
+    hidx, n_slots = topk.shape[1], topk.shape[-1]
+    per_slot = max(1, bytes_per_token(q, k, v, hidx, 1, backward))
+    budget = chunk_bytes(q.device)
+    step = _chunk_tokens(q, k, v, hidx, n_slots, backward)
+    per_key = sparse_blocks.bytes_per_key(q, k, v, backward)
+    return plan(topk, key_lo, key_hi, seqlen_q, seqlen_k, range_elements=max(1, budget // per_key),
+                max_range_rows=sparse_blocks.MAX_ROWS, gather_slots=max(1, budget // per_slot), gather_step=step)
+
+
 def _shape(q, fmt):
     batch = 1 if fmt == "thd" else (q.shape[0] if fmt == "bshd" else q.shape[1])
     return batch, _by_sample(q, fmt).shape[1]
+
+
+def _range(seg: Segment, seqlen_q: int, seqlen_k: int, key_lo, key_hi):
+    """(where, KeySet) of a range block."""
+    b = seg.b
+    keys = sparse_blocks.range_keys(key_lo, key_hi, seg.n0, seg.n1, b * seqlen_k, seg.k0, seg.k1)
+    return (b, slice(seg.n0 - b * seqlen_q, seg.n1 - b * seqlen_q)), keys
 
 
 def sparse_attn_torch_fwd(q, k, v, topk, key_lo, key_hi, fmt: str, softmax_scale: float, *, v_dim: int | None = None,
@@ -146,29 +180,41 @@ def sparse_attn_torch_fwd(q, k, v, topk, key_lo, key_hi, fmt: str, softmax_scale
     v_dim = v.shape[-1] if v is not None else v_dim
     batch, seqlen_q = _shape(q, fmt)
     seqlen_k = _by_sample(k, fmt).shape[1]
-    hq, hkv = q.shape[-2], k.shape[-2]
-    group, topk_k = hq // hkv, topk.shape[-1]
+    hq, hkv, dqk = q.shape[-2], k.shape[-2], q.shape[-1]
+    group = hq // hkv
     work = _work_dtype(q)
     out = q.new_empty(tuple(q.shape[:-1]) + (v_dim,)) if out is None else out
     lse = new_lse(q, fmt) if lse is None else lse
     q_bs, out_bs, lse_bs = _by_sample(q, fmt), _by_sample(out, fmt), _lse_by_sample(lse, fmt)
-    k_src = _source(k, fmt)
-    v_src = None if v is None else _source(v, fmt)
-    step = _chunk_tokens(q, k, v, topk.shape[1], topk_k, backward=False)
-    for n0 in range(0, topk.shape[0], step):
-        c = _chunk(n0, min(n0 + step, topk.shape[0]), batch, seqlen_q, seqlen_k, hkv, topk, key_lo, key_hi)
-        qc = q_bs[c.where].to(work).view(-1, hkv, group, q.shape[-1])  # [C, Hkv, G, Dqk]
-        kc = _gather(k_src, c, hkv, topk_k, work)  # [C, Hkv, K, Dqk]
-        vc = kc[..., :v_dim] if v_src is None else _gather(v_src, c, hkv, topk_k, work)
-        s = torch.matmul(qc, kc.transpose(-1, -2)).mul_(softmax_scale)  # [C, Hkv, G, K]
+    k_bs, v_bs = _by_sample(k, fmt), None if v is None else _by_sample(v, fmt)
+    k_src = v_src = None
+
+    def write(where, o, l):
+        out_bs[where] = o.to(out.dtype)
+        lse_bs[where] = l.to(lse.dtype)
+
+    for seg in _segments(q, k, v, topk, key_lo, key_hi, seqlen_q, seqlen_k, backward=False):
+        if seg.is_range:
+            where, keys = _range(seg, seqlen_q, seqlen_k, key_lo, key_hi)
+            b = seg.b
+            write(where, *sparse_blocks.block_fwd(q_bs[where], k_bs[b], None if v is None else v_bs[b], keys,
+                                                  softmax_scale, v_dim, work))
+            continue
+        if k_src is None:  # the zero-row copies only where a segment gathers
+            k_src = _source(k, fmt)
+            v_src = None if v is None else _source(v, fmt)
+        c = _chunk(seg, batch, seqlen_q, seqlen_k, hkv, topk, key_lo, key_hi)
+        qc = q_bs[c.where].to(work).view(-1, hkv, group, dqk)  # [C, Hkv, G, Dqk]
+        kc = _gather(k_src, c, hkv, seg.width, work)  # [C, Hkv, W, Dqk]
+        vc = kc[..., :v_dim] if v_src is None else _gather(v_src, c, hkv, seg.width, work)
+        s = torch.matmul(qc, kc.transpose(-1, -2)).mul_(softmax_scale)  # [C, Hkv, G, W]
         s = s.masked_fill_(~c.valid, float("-inf"))
-        m = s.amax(-1, keepdim=True)
+        m = s.amax(-1, keepdim=True) if seg.width else s.new_zeros(s.shape[:-1] + (1,))
         m = m.masked_fill_(torch.isneginf(m), 0.0)
         p = torch.exp(s.sub_(m))
         denom = p.sum(-1, keepdim=True)
         o = torch.matmul(p, vc).div_(torch.where(denom == 0, 1.0, denom))  # [C, Hkv, G, Dv]
-        out_bs[c.where] = o.reshape(-1, hq, v_dim).to(out.dtype)
-        lse_bs[c.where] = (m + torch.log(denom)).reshape(-1, hq).to(lse.dtype)
+        write(c.where, o.reshape(-1, hq, v_dim), (m + torch.log(denom)).reshape(-1, hq))
     return out, lse
 
 
@@ -199,32 +245,47 @@ def sparse_attn_torch_bwd(dout, q, k, v, out, lse, topk, key_lo, key_hi, fmt: st
     batch, seqlen_q = _shape(q, fmt)
     seqlen_k = _by_sample(k, fmt).shape[1]
     hq, hkv, dqk = q.shape[-2], k.shape[-2], q.shape[-1]
-    group, topk_k = hq // hkv, topk.shape[-1]
+    group = hq // hkv
     work = _work_dtype(q)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     q_bs, dq_bs = _by_sample(q, fmt), _by_sample(dq, fmt)
     dout_bs, out_bs, lse_bs = _by_sample(dout, fmt), _by_sample(out, fmt), _lse_by_sample(lse, fmt)
-    k_src = _source(k, fmt)
-    v_src = None if v is None else _source(v, fmt)
-    dk_acc = torch.zeros(k_src.shape, dtype=work, device=k.device)
-    dv_acc = None if v is None else torch.zeros(v_src.shape, dtype=work, device=v.device)
-    step = _chunk_tokens(q, k, v, topk.shape[1], topk_k, backward=True)
-    for n0 in range(0, topk.shape[0], step):
-        c = _chunk(n0, min(n0 + step, topk.shape[0]), batch, seqlen_q, seqlen_k, hkv, topk, key_lo, key_hi)
+    k_bs, v_bs = _by_sample(k, fmt), None if v is None else _by_sample(v, fmt)
+    # accumulators shaped like _source's copies: [(B * Sk + 1) * Hkv, D], the last Hkv rows the zero row's
+    dk_acc = torch.zeros((batch * seqlen_k + 1) * hkv, dqk, dtype=work, device=k.device)
+    dv_acc = None if v is None else torch.zeros((batch * seqlen_k + 1) * hkv, v.shape[-1], dtype=work, device=v.device)
+    dk_rows = dk_acc.view(-1, hkv, dqk)
+    dv_rows = None if dv_acc is None else dv_acc.view(-1, hkv, v_dim)
+    k_src = v_src = None
+
+    def block(where, k_rows, v_rows, keys):
+        dq_bs[where] = sparse_blocks.block_bwd(dout_bs[where], q_bs[where], out_bs[where], lse_bs[where], k_rows,
+                                               v_rows, keys, dk_rows, dv_rows, softmax_scale, v_dim,
+                                               work).to(dq.dtype)
+
+    for seg in _segments(q, k, v, topk, key_lo, key_hi, seqlen_q, seqlen_k, backward=True):
+        if seg.is_range:
+            where, keys = _range(seg, seqlen_q, seqlen_k, key_lo, key_hi)
+            block(where, k_bs[seg.b], None if v is None else v_bs[seg.b], keys)
+            continue
+        if k_src is None:
+            k_src = _source(k, fmt)
+            v_src = None if v is None else _source(v, fmt)
+        c = _chunk(seg, batch, seqlen_q, seqlen_k, hkv, topk, key_lo, key_hi)
         qc = q_bs[c.where].to(work).view(-1, hkv, group, dqk)  # [C, Hkv, G, Dqk]
         do = dout_bs[c.where].to(work).view(-1, hkv, group, v_dim)  # [C, Hkv, G, Dv]
         delta = (do * out_bs[c.where].to(work).view(-1, hkv, group, v_dim)).sum(-1, keepdim=True)
-        kc = _gather(k_src, c, hkv, topk_k, work)  # [C, Hkv, K, Dqk]
+        kc = _gather(k_src, c, hkv, seg.width, work)  # [C, Hkv, W, Dqk]
         if v_src is None:  # absorbed: V is kc's first columns, so one product gives S and dP: [q; dO] kc^T
             qdo = torch.cat([qc, torch.nn.functional.pad(do, (0, dqk - v_dim))], dim=2)  # [C, Hkv, 2G, Dqk]
             s, dp = torch.matmul(qdo, kc.transpose(-1, -2)).split(group, dim=2)
         else:
-            vc = _gather(v_src, c, hkv, topk_k, work)
+            vc = _gather(v_src, c, hkv, seg.width, work)
             s, dp = torch.matmul(qc, kc.transpose(-1, -2)), torch.matmul(do, vc.transpose(-1, -2))
         row_lse = lse_bs[c.where].to(work).view(-1, hkv, group, 1)
         # a row that sees nothing has lse -inf: +inf makes its P exactly 0
         row_lse = row_lse.masked_fill(torch.isneginf(row_lse), float("inf"))
-        p = torch.exp((s * softmax_scale).masked_fill_(~c.valid, float("-inf")).sub_(row_lse))  # [C, Hkv, G, K]
+        p = torch.exp((s * softmax_scale).masked_fill_(~c.valid, float("-inf")).sub_(row_lse))  # [C, Hkv, G, W]
         ds = (dp - delta).mul_(p).mul_(softmax_scale)
         dq_bs[c.where] = torch.matmul(ds, kc).reshape(-1, hq, dqk).to(dq.dtype)
         if v_src is None:  # dK = dS^T q + [P^T dO, 0] in one product
