@@ -41,6 +41,8 @@ class SparseCase:
     noncontig: bool = False
     softmax_scale: float | None = None
     full_rows: float = 0.0  # this share of the rows name every key of their causal range (and masked extras)
+    key_window: tuple[int, int] | None = None  # keys added around each token (DeepSeek-V4's sliding window)
+    sinks: bool = False  # a softmax offset per q head (differentiable)
 
     @property
     def id(self) -> str:
@@ -52,6 +54,10 @@ class SparseCase:
         parts += [name for name, on in (("qk-lens-differ", self.lens_k is not None), ("topk-length", self.topk_length),
                                         ("bounds", self.bounds), ("left-pad", self.left_pad),
                                         ("strided", self.noncontig)) if on]
+        if self.key_window is not None:
+            parts.append(f"window{self.key_window[0]}-{self.key_window[1]}")
+        if self.sinks:
+            parts.append("sinks")
         if self.full_rows:
             parts.append("all-rows-full" if self.full_rows >= 1 else f"full-rows{int(self.full_rows * 100)}")
         return "-".join(parts)
@@ -152,7 +158,8 @@ class SparseInputs:
             bounds = (lo, hi)
         self.sets = sparse_sets(rows, token_seq, token_pos, lens_q,
                                 [k_start[b] for b in range(batch)], list(lens_k), causal=case.causal,
-                                bottom_right=case.bottom_right, topk_length=length, bounds=bounds)
+                                bottom_right=case.bottom_right, topk_length=length, bounds=bounds,
+                                window=case.key_window)
 
         def token_shaped(flat: torch.Tensor) -> torch.Tensor:
             if not padded:
@@ -171,6 +178,13 @@ class SparseInputs:
             self.kwargs["key_bounds"] = tuple(token_shaped(torch.tensor(x, dtype=torch.int64)) for x in bounds)
         if case.absorbed:
             self.kwargs["v_head_dim"] = case.dv
+        if case.key_window is not None:
+            self.kwargs["key_window"] = case.key_window
+        self.sinks = None
+        if case.sinks:
+            self.sinks = torch.randn(case.hq, generator=gen).to(torch.float64 if dtype == torch.float64 else torch.float32)
+            self.sinks.requires_grad_()
+            self.kwargs["softmax_offset"] = self.sinks
         if padded:
             self.kwargs["layout"] = case.layout
             if spans:
@@ -188,11 +202,13 @@ class SparseInputs:
         other = object.__new__(SparseInputs)
         other.__dict__.update(self.__dict__)
         move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
-        for name in ("q", "k", "v"):
+        for name in ("q", "k", "v", "sinks"):
             x = getattr(self, name)
             setattr(other, name, None if x is None else x.detach().to(device).requires_grad_())
+        if other.sinks is not None:
+            other.kwargs = dict(self.kwargs, softmax_offset=other.sinks)
         other.topk_indices = move(self.topk_indices)
-        other.kwargs = {n: tuple(map(move, x)) if isinstance(x, tuple) else move(x) for n, x in self.kwargs.items()}
+        other.kwargs = {n: tuple(map(move, x)) if isinstance(x, tuple) else move(x) for n, x in other.kwargs.items()}
         if self.case.layout == "thd":
             other.cu_q, other.cu_k = move(self.cu_q), move(self.cu_k)
         return other
@@ -230,10 +246,13 @@ class SparseInputs:
         """(out [N, Hq, Dv], lse [N, Hq]) of the oracle (upcast) or the naive same-dtype baseline."""
         return sparse_attention_ref(self.flat(self.q), self.by_sample(self.k), self.by_sample(self.v), self.sets,
                                     self.token_sample, v_head_dim=self.case.dv, upcast=upcast,
-                                    softmax_scale=self.kwargs.get("softmax_scale"))
+                                    softmax_scale=self.kwargs.get("softmax_scale"), sinks=self.sinks)
 
     def leaves(self):
-        return [t for t in (self.q, self.k, self.v) if t is not None]
+        return [t for t in (self.q, self.k, self.v, self.sinks) if t is not None]
+
+    def leaf_names(self):
+        return [n for n, t in (("dq", self.q), ("dk", self.k), ("dv", self.v), ("dsinks", self.sinks)) if t is not None]
 
 
 def incoming_grad(out: torch.Tensor, seed: int = 3) -> torch.Tensor:
@@ -265,7 +284,7 @@ def assert_sparse_matches_oracle(inp: SparseInputs, out: torch.Tensor, lse: torc
                                                      retain_graph=True)]
         want += list(torch.autograd.grad(ref, leaves, g.double()))
         base += list(torch.autograd.grad(naive, leaves, g.to(naive.dtype)))
-        names += ["dq", "dk", "dv"][:len(leaves)]
+        names += inp.leaf_names()
     for name, x, r, n in zip(names, got, want, base):
         x = x.detach()
         if inp.q.dtype == torch.float64:

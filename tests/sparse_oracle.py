@@ -22,16 +22,23 @@ import torch
 
 def sparse_sets(topk: list, token_seq: list, token_pos: list, q_len: list, k_start: list, k_len: list, *,
                 causal: bool, bottom_right: bool, topk_length: list | None = None,
-                bounds: tuple[list, list] | None = None) -> list[list[set]]:
+                bounds: tuple[list, list] | None = None, window: tuple[int, int] | None = None) -> list[list[set]]:
     """For each query token n (sequence ``token_seq[n]`` or None for a token outside every
-    sequence, position ``token_pos[n]`` in it) and index head, the set of visible key positions."""
+    sequence, position ``token_pos[n]`` in it) and index head, the set of visible key positions.
+    ``window=(left, right)``: every row also names the keys of its sequence at relative positions
+    ``pos + shift - left .. pos + shift + right`` (shift Lk - Lq bottom-right, 0 top-left), past
+    ``topk_length``'s cut."""
     sets = []
     for n, row_heads in enumerate(topk):
         b = token_seq[n]
         per_head = []
         for row in row_heads:
             keys = set()
-            used = row if topk_length is None else row[:max(0, topk_length[n])]
+            used = list(row if topk_length is None else row[:max(0, topk_length[n])])
+            if window is not None and b is not None:
+                center = token_pos[n] + (k_len[b] - q_len[b] if bottom_right else 0)
+                used += [k_start[b] + r for r in range(center - window[0], center + window[1] + 1)
+                         if 0 <= r < k_len[b]]
             for j in used:
                 if b is None or j < 0:
                     continue
@@ -50,7 +57,8 @@ def sparse_sets(topk: list, token_seq: list, token_pos: list, q_len: list, k_sta
     return sets
 
 
-def sparse_attention_ref(q, k, v, sets, token_sample, *, v_head_dim=None, softmax_scale=None, upcast=True):
+def sparse_attention_ref(q, k, v, sets, token_sample, *, v_head_dim=None, softmax_scale=None, upcast=True,
+                         sinks=None):
     """out ``[N, Hq, Dv]`` and lse ``[N, Hq]`` (float64 when upcast) for query rows ``q [N, Hq, D]``
     whose keys are ``k[token_sample[n]]`` (``k [B, Sk, Hkv, D]``; thd: B = 1), v likewise or None
     (V = the first ``v_head_dim`` columns of k). ``sets[n][h]``: visible key positions of token n for
@@ -75,8 +83,12 @@ def sparse_attention_ref(q, k, v, sets, token_sample, *, v_head_dim=None, softma
         s = s.masked_fill(~mask, float("-inf"))
         row_max = s.amax(-1, keepdim=True) if s.shape[-1] else s.new_full((hq, 1), float("-inf"))
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
+        if sinks is not None:  # a virtual key of logit sinks[h] and value zero
+            row_max = torch.maximum(row_max, sinks.to(work)[:, None].detach())
         e = torch.exp(s - row_max)
         denom = e.sum(-1, keepdim=True)
+        if sinks is not None:
+            denom = denom + torch.exp(sinks.to(work)[:, None] - row_max)
         p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
         if not upcast:
             p = p.to(dtype).to(work)

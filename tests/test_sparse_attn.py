@@ -34,13 +34,17 @@ CASES = [
                 lens_q=(6, 1, 10)), (BF16, F32)),
     (SparseCase(layout="sbhd", per_head=True, causal=False, left_pad=True, noncontig=True, lens_q=(5, 9)), (F16, F64)),
     # full rows (every key of the causal range named: read as ranges) alone, and mixed with sparse rows
-    (SparseCase(dqk=576, dv=512, hq=4, hkv=1, absorbed=True, topk=16, lens_q=(7, 0, 12), full_rows=1.0),
-     (BF16, F32, F64)),
-    (SparseCase(per_head=True, topk=12, lens_q=(5, 0, 19, 1, 9), full_rows=0.7, bounds=True), (F32, F64)),
+    (SparseCase(dqk=576, dv=512, hq=4, hkv=1, absorbed=True, topk=16, lens_q=(5, 0, 8), full_rows=1.0), (BF16,)),
+    (SparseCase(per_head=True, topk=12, lens_q=(5, 0, 16, 1), full_rows=0.7, bounds=True), (F32, F64)),
     (SparseCase(layout="bshd", hq=4, hkv=2, topk=10, lens_q=(6, 0, 14), lens_k=(9, 2, 14), full_rows=0.8),
      (F32,)),
     (SparseCase(layout="sbhd", hq=2, hkv=1, absorbed=True, dqk=24, dv=16, topk=8, left_pad=True, lens_q=(3, 11),
                 full_rows=1.0, causal=True, bottom_right=False), (F32,)),
+    # DeepSeek-V4's form: K = V (absorbed at v_head_dim = Dqk), a window of raw keys next to the indices, sinks
+    (SparseCase(dqk=32, dv=32, hq=4, hkv=1, absorbed=True, topk=6, key_window=(3, 0), sinks=True, lens_q=(1, 0, 9, 5)),
+     (BF16, F32, F64)),
+    (SparseCase(layout="bshd", hq=4, hkv=2, topk=5, key_window=(2, 1), causal=False, topk_length=True, sinks=True,
+                lens_q=(6, 0, 9)), (F32,)),
 ]
 
 
@@ -59,7 +63,9 @@ TRITON_CASES = [
     (SparseCase(lens_q=(5, 0, 9)), (F16,)),
     (SparseCase(dqk=576, dv=512, hq=16, hkv=1, absorbed=True, topk=16, lens_q=(3, 6)), (BF16,)),
     (SparseCase(layout="sbhd", per_head=True, topk_length=True, bounds=True, lens_q=(4, 7)), (F32,)),
-    (SparseCase(dqk=576, dv=512, hq=16, hkv=1, absorbed=True, topk=8, lens_q=(5, 11), full_rows=0.7), (BF16,)),
+    (SparseCase(dqk=576, dv=512, hq=16, hkv=1, absorbed=True, topk=6, lens_q=(4, 8), full_rows=0.7), (BF16,)),
+    (SparseCase(dqk=32, dv=32, hq=4, hkv=1, absorbed=True, topk=4, key_window=(3, 0), sinks=True, lens_q=(6, 0, 3)),
+     (F32,)),
 ]
 
 
@@ -196,7 +202,8 @@ def test_compiles_without_graph_breaks_and_matches_eager(layout, backend):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-def _op_args(layout="thd", absorbed=False):
+def _op_args(layout="thd", absorbed=False, extras=False):
+    """The forward op's arguments; ``extras``: with a window (2, 1) and a softmax offset."""
     case = SparseCase(layout=layout, absorbed=absorbed, hkv=1 if absorbed else 2, per_head=not absorbed,
                       topk_length=True, bounds=True, lens_q=(4, 0, 6) if layout == "thd" else (4, 6))
     inp = SparseInputs(case, F32)
@@ -211,24 +218,28 @@ def _op_args(layout="thd", absorbed=False):
         seq = (inp.cu_q, None, inp.cu_k, None)
     else:
         seq = (kw["q_start"], kw["q_len"], kw["k_start"], kw["k_len"])
-    return (inp.q, inp.k, inp.v, topk, length, layout, *seq, lo, hi, True, True, 0.25, case.dv, "torch", True)
+    window, offset = ((2, 1), torch.randn(case.hq, requires_grad=True)) if extras else ((-1, -1), None)
+    return (inp.q, inp.k, inp.v, topk, length, layout, *seq, lo, hi, True, True, 0.25, case.dv, *window, offset,
+            "torch", True)
 
 
-@pytest.mark.parametrize("layout, absorbed", [("thd", False), ("sbhd", True)])
-def test_opcheck_sparse_ops(layout, absorbed):
-    args = _op_args(layout, absorbed)
+@pytest.mark.parametrize("layout, absorbed, extras", [("thd", False, False), ("sbhd", True, False), ("bshd", False, True)])
+def test_opcheck_sparse_ops(layout, absorbed, extras):
+    args = _op_args(layout, absorbed, extras)
     torch.library.opcheck(torch.ops.coreattn.sparse_attn_fwd.default, args)
     out, lse, topk, lo, hi = torch.ops.coreattn.sparse_attn_fwd(*args)
     q, k, v = (None if x is None else x.detach() for x in args[:3])
-    bwd = (torch.randn_like(out), q, k, v, out.detach(), lse, topk, lo, hi, layout, 0.25, args[15], "torch")
+    offset = None if args[18] is None else args[18].detach()
+    bwd = (torch.randn_like(out), q, k, v, out.detach(), lse, topk, lo, hi, offset, layout, 0.25, args[15], "torch")
     torch.library.opcheck(torch.ops.coreattn.sparse_attn_bwd.default, bwd)
 
 
-@pytest.mark.parametrize("layout, absorbed", [("thd", False), ("bshd", False), ("sbhd", True)])
-def test_fake_shapes_match_the_op(layout, absorbed):
+@pytest.mark.parametrize("layout, absorbed, extras", [("thd", False, False), ("bshd", False, True),
+                                                      ("sbhd", True, False)])
+def test_fake_shapes_match_the_op(layout, absorbed, extras):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    args = _op_args(layout, absorbed)
+    args = _op_args(layout, absorbed, extras)
     real = torch.ops.coreattn.sparse_attn_fwd(*args)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = torch.ops.coreattn.sparse_attn_fwd(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a

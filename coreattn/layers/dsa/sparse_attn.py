@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
 from coreattn.kernels.packing import FORMATS, seq_len_dim
 from coreattn.layers.backends import Backend, parse_backend
 from coreattn.layers.checks import (ALIGNMENTS, check_cu_seqlens, check_flag, check_key_bounds, check_max_seqlen,
-                                    check_spans, check_sparse_qkv, check_token_values, check_topk_indices)
+                                    check_softmax_offset, check_spans, check_sparse_qkv, check_token_values,
+                                    check_topk_indices)
 from coreattn.layers.dsa.sparse_function import SparseLayout, sparse_attention
 
 _SEMANTICS = """
@@ -31,7 +33,17 @@ _SEMANTICS = """
       ``varlen_starts/ends``): token n also needs ``starts[n] <= j < ends[n]`` (intersected with
       the above; pass ``causal=False`` to use the bounds with the sequence alone);
     - ``topk_indices`` may be ``[.., K]`` (one row per token, shared by every head) or
-      ``[.., Hkv, K]`` (a row per kv head, shared by that head's q heads).
+      ``[.., Hkv, K]`` (a row per kv head, shared by that head's q heads);
+    - ``key_window=(left, right)`` (optional, ints >= 0) adds to every token's row the keys at
+      relative positions ``i + shift - left .. i + shift + right`` of its sequence (shift as for
+      causality: ``Lk - Lq`` bottom-right, 0 top-left), before the rules above (so ``causal`` and
+      ``key_bounds`` still apply): DeepSeek-V4's sliding window of raw keys next to its compressed
+      entries. The window's entries join the prepared indices: memory O(tokens x (K + window)).
+
+    ``softmax_offset`` (optional, a floating ``[Hq]`` tensor, differentiable: attention sinks, as
+    gpt-oss's and DeepSeek-V4's): each row's softmax denominator gains ``exp(softmax_offset[h])``, a
+    virtual key of value zero; lse includes it (a row that sees no key outputs zeros and its lse is the
+    offset).
 
     A token that sees no key (all entries unused, masked, or outside its sequence) outputs zeros,
     its lse is -inf and every gradient through it is 0, never NaN.
@@ -65,8 +77,20 @@ def _check_common(softmax_scale, causal, causal_alignment, head_dim_qk: int) -> 
     return float(softmax_scale), causal_alignment == "bottom_right"
 
 
+def _check_key_window(key_window) -> tuple[int, int]:
+    if key_window is None:
+        return (-1, -1)
+    try:
+        left, right = (operator.index(x) for x in key_window)
+    except (TypeError, ValueError):
+        raise TypeError(f"key_window must be None or a pair of ints (left, right), got {key_window!r}") from None
+    if left < 0 or right < 0:
+        raise ValueError(f"key_window entries must be >= 0 (keys added left and right of the token), got {key_window!r}")
+    return left, right
+
+
 def _run(q, k, v, topk_indices, layout: SparseLayout, topk_length, v_dim: int, key_bounds, softmax_scale, causal,
-         causal_alignment, return_lse, backend):
+         causal_alignment, return_lse, backend, key_window=None, softmax_offset=None):
     """The checks common to both layouts (q, k, v and the layout already checked), then the op."""
     fmt = layout.fmt
     topk = check_topk_indices(topk_indices, q, k.shape[-2], fmt)
@@ -74,9 +98,11 @@ def _run(q, k, v, topk_indices, layout: SparseLayout, topk_length, v_dim: int, k
     bounds = check_key_bounds(key_bounds, q, fmt)
     scale, bottom_right = _check_common(softmax_scale, causal, causal_alignment, q.shape[-1])
     check_flag("return_lse", return_lse)
+    window = _check_key_window(key_window)
+    offset = check_softmax_offset(softmax_offset, q)
     override = "" if backend is None else parse_backend(backend).value
     out, lse = sparse_attention(q, k, v, topk, length, layout, bounds, causal, bottom_right, scale, v_dim, override,
-                                validate=True)
+                                validate=True, window=window, softmax_offset=offset)
     return (out, lse) if return_lse else out
 
 
@@ -86,7 +112,8 @@ def sparse_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                        causal_alignment: str = "bottom_right", topk_length: torch.Tensor | None = None,
                        v_head_dim: int | None = None,
                        key_bounds: tuple[torch.Tensor, torch.Tensor] | None = None, return_lse: bool = False,
-                       backend: str | Backend | None = None):
+                       backend: str | Backend | None = None, key_window: tuple[int, int] | None = None,
+                       softmax_offset: torch.Tensor | None = None):
     """Top-k sparse attention over packed variable-length sequences (DeepSeek Sparse Attention's core).
 
     Args:
@@ -107,6 +134,7 @@ def sparse_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
         return_lse: also return the log-sum-exp ``[Hq, Tq]`` (float32; float64 for float64 inputs,
             natural log; not differentiable).
         backend: see below.
+        key_window, softmax_offset: keys added around each token, attention sinks (see below).
 
     Returns:
         ``out`` ``[Tq, Hq, Dv]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
@@ -121,7 +149,8 @@ def sparse_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
         if value is not None:
             check_max_seqlen(name, value, 0)
     return _run(q, k, v, topk_indices, SparseLayout("thd", cu_seqlens_q, None, cu_seqlens_k, None), topk_length,
-                v_dim, key_bounds, softmax_scale, causal, causal_alignment, return_lse, backend)
+                v_dim, key_bounds, softmax_scale, causal, causal_alignment, return_lse, backend, key_window,
+                softmax_offset)
 
 
 def sparse_padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, topk_indices: torch.Tensor, *,
@@ -130,7 +159,8 @@ def sparse_padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                        softmax_scale: float | None = None, causal: bool = True,
                        causal_alignment: str = "bottom_right", topk_length: torch.Tensor | None = None,
                        v_head_dim: int | None = None, key_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       return_lse: bool = False, backend: str | Backend | None = None):
+                       return_lse: bool = False, backend: str | Backend | None = None,
+                       key_window: tuple[int, int] | None = None, softmax_offset: torch.Tensor | None = None):
     """Top-k sparse attention on a padded batch (bshd, or Megatron's sbhd), used in place.
 
     Args:
@@ -159,7 +189,7 @@ def sparse_padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
     q_start, q_len = check_spans("q_start", q_start, "q_len", q_len, batch, seq_len_dim(q, layout), q.device)
     k_start, k_len = check_spans("k_start", k_start, "k_len", k_len, batch, seq_len_dim(k, layout), q.device)
     return _run(q, k, v, topk_indices, SparseLayout(layout, q_start, q_len, k_start, k_len), topk_length, v_dim,
-                key_bounds, softmax_scale, causal, causal_alignment, return_lse, backend)
+                key_bounds, softmax_scale, causal, causal_alignment, return_lse, backend, key_window, softmax_offset)
 
 
 for _fn in (sparse_varlen_attn, sparse_padded_attn):  # the semantics both docstrings share

@@ -63,17 +63,18 @@ def _impl(q: torch.Tensor, backend: str) -> SparseImpl:
     return TRITON
 
 
-def key_bounds(fmt: str, seq_q: torch.Tensor, len_q: torch.Tensor | None, seq_k: torch.Tensor,
-               len_k: torch.Tensor | None, tokens: int, seqlen_q: int, causal: bool, bottom_right: bool,
-               bound_lo: torch.Tensor | None = None,
-               bound_hi: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """int32 ``[N]`` key bounds per query token, in torch ops on the layout's device (no host read).
+class _Positions(NamedTuple):
+    """Per query token n (int64 [N]): its position i in its sequence, the sequence's first key row k0,
+    its query and key lengths, and whether n lies inside its sequence."""
 
-    Token n of sequence b at position i in it (thd: row n of cu_seqlens_q's sequence b; padded:
-    n = b * S + s, i = s - q_start[b]) sees the key positions ``[k0, k0 + Lk)`` of its sequence
-    (thd: rows of the packed stream, k0 = cu_seqlens_k[b]; padded: k0 = k_start[b]); causal keeps
-    relative positions ``j <= i + Lk - Lq`` (bottom-right) or ``j <= i`` (top-left). Given bounds
-    are intersected with these. A token outside every sequence sees nothing (lo = hi)."""
+    i: torch.Tensor
+    k0: torch.Tensor
+    lq: torch.Tensor
+    lk: torch.Tensor
+    inside: torch.Tensor
+
+
+def _positions(fmt: str, seq_q, len_q, seq_k, len_k, tokens: int, seqlen_q: int) -> _Positions:
     device = seq_q.device
     if fmt == "thd":
         n = torch.arange(tokens, dtype=seq_q.dtype, device=device)
@@ -86,17 +87,43 @@ def key_bounds(fmt: str, seq_q: torch.Tensor, len_q: torch.Tensor | None, seq_k:
         q0, lq, k0, lk = seq_q[b], len_q[b], seq_k[b], len_k[b]
         n = pos
     i = (n - q0).to(torch.int64)
-    lq, k0, lk = lq.to(torch.int64), k0.to(torch.int64), lk.to(torch.int64)
-    lo, hi = k0, k0 + lk
+    lq = lq.to(torch.int64)
+    return _Positions(i, k0.to(torch.int64), lq, lk.to(torch.int64), (i >= 0) & (i < lq))
+
+
+def key_bounds(fmt: str, seq_q: torch.Tensor, len_q: torch.Tensor | None, seq_k: torch.Tensor,
+               len_k: torch.Tensor | None, tokens: int, seqlen_q: int, causal: bool, bottom_right: bool,
+               bound_lo: torch.Tensor | None = None,
+               bound_hi: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 ``[N]`` key bounds per query token, in torch ops on the layout's device (no host read).
+
+    Token n of sequence b at position i in it (thd: row n of cu_seqlens_q's sequence b; padded:
+    n = b * S + s, i = s - q_start[b]) sees the key positions ``[k0, k0 + Lk)`` of its sequence
+    (thd: rows of the packed stream, k0 = cu_seqlens_k[b]; padded: k0 = k_start[b]); causal keeps
+    relative positions ``j <= i + Lk - Lq`` (bottom-right) or ``j <= i`` (top-left). Given bounds
+    are intersected with these. A token outside every sequence sees nothing (lo = hi)."""
+    at = _positions(fmt, seq_q, len_q, seq_k, len_k, tokens, seqlen_q)
+    lo, hi = at.k0, at.k0 + at.lk
     if causal:
-        shift = lk - lq if bottom_right else 0
-        hi = k0 + torch.minimum((i + 1 + shift).clamp(min=0), lk)
+        shift = at.lk - at.lq if bottom_right else 0
+        hi = at.k0 + torch.minimum((at.i + 1 + shift).clamp(min=0), at.lk)
     if bound_lo is not None:
         lo = torch.maximum(lo, bound_lo.to(torch.int64))
         hi = torch.minimum(hi, bound_hi.to(torch.int64))
-    inside = (i >= 0) & (i < lq)
-    hi = torch.where(inside, torch.maximum(hi, lo), lo)
+    hi = torch.where(at.inside, torch.maximum(hi, lo), lo)
     return lo.to(torch.int32), hi.to(torch.int32)
+
+
+def window_entries(fmt: str, seq_q, len_q, seq_k, len_k, tokens: int, seqlen_q: int, left: int, right: int,
+                   bottom_right: bool) -> torch.Tensor:
+    """int32 ``[N, left + right + 1]``: the key positions of each token's window, relative positions
+    ``i + shift - left .. i + shift + right`` of its sequence (shift = Lk - Lq bottom-right, 0 top-left),
+    -1 where that leaves the sequence (thd: rows of the packed stream; padded: positions in the sample)."""
+    at = _positions(fmt, seq_q, len_q, seq_k, len_k, tokens, seqlen_q)
+    shift = at.lk - at.lq if bottom_right else torch.zeros_like(at.lk)
+    rel = (at.i + shift)[:, None] + torch.arange(-left, right + 1, device=at.i.device)  # [N, W]
+    ok = (rel >= 0) & (rel < at.lk[:, None]) & at.inside[:, None]
+    return torch.where(ok, at.k0[:, None] + rel, -1).to(torch.int32)
 
 
 def _tokens(x: torch.Tensor, fmt: str) -> int:
@@ -104,29 +131,81 @@ def _tokens(x: torch.Tensor, fmt: str) -> int:
     return x.shape[1] if fmt == "bshd" else x.shape[0]
 
 
+def _with_window(topk_indices, topk_length, fmt, seq_q, len_q, seq_k, len_k, seqlen_q, left, right, bottom_right):
+    """The index rows with each token's window appended ([N, Hidx, K + W]; topk_length applied to the
+    given entries first), or the given ones (left < 0: no window)."""
+    if left < 0:
+        return topk_indices, topk_length
+    tokens, heads = topk_indices.shape[:2]
+    entries = window_entries(fmt, seq_q, len_q, seq_k, len_k, tokens, seqlen_q, left, right, bottom_right)
+    given = topk_indices.to(torch.int64)
+    if topk_length is not None:
+        slots = torch.arange(given.shape[-1], device=given.device)
+        given = given.masked_fill(slots >= topk_length.to(torch.int64)[:, None, None], -1)
+    return torch.cat([given, entries[:, None, :].expand(tokens, heads, -1).to(torch.int64)], dim=-1), None
+
+
+def _by_sample(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """out or dout as a [B, S, Hq, Dv] view (thd: one sample)."""
+    return x.unsqueeze(0) if fmt == "thd" else (x if fmt == "bshd" else x.transpose(0, 1))
+
+
+def _lse_by_sample(lse: torch.Tensor, fmt: str) -> torch.Tensor:
+    """lse (thd [Hq, T], padded [B, Hq, S]) as a [B, S, Hq] view."""
+    return lse.t().unsqueeze(0) if fmt == "thd" else lse.transpose(1, 2)
+
+
+def _fold_sink(out: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out', lse') with the sink: lse' = logaddexp(lse, offset[h]) and out' = out * exp(lse - lse'), the
+    attention over the keys and a virtual key of logit offset[h] and value 0. The backward over out' and
+    lse' is then the sink-free one (P = exp(S - lse'), delta = rowsum(dO * O'))."""
+    lse_bs = _lse_by_sample(lse, fmt)  # [B, S, Hq] view
+    folded = torch.logaddexp(lse_bs, offset.to(lse.dtype))
+    out_bs = _by_sample(out, fmt)
+    scaled = out_bs.to(lse.dtype) * torch.exp(lse_bs - folded).unsqueeze(-1)
+    out_bs.copy_(scaled)
+    lse_bs.copy_(folded)
+    return out, lse
+
+
+def _offset_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor, fmt: str):
+    """d offset[h] = -sum over rows of p_sink * rowsum(dO * O'), p_sink = exp(offset[h] - lse')."""
+    work = lse.dtype
+    delta = (_by_sample(dout, fmt).to(work) * _by_sample(out, fmt).to(work)).sum(-1)  # [B, S, Hq]
+    p_sink = torch.exp(offset.detach().to(work) - _lse_by_sample(lse, fmt))
+    return -(p_sink * delta).sum((0, 1)).to(offset.dtype)
+
+
 @torch.library.custom_op("coreattn::sparse_attn_fwd", mutates_args=())
 def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor], topk_indices: torch.Tensor,
                     topk_length: Optional[torch.Tensor], fmt: str, seq_q: torch.Tensor, len_q: Optional[torch.Tensor],
                     seq_k: torch.Tensor, len_k: Optional[torch.Tensor], bound_lo: Optional[torch.Tensor],
                     bound_hi: Optional[torch.Tensor], causal: bool, bottom_right: bool, softmax_scale: float,
-                    v_dim: int, backend: str,
+                    v_dim: int, window_left: int, window_right: int, softmax_offset: Optional[torch.Tensor],
+                    backend: str,
                     validate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, topk, key_lo, key_hi): the output, and the prepared indices and bounds it used."""
     seqlen_q, seqlen_k = _tokens(q, fmt), _tokens(k, fmt)
     if validate:  # reads cu_seqlens / spans only where coreattn may (checks.reads_values)
         check_layout_values(fmt, seq_q, len_q, None, seq_k, len_k, None, seqlen_q, seqlen_k, seqlen_q, seqlen_k)
     impl = _impl(q, backend)
-    topk = prepare_topk(topk_indices, "thd", topk_length)  # [N, Hidx, K] is thd's form of the token dims
+    indices, length = _with_window(topk_indices, topk_length, fmt, seq_q, len_q, seq_k, len_k, seqlen_q,
+                                   window_left, window_right, bottom_right)
+    topk = prepare_topk(indices, "thd", length)  # [N, Hidx, K] is thd's form of the token dims
     key_lo, key_hi = key_bounds(fmt, seq_q, len_q, seq_k, len_k, topk.shape[0], seqlen_q, causal, bottom_right,
                                 bound_lo, bound_hi)
     out, lse = impl.fwd(q, k, v, topk, key_lo, key_hi, fmt, softmax_scale, v_dim=v_dim)
+    if softmax_offset is not None:
+        out, lse = _fold_sink(out, lse, softmax_offset, fmt)
     return out, lse, topk, key_lo, key_hi
 
 
 @sparse_attn_fwd.register_fake
 def _sparse_attn_fwd_fake(q, k, v, topk_indices, topk_length, fmt, seq_q, len_q, seq_k, len_k, bound_lo, bound_hi,
-                          causal, bottom_right, softmax_scale, v_dim, backend, validate):
+                          causal, bottom_right, softmax_scale, v_dim, window_left, window_right, softmax_offset,
+                          backend, validate):
     tokens, heads_idx, topk_k = topk_indices.shape
+    topk_k += window_left + window_right + 1 if window_left >= 0 else 0
     out = q.new_empty(tuple(q.shape[:-1]) + (v_dim,))
     return (out, new_lse(q, fmt), q.new_empty((tokens, heads_idx, topk_k), dtype=torch.int32),
             q.new_empty((tokens,), dtype=torch.int32), q.new_empty((tokens,), dtype=torch.int32))
@@ -135,30 +214,35 @@ def _sparse_attn_fwd_fake(q, k, v, topk_indices, topk_length, fmt, seq_q, len_q,
 @torch.library.custom_op("coreattn::sparse_attn_bwd", mutates_args=())
 def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
                     out: torch.Tensor, lse: torch.Tensor, topk: torch.Tensor, key_lo: torch.Tensor,
-                    key_hi: torch.Tensor, fmt: str, softmax_scale: float, v_dim: int,
-                    backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in q, k, v's shapes and dtypes (contiguous); dv is an empty [0] tensor when v is None."""
+                    key_hi: torch.Tensor, softmax_offset: Optional[torch.Tensor], fmt: str, softmax_scale: float,
+                    v_dim: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, d_offset) in q, k, v's and the offset's shapes and dtypes (contiguous); dv is an empty
+    [0] tensor when v is None, d_offset when there is no offset."""
     impl = _impl(q, backend)
     dq, dk, dv = impl.bwd(dout, q, k, v, out, lse, topk, key_lo, key_hi, fmt, softmax_scale, v_dim=v_dim)
     if dv is None:
         dv = q.new_empty((0,))
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    d_offset = q.new_empty((0,)) if softmax_offset is None else _offset_grad(dout, out, lse, softmax_offset, fmt)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), d_offset
 
 
 @sparse_attn_bwd.register_fake
-def _sparse_attn_bwd_fake(dout, q, k, v, out, lse, topk, key_lo, key_hi, fmt, softmax_scale, v_dim, backend):
-    return q.new_empty(q.shape), k.new_empty(k.shape), q.new_empty((0,)) if v is None else v.new_empty(v.shape)
+def _sparse_attn_bwd_fake(dout, q, k, v, out, lse, topk, key_lo, key_hi, softmax_offset, fmt, softmax_scale, v_dim,
+                          backend):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), q.new_empty((0,)) if v is None else v.new_empty(v.shape),
+            q.new_empty((0,)) if softmax_offset is None else softmax_offset.new_empty(softmax_offset.shape))
 
 
 _FWD_ARGS = ("q", "k", "v", "topk_indices", "topk_length", "fmt", "seq_q", "len_q", "seq_k", "len_k", "bound_lo",
-             "bound_hi", "causal", "bottom_right", "softmax_scale", "v_dim", "backend", "validate")
+             "bound_hi", "causal", "bottom_right", "softmax_scale", "v_dim", "window_left", "window_right",
+             "softmax_offset", "backend", "validate")
 
 
 def _setup_context(ctx, inputs, output):
-    """Saves q, k, v, out, lse, the prepared indices and the bounds; the scores are recomputed."""
+    """Saves q, k, v, out, lse, the prepared indices, the bounds and the offset; the scores are recomputed."""
     args = dict(zip(_FWD_ARGS, inputs))
     out, lse, topk, key_lo, key_hi = output
-    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, topk, key_lo, key_hi)
+    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, topk, key_lo, key_hi, args["softmax_offset"])
     ctx.options = (args["fmt"], args["softmax_scale"], args["v_dim"], args["backend"])
     ctx.mark_non_differentiable(lse, topk, key_lo, key_hi)
     # no zero gradients made for the outputs without one: the prepared indices' alone would be a
@@ -168,11 +252,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, *_):
     # lse, the indices and the bounds are non-differentiable: their incoming gradients are ignored
-    q, k, v, out, lse, topk, key_lo, key_hi = ctx.saved_tensors
+    q, k, v, out, lse, topk, key_lo, key_hi, offset = ctx.saved_tensors
     grads = dict.fromkeys(_FWD_ARGS)
-    if dout is not None and any(ctx.needs_input_grad[:3]):
-        dq, dk, dv = sparse_attn_bwd(dout, q, k, v, out, lse, topk, key_lo, key_hi, *ctx.options)
-        grads.update(q=dq, k=dk, v=None if v is None else dv)
+    wants_offset = ctx.needs_input_grad[_FWD_ARGS.index("softmax_offset")]
+    if dout is not None and (any(ctx.needs_input_grad[:3]) or wants_offset):
+        dq, dk, dv, d_offset = sparse_attn_bwd(dout, q, k, v, out, lse, topk, key_lo, key_hi, offset, *ctx.options)
+        grads.update(q=dq, k=dk, v=None if v is None else dv, softmax_offset=d_offset if wants_offset else None)
     return tuple(grads[name] for name in _FWD_ARGS)
 
 
@@ -191,12 +276,14 @@ class SparseLayout(NamedTuple):
 
 def sparse_attention(q, k, v, topk_indices: torch.Tensor, topk_length: torch.Tensor | None, layout: SparseLayout,
                      bounds: tuple[torch.Tensor, torch.Tensor] | None, causal: bool, bottom_right: bool,
-                     softmax_scale: float, v_dim: int, backend: str = "",
-                     validate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) through ``coreattn::sparse_attn_fwd``, differentiable in q, k and v. ``topk_indices``
-    ``[N, Hidx, K]``, ``topk_length`` and ``bounds`` ``[N]`` (token n = b * S + s)."""
+                     softmax_scale: float, v_dim: int, backend: str = "", validate: bool = False,
+                     window: tuple[int, int] = (-1, -1),
+                     softmax_offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) through ``coreattn::sparse_attn_fwd``, differentiable in q, k, v and the softmax offset.
+    ``topk_indices`` ``[N, Hidx, K]``, ``topk_length`` and ``bounds`` ``[N]`` (token n = b * S + s);
+    ``window`` (left, right): keys added to every token's set ((-1, -1): none)."""
     lo, hi = (None, None) if bounds is None else bounds
     out, lse, *_ = sparse_attn_fwd(q, k, v, topk_indices, topk_length, layout.fmt, layout.seq_q, layout.len_q,
                                    layout.seq_k, layout.len_k, lo, hi, causal, bottom_right, softmax_scale, v_dim,
-                                   backend, validate)
+                                   window[0], window[1], softmax_offset, backend, validate)
     return out, lse
