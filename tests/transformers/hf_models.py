@@ -55,17 +55,18 @@ def _configs():
 MODELS = ("llama", "qwen3", "gpt_oss", "deepseek_v3") + DSA_MODELS
 
 
-def v4_config(layer_types):
+def v4_config(layer_types, rates=(2, 4)):
     """A tiny DeepSeek-V4 (``layer_types``: "sliding_attention", "compressed_sparse_attention",
-    "heavily_compressed_attention"; compress rates 2 and 4)."""
+    "heavily_compressed_attention"; ``rates``: the CSA and HCA compress rates)."""
     from transformers import DeepseekV4Config
 
     return DeepseekV4Config(vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_attention_heads=4,
                             num_hidden_layers=len(layer_types), head_dim=32, q_lora_rank=16, n_routed_experts=4,
                             num_experts_per_tok=2, n_shared_experts=1, hc_mult=2, hc_sinkhorn_iters=2, sliding_window=4,
-                            o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=16, index_topk=2,
+                            o_groups=2, o_lora_rank=8, index_n_heads=8, index_head_dim=16, index_topk=2,
                             layer_types=list(layer_types), mlp_layer_types=["moe"] * len(layer_types),
-                            compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                            compress_rates={"compressed_sparse_attention": rates[0],
+                                            "heavily_compressed_attention": rates[1]},
                             max_position_embeddings=64, partial_rotary_factor=0.25)
 
 

@@ -115,16 +115,24 @@ def _rss_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def test_one_layer_at_8k_tokens_grows_far_less_than_eager_indexer_scores():
-    """A one-layer DeepSeek-V3.2 (8 index heads, top-k 256) at 8,192 tokens, forward and backward on
-    the torch backend: the process's peak resident memory grows by less than an eighth of eager's
-    indexer scores alone ([1, S, 8, S] float32: 2 GiB; an S x S float32 tensor alone would be 256 MiB,
-    mmapped and touched, so it would show)."""
+def _peak_growth(run) -> int:
+    """Bytes the process's peak resident memory grows by while ``run()`` runs (skips where the peak
+    cannot be reset)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets the peak (VmHWM) to the current resident size
     except OSError as exc:
         pytest.skip(f"no resettable peak RSS here ({exc})")
+    before = _rss_kib("VmRSS")
+    run()
+    return (_rss_kib("VmHWM") - before) * 1024
+
+
+def test_one_layer_at_8k_tokens_grows_far_less_than_eager_indexer_scores():
+    """A one-layer DeepSeek-V3.2 (8 index heads, top-k 256) at 8,192 tokens, forward and backward on
+    the torch backend: the process's peak resident memory grows by less than an eighth of eager's
+    indexer scores alone ([1, S, 8, S] float32: 2 GiB; an S x S float32 tensor alone would be 256 MiB,
+    mmapped and touched, so it would show)."""
     seqlen, index_heads = 8192, 8
     config = hm._configs()["deepseek_v32"]()
     config.num_hidden_layers, config.index_topk, config.max_position_embeddings = 1, 256, seqlen
@@ -133,13 +141,26 @@ def test_one_layer_at_8k_tokens_grows_far_less_than_eager_indexer_scores():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=TORCH_IMPL, experts_implementation="eager")
     ids = torch.randint(0, hm.VOCAB, (1, seqlen), generator=torch.Generator().manual_seed(6))
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _rss_kib("VmRSS")
-    model(input_ids=ids, use_cache=False).logits.sum().backward()
-    grown = (_rss_kib("VmHWM") - before) * 1024
+    grown = _peak_growth(lambda: model(input_ids=ids, use_cache=False).logits.sum().backward())
     eager_scores = seqlen * index_heads * seqlen * 4
     assert grown < eager_scores // 8, f"grew {grown / 2**20:.0f} MiB"
+
+
+def test_deepseek_v4_layer_at_16k_tokens_grows_less_than_a_quarter_of_eager_mask():
+    """A one-layer DeepSeek-V4 (a CSA layer: rate 4, top-64 of its 4,096 compressed entries, a window
+    of 4) at 16,384 tokens, forward and backward on the torch backend: the peak resident memory grows
+    by less than a quarter of eager's attention mask alone ([1, 1, S, S + S / 4] float32: 1.25 GiB)."""
+    seqlen = 16384
+    config = hm.v4_config(["compressed_sparse_attention"], rates=(4, 128))
+    config.index_topk, config.max_position_embeddings = 64, seqlen
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=TORCH_IMPL, experts_implementation="eager")
+    ids = torch.randint(0, hm.VOCAB, (1, seqlen), generator=torch.Generator().manual_seed(11))
+    grown = _peak_growth(lambda: model(input_ids=ids, use_cache=False).logits.sum().backward())
+    eager_mask = seqlen * (seqlen + seqlen // 4) * 4
+    assert grown < eager_mask // 4, f"grew {grown / 2**20:.0f} MiB"
 
 
 def test_bench_hf_dsa_worker_runs():
@@ -174,44 +195,95 @@ def test_dsa_model_on_the_triton_kernels_matches_torch_backend(name):
 
 # --- DeepSeek-V4 ---------------------------------------------------------------------------------
 
-def _v4(layer_types, impl):
+V4_LAYERS = {"sliding": ["sliding_attention"] * 2, "csa": ["sliding_attention", "compressed_sparse_attention"],
+             "hca": ["heavily_compressed_attention"], "all": ["sliding_attention", "compressed_sparse_attention",
+                                                              "heavily_compressed_attention"]}
+
+
+def _v4(layers, impl, dtype=torch.float32, rates=(2, 4)):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hm.v4_config(layer_types), attn_implementation=impl,
+    model = AutoModelForCausalLM.from_config(hm.v4_config(V4_LAYERS[layers], rates), attn_implementation=impl,
                                              experts_implementation="eager")
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_(0.0, 1.0)  # zeros at init: make them matter
-    return model
+    return model.to(dtype)
 
 
-def test_deepseek_v4_sliding_layers_match_eager():
-    """DeepSeek-V4 with sliding-window layers only (K = V shared, sinks, window 4) on two rows of 9
-    tokens: logits and every gradient of coreattn in float32 against eager in float64 under the flash
-    criterion (naive: eager in float32)."""
+@pytest.mark.parametrize("layers, padded", [("sliding", False), ("csa", True), ("hca", True), ("all", False)])
+def test_deepseek_v4_matches_eager(layers, padded):
+    """DeepSeek-V4 (K = V shared, sinks, a window of 4, compressed entries every 2 (CSA: top-2 of them)
+    and 4 (HCA) tokens) on two rows of 9 tokens, one left-padded by 2: logits of the real tokens and
+    every gradient of coreattn in float32 against eager in float64 under the flash criterion (naive:
+    eager in float32)."""
     ids = torch.randint(0, hm.VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
-    results = {}
+    mask = torch.ones(2, 9, dtype=torch.long)
+    if padded:
+        mask[1, :2] = 0
+    w = torch.randn(2, 9, hm.VOCAB, generator=torch.Generator().manual_seed(8), dtype=torch.float64) * mask[..., None]
+    results = []
     for impl, dtype in (("eager", torch.float64), ("eager", torch.float32), (TORCH_IMPL, torch.float32)):
-        model = _v4(["sliding_attention"] * 2, impl).to(dtype)
-        logits = model(input_ids=ids, use_cache=False).logits
-        (logits.double() * torch.linspace(-1, 1, hm.VOCAB, dtype=torch.float64)).sum().backward()
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        results[impl, dtype] = (logits.detach(), grads)
-    (ref, ref_grads), (naive, naive_grads), (got, got_grads) = results.values()
+        model = _v4(layers, impl, dtype)
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        (logits.double() * w).sum().backward()
+        results.append((logits.detach()[mask.bool()], {n: p.grad for n, p in model.named_parameters()
+                                                       if p.grad is not None}))
+    (ref, ref_grads), (naive, naive_grads), (got, got_grads) = results
     assert_flash_criterion("logits", got, naive, ref)
     assert got_grads.keys() == ref_grads.keys()
     for param, g in got_grads.items():
         assert_flash_criterion(param, g, naive_grads[param], ref_grads[param])
 
 
-@pytest.mark.parametrize("layer", ["compressed_sparse_attention", "heavily_compressed_attention"])
-def test_deepseek_v4_compressed_layers_raise_naming_them(layer):
-    """Today's silent wrong result (the compressed entries taken as sliding-window tokens) is an error
-    naming the layers and what they do."""
-    model = _v4(["sliding_attention", layer], TORCH_IMPL)
-    with pytest.raises(NotImplementedError, match=f"DeepSeek-V4's compressed attention layers \\({layer}\\)"):
-        model(input_ids=torch.ones(1, 6, dtype=torch.long), use_cache=False)
+def test_deepseek_v4_generate_with_cache_matches_eager():
+    """Greedy decoding of a left-padded batch with V4's sliding, CSA and HCA caches: the same tokens and
+    scores as eager."""
+    results = []
+    for impl in ("eager", TORCH_IMPL):
+        model = _v4("all", impl).eval()
+        ids = torch.randint(2, hm.VOCAB, (2, 7), generator=torch.Generator().manual_seed(9))
+        mask = torch.ones(2, 7, dtype=torch.long)
+        mask[1, :2] = 0
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        results.append((out.sequences, torch.stack(out.scores)))
+    assert torch.equal(results[1][0], results[0][0])
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=1e-5)
+
+
+def test_deepseek_v4_nothing_sequence_by_sequence(monkeypatch):
+    """1,024 tokens through every V4 layer kind (compress rates 4 and 64), forward and backward, small
+    torch-backend chunks: no op outputs S x S / 4 elements under coreattn (eager's mask, CSA's
+    block_bias and indexer scores do); what grows with S x S / rate is HCA's index rows (S / 64 + W
+    entries per token here, S / 128 + W in the released model)."""
+    seqlen = 1024
+    ids = torch.randint(0, hm.VOCAB, (1, seqlen), generator=torch.Generator().manual_seed(10))
+    model = _v4("all", "eager", rates=(4, 64))
+    with _LargestOutput() as eager:
+        model(input_ids=ids, use_cache=False).logits.sum().backward()
+    assert eager.numel >= seqlen * seqlen
+    monkeypatch.setenv("COREATTN_INDEXER_CHUNK_BYTES", str(32 << 10))
+    monkeypatch.setenv("COREATTN_SPARSE_TORCH_CHUNK_BYTES", str(32 << 10))
+    model = _v4("all", TORCH_IMPL, rates=(4, 64))
+    with _LargestOutput() as ours:
+        model(input_ids=ids, use_cache=False).logits.sum().backward()
+    assert ours.numel < seqlen * seqlen // 4, ours.numel
+
+
+def test_deepseek_v4_refused_under_another_transformers(monkeypatch):
+    """coreattn's V4 path restates transformers' compressors: under a release whose V4 methods differ it
+    raises naming the method instead of computing something else."""
+    from coreattn.adapters.transformers import v4
+
+    v4.check_source.cache_clear()
+    monkeypatch.setitem(v4.KNOWN_SOURCES, "DeepseekV4CSACompressor.forward", "0" * 64)
+    try:
+        with pytest.raises(NotImplementedError, match="DeepseekV4CSACompressor.forward differs"):
+            _v4("csa", TORCH_IMPL)(input_ids=torch.ones(1, 6, dtype=torch.long), use_cache=False)
+    finally:
+        v4.check_source.cache_clear()
 
 
 def test_unserved_dsa_indexer_models_raise():

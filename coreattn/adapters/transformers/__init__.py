@@ -57,6 +57,7 @@ def register(name: str = NAME, *, backend=None) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    from coreattn.adapters.transformers import v4
     from coreattn.adapters.transformers.dsa import install_indexers
 
     def coreattn_attention(module, query, key, value, attention_mask, **kwargs):
@@ -68,6 +69,7 @@ def register(name: str = NAME, *, backend=None) -> str:
     AttentionInterface.register(name, coreattn_attention)
     AttentionMaskInterface.register(name, coreattn_mask)
     install_indexers()
+    v4.install()
     return name
 
 

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from coreattn.adapters.transformers import dsa
+from coreattn.adapters.transformers import dsa, v4
 from coreattn.layers.function import POSITION_IDS
 from coreattn.layers.padded_attn import padded_attn
 from coreattn.layers.varlen_attn import varlen_attn
@@ -145,7 +145,7 @@ def _packed_position_ids(q, k, v, position_ids: torch.Tensor, opts):
 
 
 def _check_mask(module, attention_mask) -> None:
-    if attention_mask is None or isinstance(attention_mask, dsa.SparseMask):
+    if attention_mask is None or isinstance(attention_mask, (dsa.SparseMask, v4.HybridMask)):
         return
     if not isinstance(attention_mask, torch.Tensor):
         raise ValueError(f"coreattn takes a [batch, seq] padding mask, got a {type(attention_mask).__name__} "
@@ -166,6 +166,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     sparse = isinstance(attention_mask, dsa.SparseMask)
     check_kwargs(module, softcap, kwargs, sparse)
     _check_mask(module, attention_mask)
+    if isinstance(attention_mask, v4.HybridMask):
+        out = v4.hybrid_attention(module, query, key, attention_mask, scaling, dropout, sliding_window, s_aux, backend)
+        return out, None
     if sparse:
         for name, value_ in (("sliding_window", sliding_window), ("s_aux", s_aux)):
             if value_ is not None:

@@ -1,7 +1,8 @@
 """coreattn's mask builder for transformers (``AttentionMaskInterface``), and what it refuses.
 
 ``padding_mask`` runs once per model forward. It hands the attention function a ``[B, kv_length]``
-bool keep mask, or None when nothing is padded; DSA models (``dsa.SERVED``) get a ``dsa.SparseMask``.
+bool keep mask, or None when nothing is padded; DSA models (``dsa.SERVED``) get a ``dsa.SparseMask``
+and DeepSeek-V4 a ``v4.HybridMask``.
 It raises, naming the feature, for mask patterns coreattn cannot run and for models whose layers
 change K/V or the mask after it was built (``unsupported_model``).
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from coreattn.adapters.transformers import dsa
+from coreattn.adapters.transformers import dsa, v4
 
 _SUPPORTED_PARTS = {
     "sliding_window_overlay.<locals>.inner_mask": "sliding window",
@@ -57,31 +58,31 @@ def _unsupported_parts(fn) -> list[str]:
 
 
 def unsupported_model(config) -> str | None:
-    """Why coreattn cannot run this model's attention (None: it can): the layers of DeepSeek-V4 that
-    append compressed entries to K/V after the mask was built, and DSA indexers coreattn does not serve."""
+    """Why coreattn cannot run this model's attention (None: it can): DeepSeek-V4 under a transformers
+    whose V4 code differs from the one coreattn's V4 path restates, and DSA indexers coreattn does not serve."""
     if config is None:
         return None
     model_type = getattr(config, "model_type", "")
-    if model_type == "deepseek_v4":
-        compressed = sorted({t for t in getattr(config, "layer_types", None) or () if t != "sliding_attention"})
-        if compressed:
-            return (f"DeepSeek-V4's compressed attention layers ({', '.join(compressed)}): they append compressed "
-                    "KV entries to K/V after the mask is built and mask them with a block_bias (and, on CSA layers, "
-                    "the indexer's top-k), which coreattn does not serve yet")
-        return None
+    if model_type == v4.MODEL_TYPE:
+        reason = v4.check_source()
+        return None if reason is None else (f"DeepSeek-V4's hybrid attention with this transformers: {reason} (its "
+                                            "compressed layers append entries to K/V after the mask is built)")
     if getattr(config, "index_topk", None) is not None and model_type not in dsa.SERVED:
         return (f"the sparse attention of {model_type!r} (its indexer reads a [B, S, T] mask and passes a top-k "
                 f"as indices=); coreattn serves DSA for {', '.join(dsa.SERVED)}")
     return None
 
 
-def _dsa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, config,
-              backend, device) -> dsa.SparseMask:
+def _bounds_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, config,
+                 backend, device):
+    """A ``dsa.SparseMask`` (DSA models) or a ``v4.HybridMask`` (DeepSeek-V4, whose sliding window the
+    attention call adds): per query the keys it sees as bounds, built on the device."""
     from transformers import masking_utils as mu
 
     parts = _parts(mask_function) if mask_function is not None else [mu.causal_mask_function]
     names = [getattr(p, "__qualname__", "") for p in parts]
-    if any(name in _WINDOWS for name in names):
+    hybrid = config.model_type == v4.MODEL_TYPE
+    if any(name in _WINDOWS for name in names) and not hybrid:
         raise NotImplementedError(f"coreattn's DSA path has no sliding window ({config.model_type}); {_USE_EAGER}")
     sequence_ids = next((_closure(p)["packed_sequence_mask"] for p, n in zip(parts, names) if n == _SEQUENCE_IDS),
                         None)
@@ -91,15 +92,20 @@ def _dsa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_functio
         if attention_mask.dim() != 2:
             raise ValueError(f"coreattn expects a [batch, seq] padding mask, got shape {tuple(attention_mask.shape)}")
         keep = attention_mask[:, -kv_length:].to(torch.bool)
-        # the indexer takes each row's keys as one range: a mask with holes cannot be served (one read per
+        # the DSA bounds take each row's keys as one range: a mask with holes cannot be served (one read per
         # model forward, as the dense path's; under torch.compile or CUDA-graph capture it is not checked)
-        if not _capturing_or_tracing(keep) and bool(dsa.has_holes(keep)):
+        if not hybrid and not _capturing_or_tracing(keep) and bool(dsa.has_holes(keep)):
             raise NotImplementedError(f"coreattn's DSA path takes left or right padding; this attention mask has "
                                       f"holes (more than one run of kept tokens in a row) ({config.model_type}); "
                                       f"{_USE_EAGER}")
     if attention_mask is not None:
         device = attention_mask.device
     lo, hi = dsa.key_bounds(batch_size, q_length, kv_length, q_offset, kv_offset, causal, keep, sequence_ids, device)
+    if hybrid:
+        col = (q_offset + torch.arange(q_length, device=device) - kv_offset)[None].expand(batch_size, -1)
+        start = dsa.key_bounds(batch_size, q_length, kv_length, q_offset, kv_offset, causal, None, sequence_ids,
+                               device)[0]
+        return v4.HybridMask(start, col.to(torch.int32), keep, backend)
     return dsa.SparseMask(lo, hi, backend)
 
 
@@ -126,8 +132,8 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         parts = _unsupported_parts(mask_function)
         if parts:
             raise NotImplementedError(f"coreattn cannot run this mask pattern: {', '.join(parts)}; {_USE_EAGER}")
-    if getattr(config, "model_type", None) in dsa.SERVED:
-        return _dsa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, config,
+    if getattr(config, "model_type", None) in dsa.SERVED + (v4.MODEL_TYPE,):
+        return _bounds_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, config,
                          backend, kwargs.get("device") or torch.device("cpu"))
     if attention_mask is None:
         return None
