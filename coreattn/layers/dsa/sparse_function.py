@@ -1,7 +1,8 @@
 """The sparse (top-k) attention custom operators: forward and backward over one backend's pair, with autograd.
 
 Each backend implements the pair of the Triton launchers (``coreattn/kernels/sparse_fwd.py``,
-``sparse_bwd.py``; the torch backend in ``coreattn/layers/torch_backend/sparse.py``) on prepared
+``sparse_bwd.py``; the torch backend in ``coreattn/layers/torch_backend/sparse.py``; npu_fused, torch_npu's
+operators, in ``coreattn/layers/npu_fused/sparse.py``) on prepared
 inputs: ``topk`` int32 ``[N, Hidx, K]`` from ``coreattn.kernels.sparse_index.prepare_topk`` (rows
 ascending, unused entries, repeats and entries past topk_length -1) and the per-token key bounds ``key_lo``/``key_hi``
 int32 ``[N]``:
@@ -40,6 +41,7 @@ from coreattn.kernels.sparse_bwd import sparse_attn_bwd as launch_sparse_bwd
 from coreattn.kernels.sparse_fwd import sparse_attn_fwd as launch_sparse_fwd
 from coreattn.kernels.sparse_index import prepare_topk
 from coreattn.layers.checks import KERNEL_DTYPES, check_layout_values
+from coreattn.layers.npu_fused.sparse import sparse_attn_npu_bwd, sparse_attn_npu_fwd, sparse_unfit
 from coreattn.layers.torch_backend.sparse import new_lse, sparse_attn_torch_bwd, sparse_attn_torch_fwd
 
 
@@ -51,12 +53,17 @@ class SparseImpl(NamedTuple):
 
 TRITON = SparseImpl("triton", launch_sparse_fwd, launch_sparse_bwd)
 TORCH = SparseImpl("torch", sparse_attn_torch_fwd, sparse_attn_torch_bwd)
+NPU_FUSED = SparseImpl("npu_fused", sparse_attn_npu_fwd, sparse_attn_npu_bwd)
 
 
-def _impl(q: torch.Tensor, backend: str) -> SparseImpl:
+def _impl(q: torch.Tensor, backend: str, k: torch.Tensor, v: torch.Tensor | None, topk: torch.Tensor,
+          v_dim: int) -> SparseImpl:
     """The backend for q's device (``backend``: an override name, "" for the default), chosen when the
-    op runs."""
-    if select_sparse_backend(q.device, backend or None) is Backend.TORCH:
+    op runs (npu_fused where the call fits torch_npu's operator: the same answer forward and backward)."""
+    chosen = select_sparse_backend(q.device, backend or None, unfit=lambda: sparse_unfit(q, k, v, topk, v_dim))
+    if chosen is Backend.NPU_FUSED:
+        return NPU_FUSED
+    if chosen is Backend.TORCH:
         return TORCH
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; the Triton backend supports float16, bfloat16, float32")
@@ -115,7 +122,7 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
     seqlen_q, seqlen_k = _tokens(q, fmt), _tokens(k, fmt)
     if validate:  # reads cu_seqlens / spans only where coreattn may (checks.reads_values)
         check_layout_values(fmt, seq_q, len_q, None, seq_k, len_k, None, seqlen_q, seqlen_k, seqlen_q, seqlen_k)
-    impl = _impl(q, backend)
+    impl = _impl(q, backend, k, v, topk_indices, v_dim)
     topk = prepare_topk(topk_indices, "thd", topk_length)  # [N, Hidx, K] is thd's form of the token dims
     key_lo, key_hi = key_bounds(fmt, seq_q, len_q, seq_k, len_k, topk.shape[0], seqlen_q, causal, bottom_right,
                                 bound_lo, bound_hi)
@@ -138,7 +145,7 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: Opt
                     key_hi: torch.Tensor, fmt: str, softmax_scale: float, v_dim: int,
                     backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in q, k, v's shapes and dtypes (contiguous); dv is an empty [0] tensor when v is None."""
-    impl = _impl(q, backend)
+    impl = _impl(q, backend, k, v, topk, v_dim)
     dq, dk, dv = impl.bwd(dout, q, k, v, out, lse, topk, key_lo, key_hi, fmt, softmax_scale, v_dim=v_dim)
     if dv is None:
         dv = q.new_empty((0,))
