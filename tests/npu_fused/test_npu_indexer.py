@@ -126,7 +126,7 @@ def test_sparse_loss_and_gradients_match_the_oracle(npu_dsa, layout, batch, seql
         results.append([ref_loss] + [_bshd(g, layout) if layout != "thd" else g[0]
                                      for g in torch.autograd.grad(ref_loss, ref_leaves)])
     for name, x, r, n in zip(("loss", "dq", "dk", "dw"), got, *results):  # naive: rounded as its dtype returns it
-        assert_flash_criterion(name, x.float(), n.to(x.dtype).float(), r)
+        assert_flash_criterion(name, x.float(), n.to(x.dtype).float(), r, eps=1e-5 * r.abs().max().item())
     fwd = npu_dsa.of("npu_sparse_flash_attention")
     (kl,) = npu_dsa.of("npu_sparse_lightning_indexer_grad_kl_loss")
     assert len(fwd) == 1 and torch.equal(fwd[0]["sparse_indices"], kl["sparse_indices"])
