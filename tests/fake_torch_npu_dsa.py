@@ -29,7 +29,9 @@ The contracts (docs/ascend.md cites each source):
   scores) over the keys of the row's index list (up to its first -1, causal mode 3), the target
   being the attention probabilities from the given softmax_max/softmax_sum summed over heads and
   normalized; it checks those statistics against the attention; returns the loss's gradients for
-  query_index, key_index, weights and the loss ``[1]`` float32.
+  query_index, key_index, weights and the loss ``[1]`` float32. Its size table: 32, 64 or 128
+  attention heads, 8 to 64 index heads, K one of 1,024, 2,048, 3,072 (the table's "3081"), 4,096,
+  ..., 8,192, B <= 256, S1 <= 8K, S2 <= 128K.
 Not documented, chosen here: an index row with no valid entry gives NaN output, statistics and
 query gradients (the caller must not rely on them) and adds nothing to the loss.
 """
@@ -46,6 +48,8 @@ from sparse_oracle import sparse_attention_ref
 UNLIMITED = 2**63 - 1
 DIM, ROPE, INDEX_HEADS, INDEX_DIM = 512, 64, 64, 128
 QUERY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
+LOSS_HEADS, LOSS_INDEX_HEADS = (32, 64, 128), (8, 16, 32, 64)
+LOSS_TOPK = (1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192)
 DTYPES = (torch.float16, torch.bfloat16)
 OPS = ("npu_sparse_flash_attention", "npu_sparse_flash_attention_grad", "npu_lightning_indexer",
        "npu_sparse_lightning_indexer_grad_kl_loss")
@@ -217,13 +221,13 @@ class FakeDsaOps:
     # ---- lightning indexer ---------------------------------------------------------------------
 
     @staticmethod
-    def _check_index_side(query, key, weights):
-        _require(query.dim() == 4, "BSND query")
-        batch, seqlen_q = query.shape[:2]
-        _tensor("query", query, (batch, seqlen_q, INDEX_HEADS, INDEX_DIM), DTYPES)
+    def _check_index_side(query, key, weights, heads=(INDEX_HEADS,)):
+        _require(query.dim() == 4 and query.shape[2] in heads, f"BSND query of {heads} heads")
+        batch, seqlen_q, n_heads = query.shape[:3]
+        _tensor("query", query, (batch, seqlen_q, n_heads, INDEX_DIM), DTYPES)
         _require(key.dim() == 4, "BSND key")
         _tensor("key", key, (batch, key.shape[1], 1, INDEX_DIM), (query.dtype,))
-        _tensor("weights", weights, (batch, seqlen_q, INDEX_HEADS), (query.dtype,))
+        _tensor("weights", weights, (batch, seqlen_q, n_heads), (query.dtype,))
 
     def npu_lightning_indexer(self, query, key, weights, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
                               block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048,
@@ -271,11 +275,14 @@ class FakeDsaOps:
         _require(sparse_mode == 3, f"sparse_mode {sparse_mode}: the documented 3")
         q, k, sets, sample = self._check_sfa(query, key, key, sparse_indices, query_rope, key_rope, layout, layout, 1,
                                              sparse_mode, pre_tokens, next_tokens, 2, (actual_seq_qlen, actual_seq_klen))
-        self._check_index_side(query_index, key_index, weights)
+        self._check_index_side(query_index, key_index, weights, LOSS_INDEX_HEADS)
         _require(query_index.shape[:2] == query.shape[:2] and key_index.shape[:2] == key.shape[:2],
                  "index side and attention side cover the same tokens")
         batch, seqlen_q, heads = query.shape[:3]
         seqlen_k = key.shape[1]
+        _require(heads in LOSS_HEADS, f"N1 = {heads}: one of {LOSS_HEADS}")
+        _require(sparse_indices.shape[-1] in LOSS_TOPK, f"K = {sparse_indices.shape[-1]}: one of {LOSS_TOPK}")
+        _require(batch <= 256 and seqlen_q <= 8 * 1024 and seqlen_k <= 128 * 1024, "B <= 256, S1 <= 8K, S2 <= 128K")
         for name, t in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
             _tensor(name, t, (batch, 1, seqlen_q, heads), (torch.float32,))
         full = [bool(s[0]) for s in sets]

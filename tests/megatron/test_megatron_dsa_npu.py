@@ -75,8 +75,9 @@ def npu_model(megatron_cpu, megatron_cpu_shims, monkeypatch):
 
 
 def npu_config():
-    """DeepSeek-V3.2's attention shapes at a tiny width: 2 heads, latent 512 + rope 64, indexer 64 x 128."""
-    return dsa_config(init_method_std=0.05, num_attention_heads=2, kv_lora_rank=512, qk_pos_emb_head_dim=64,
+    """DeepSeek-V3.2's attention shapes at a tiny width: 32 heads (the loss operator's fewest), latent 512 + rope 64,
+    indexer 64 x 128."""
+    return dsa_config(init_method_std=0.05, num_attention_heads=32, kv_lora_rank=512, qk_pos_emb_head_dim=64,
                       dsa_indexer_n_heads=64, dsa_indexer_head_dim=128, dsa_indexer_topk=16,
                       dsa_indexer_scoring_relu=True, dsa_indexer_use_sparse_loss=True, bf16=True,
                       params_dtype=torch.bfloat16)

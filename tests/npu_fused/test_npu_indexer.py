@@ -33,7 +33,7 @@ class Device(NamedTuple):
 
 
 NPU = Device("npu")
-H, D, NP = 64, 128, 2  # index heads and dim (the operators' only ones), attention heads
+H, D, NP = 64, 128, 32  # index heads and dim (the operators' only ones), attention heads (the loss: 32, 64 or 128)
 
 
 @pytest.fixture
@@ -131,6 +131,7 @@ def test_sparse_loss_and_gradients_match_the_oracle(npu_dsa, layout, batch, seql
     (kl,) = npu_dsa.of("npu_sparse_lightning_indexer_grad_kl_loss")
     assert len(fwd) == 1 and torch.equal(fwd[0]["sparse_indices"], kl["sparse_indices"])
     assert (kl["layout"], kl["sparse_mode"], kl["actual_seq_qlen"]) == ("BSND", 3, None)
+    assert kl["sparse_indices"].shape[-1] == 1024  # 5 entries padded with -1 to the operator's smallest K
 
 
 def test_topk_and_loss_select_then_score_on_the_operators(npu_dsa):
@@ -196,13 +197,16 @@ LOSS_LIMITS = [
     ("row-mask", dict(query_valid_rows=torch.ones(2, 6, dtype=torch.bool)), "query_valid_rows"),
     ("not-causal", dict(causal=False), "causal sparse_mode 3 only"),
     ("identity", dict(relu=False), "ReLU"),
+    ("attention-heads", dict(heads=2), "32, 64, 128 attention heads, got 2"),
 ]
 
 
 @pytest.mark.parametrize("name, over, reason", LOSS_LIMITS, ids=[x[0] for x in LOSS_LIMITS])
 def test_loss_outside_a_limit_falls_back_with_the_reason(npu_dsa, caplog, name, over, reason):
+    over = dict(over)
     q, k, w, query, key = _loss_inputs("bshd", 2, 6)
-    idx = torch.randint(0, 6, (2, 6, 3), generator=torch.Generator().manual_seed(0))
+    query = query[:, :, :over.pop("heads", NP)]
+    idx = torch.randint(0, 6, (2, 6, over.pop("width", 3)), generator=torch.Generator().manual_seed(0))
     kw = dict(dict(topk_indices=idx, sparse=True, layout="bshd"), **over)
     with caplog.at_level(logging.INFO, logger="coreattn"):
         loss = ix.indexer_loss(q, k, w, query, key, 0.1, 1.0, **kw)
@@ -210,6 +214,14 @@ def test_loss_outside_a_limit_falls_back_with_the_reason(npu_dsa, caplog, name, 
     assert not npu_dsa.of("npu_sparse_lightning_indexer_grad_kl_loss") and torch.isfinite(loss)
     with pytest.raises(RuntimeError, match="npu_fused' cannot run this indexer loss call: .*" + reason):
         ix.indexer_loss(q, k, w, query, key, 0.1, 1.0, backend="npu_fused", **kw)
+
+
+def test_loss_rows_past_the_operators_largest_k_fall_back(npu_dsa):
+    q, k, w, query, key = _loss_inputs("bshd", 2, 6)
+    fit = dict(sparse=True, relu=True, query_valid_rows=None, tp_group=None, fmt="bshd", causal=True,
+               bottom_right=True, key_bounds=False)
+    assert ix.ops.loss_unfit(q, k, w, query, key, width=8192, **fit) is None
+    assert "up to 8192 entries (K), got 8193" in ix.ops.loss_unfit(q, k, w, query, key, width=8193, **fit)
 
 
 def test_missing_loss_operator_falls_back(monkeypatch, caplog):

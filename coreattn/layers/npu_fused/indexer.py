@@ -16,9 +16,11 @@
   documents; the attention side is absorbed MLA, as there). The index list is prepared as sparse
   attention's (coreattn/layers/npu_fused/sparse.py: the token's bounds applied, repeats dropped, -1
   last), so the operator's causal mode 3 masks nothing more where the call fits (causal keys, not
-  past its bottom-right diagonal). Its loss is the sum over rows (MindSpeed divides it by B * S):
-  coreattn scales loss and gradients by ``loss_coeff`` and 1 / rows (not per-token). A row mask
-  (``query_valid_rows``), tensor-parallel heads, identity scoring and the dense loss fall back.
+  past its bottom-right diagonal). The rows are padded with -1 to the next K of its table (1,024,
+  2,048, 4,096, ...). Its loss is the sum over rows (MindSpeed divides it by B * S): coreattn scales
+  loss and gradients by ``loss_coeff`` and 1 / rows (not per-token). A row mask
+  (``query_valid_rows``), tensor-parallel heads, identity scoring, the dense loss and sizes outside
+  its table (32, 64 or 128 attention heads, 8 to 64 index heads, S1 <= 8K) fall back.
 
 Nothing here reads a device tensor on the host; the operators take no host lists in BSND.
 """
@@ -31,11 +33,16 @@ from coreattn.kernels.sparse_index import prepare_topk
 from coreattn.layers.npu_fused.sparse import (SFA_DIM, SFA_DTYPES, SFA_QUERY_HEADS, SFA_ROPE_DIM, UNLIMITED, op_indices,
                                               sfa_forward, split_rope, to_bsnd, torch_npu_op)
 
-INDEX_HEADS = 64  # "N1 only supports 64"
-INDEX_DIM = 128  # "D of query and key is 128"
-MAX_SPARSE_COUNT = 2048  # sparse_count in [1, 2048]
+INDEX_HEADS = (64,)  # npu_lightning_indexer: "N1 only supports 64" (a later revision: <= 64 on A2/A3)
+INDEX_DIM = 128  # D of its query and key
+MAX_SPARSE_COUNT = 2048  # sparse_count in [1, 2048] (a later revision adds 3072, 4096, ..., 8192)
 CAUSAL, FULL = 3, 0  # sparse_mode: rightDownCausal / defaultMask
 INT32_MAX = 2**31 - 1
+# npu_sparse_lightning_indexer_grad_kl_loss's table of supported sizes
+LOSS_HEADS = (32, 64, 128)  # N1, the attention's query heads
+LOSS_INDEX_HEADS = (8, 16, 32, 64)  # N1index
+LOSS_TOPK = (1024, 2048, 4096, 5120, 6144, 7168, 8192)  # K (its "3081" is left out: 3072 or a typo, not known)
+LOSS_MAX_BATCH, LOSS_MAX_SEQLEN_Q, LOSS_MAX_SEQLEN_K = 256, 8 * 1024, 128 * 1024
 
 
 def mask_mode(fmt: str, seqlen_q: int, seqlen_k: int, causal: bool, bottom_right: bool, cu_seqlens: bool,
@@ -54,14 +61,16 @@ def mask_mode(fmt: str, seqlen_q: int, seqlen_k: int, causal: bool, bottom_right
     return CAUSAL
 
 
-def _index_side_unfit(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, relu: bool, name: str) -> str | None:
+def _index_side_unfit(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, relu: bool, name: str,
+                      heads: tuple[int, ...]) -> str | None:
     if not relu:
         return f"{name} scores ReLU-activated heads only (relu=True)"
     if q.dtype not in SFA_DTYPES or k.dtype != q.dtype or weights.dtype != q.dtype:
         return (f"{name} takes float16 or bfloat16 q, k and weights of one dtype, got {q.dtype}, {k.dtype}, "
                 f"{weights.dtype}")
-    if q.shape[-2] != INDEX_HEADS or q.shape[-1] != INDEX_DIM:
-        return f"{name} takes {INDEX_HEADS} index heads of {INDEX_DIM}, got {q.shape[-2]} of {q.shape[-1]}"
+    if q.shape[-2] not in heads or q.shape[-1] != INDEX_DIM:
+        return (f"{name} takes {' or '.join(map(str, heads))} index heads of {INDEX_DIM}, got {q.shape[-2]} of "
+                f"{q.shape[-1]}")
     return None
 
 
@@ -69,7 +78,7 @@ def topk_unfit(q, k, weights, topk: int, relu: bool, return_scores: bool, mode: 
     """None when ``npu_lightning_indexer`` can select this call's top-k, else the limit it breaks."""
     if isinstance(mode, str):
         return f"npu_lightning_indexer: {mode}"
-    unfit = _index_side_unfit(q, k, weights, relu, "npu_lightning_indexer")
+    unfit = _index_side_unfit(q, k, weights, relu, "npu_lightning_indexer", INDEX_HEADS)
     if unfit:
         return unfit
     if topk > MAX_SPARSE_COUNT:
@@ -108,22 +117,29 @@ def indexer_topk_npu(q, k, weights, key_lo, key_hi, topk: int, fmt: str, mode: i
     return torch.where(chosen < INT32_MAX, chosen, -1).to(index_dtype)
 
 
+def loss_topk(width: int) -> int | None:
+    """The operator's K for index rows of ``width`` entries (padded with -1), or None past its largest."""
+    return next((k for k in LOSS_TOPK if k >= width), None)
+
+
 def loss_unfit(q, k, weights, query, key, *, sparse: bool, relu: bool, query_valid_rows, tp_group, fmt: str,
-               causal: bool, bottom_right: bool, key_bounds: bool) -> str | None:
-    """None when ``npu_sparse_lightning_indexer_grad_kl_loss`` can compute this call's loss, else why not.
-    Its causal mode 3 must mask nothing the prepared index list keeps: causal keys not past the
-    bottom-right diagonal of the sample (thd: one sample, packed sequences included)."""
+               causal: bool, bottom_right: bool, key_bounds: bool, width: int) -> str | None:
+    """None when ``npu_sparse_lightning_indexer_grad_kl_loss`` can compute this call's loss over index
+    rows of ``width`` entries, else why not. Its causal mode 3 must mask nothing the prepared index
+    list keeps: causal keys not past the bottom-right diagonal of the sample (thd: one sample,
+    packed sequences included)."""
     name = "npu_sparse_lightning_indexer_grad_kl_loss"
     if not sparse:
         return ("the dense loss: npu_dense_lightning_indexer_grad_kl_loss takes per-head keys of 128 + 64 (N2 = N1) "
                 "and the dense attention's softmax_max/softmax_sum, which no documented torch_npu attention "
                 "operator returns in its layout")
+    batch = 1 if fmt == "thd" else (q.shape[0] if fmt == "bshd" else q.shape[1])
     seqlen_q, seqlen_k = (q.shape[0], k.shape[0]) if fmt != "bshd" else (q.shape[1], k.shape[1])
     if key_bounds or not causal:
         return f"{name} documents its causal sparse_mode 3 only: causal keys without key_bounds"
     if (fmt == "thd" or not bottom_right) and seqlen_k < seqlen_q:
         return f"{name}'s causal mode is aligned bottom-right: top-left causal over {seqlen_q} queries and {seqlen_k} keys"
-    unfit = _index_side_unfit(q, k, weights, relu, name)
+    unfit = _index_side_unfit(q, k, weights, relu, name, LOSS_INDEX_HEADS)
     if unfit:
         return unfit
     if query_valid_rows is not None:
@@ -135,8 +151,13 @@ def loss_unfit(q, k, weights, query, key, *, sparse: bool, relu: bool, query_val
     if query.shape[-1] != SFA_DIM + SFA_ROPE_DIM or key.shape[-2] != 1:
         return (f"{name} takes absorbed MLA's attention side (query/key {SFA_DIM} + {SFA_ROPE_DIM}, one key head), "
                 f"got query {tuple(query.shape)}, key {tuple(key.shape)}")
-    if query.shape[-2] not in SFA_QUERY_HEADS:
-        return f"npu_sparse_flash_attention (the loss's softmax statistics) takes {SFA_QUERY_HEADS} heads, got {query.shape[-2]}"
+    if query.shape[-2] not in LOSS_HEADS:
+        return f"{name} takes {', '.join(map(str, LOSS_HEADS))} attention heads, got {query.shape[-2]}"
+    if loss_topk(width) is None:
+        return f"{name} takes index rows of up to {LOSS_TOPK[-1]} entries (K), got {width}"
+    if batch > LOSS_MAX_BATCH or seqlen_q > LOSS_MAX_SEQLEN_Q or seqlen_k > LOSS_MAX_SEQLEN_K:
+        return (f"{name} takes B <= {LOSS_MAX_BATCH}, S1 <= {LOSS_MAX_SEQLEN_Q}, S2 <= {LOSS_MAX_SEQLEN_K} (thd: one "
+                f"sample of T), got B {batch}, S1 {seqlen_q}, S2 {seqlen_k}")
     return None
 
 
@@ -146,7 +167,9 @@ def indexer_loss_npu(q, k, weights, query, key, key_lo, key_hi, fmt: str, *, sof
     ``loss_torch`` returns them (gradients for an incoming gradient of 1, float32; None without ``grads``)."""
     query_index, key_index, w = _index_tensors(q, k, weights, fmt)
     batch, seqlen_q, seqlen_k = query_index.shape[0], query_index.shape[1], key_index.shape[1]
-    prepared = prepare_topk(topk_indices[:, None, :], "thd")  # [N, 1, K]: ascending, repeats and negatives -1
+    width = topk_indices.shape[-1]
+    rows = torch.nn.functional.pad(topk_indices[:, None, :], (0, loss_topk(width) - width), value=-1)  # the op's K
+    prepared = prepare_topk(rows, "thd")  # [N, 1, K]: ascending, repeats and negatives -1
     idx, has_key = op_indices(prepared, key_lo, key_hi, seqlen_k, batch)
     halves = split_rope(query, fmt) + split_rope(key, fmt)  # query, query_rope, key, key_rope
     _, smax, ssum = sfa_forward(*halves, idx, softmax_scale)

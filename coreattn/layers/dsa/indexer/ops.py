@@ -101,11 +101,14 @@ def _loss(q, k, weights, query, key, softmax_scale, loss_coeff, topk_indices, to
                                           causal_alignment=causal_alignment, bounds=key_bounds,
                                           max_seqlen=checks.check_span(max_seqlen, tokens))
     rows = checks.check_query_valid_rows(query_valid_rows, tokens, q.device)
+    given = isinstance(topk_indices, torch.Tensor) and topk_indices.dim() > 0
+    width = min(topk, tokens.seqlen_k) if topk is not None else (topk_indices.shape[-1] if given else 0)
     loss_backend = indexer_backend(
         q.device, backend, what="indexer loss", ops=NPU_LOSS_OPS,
         unfit=lambda: loss_unfit(q, k, weights, query, key, sparse=sparse, relu=relu, query_valid_rows=rows,
                                  tp_group=tp_group, fmt=layout, causal=causal,
-                                 bottom_right=causal_alignment == "bottom_right", key_bounds=key_bounds is not None))
+                                 bottom_right=causal_alignment == "bottom_right", key_bounds=key_bounds is not None,
+                                 width=width))
     selected = None
     chosen = None
     if topk is not None:
