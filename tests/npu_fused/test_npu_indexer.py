@@ -55,8 +55,9 @@ def _side(layout, batch, seqlen, seqlen_k, dtype=torch.bfloat16, seed=0, heads=H
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, seqlen, heads, D, generator=gen).to(dtype)
     k = torch.randn(batch, seqlen_k, D, generator=gen).to(dtype)
-    k[:, 1] *= 3  # keys 1 and 3: the top two of every query seeing both, scored alike (a tie the operator
-    k[:, 3] = k[:, 1]  # orders its own way; one at the K-th place would be the operator's pick: not converted)
+    if seqlen_k > 3:
+        k[:, 1] *= 3  # keys 1 and 3: the top two of every query seeing both, scored alike (a tie the operator
+        k[:, 3] = k[:, 1]  # orders its own way; one at the K-th place would be the operator's pick: not converted)
     w = (torch.rand(batch, seqlen, heads, generator=gen) * 0.2).to(dtype)
     if layout == "thd":
         return q[0], k[0], w[0]
@@ -233,3 +234,25 @@ def test_missing_loss_operator_falls_back(monkeypatch, caplog):
         assert function.indexer_backend(NPU, what="indexer loss", ops=NPU_LOSS_OPS) is Backend.TORCH
     assert "this torch_npu has no npu_sparse_lightning_indexer_grad_kl_loss" in caplog.text
     npu.cache_clear()
+
+
+def test_empty_inputs_need_no_operator_call(npu_dsa):
+    q, k, w, query, key = _loss_inputs("bshd", 2, 0)
+    loss = ix.indexer_loss(q.requires_grad_(), k, w, query, key, 0.1, 1.0, topk_indices=torch.zeros(2, 0, 4).long(),
+                           sparse=True, layout="bshd")
+    loss.backward()
+    assert loss == 0 and q.grad.shape == q.shape and not npu_dsa.calls
+    assert ix.indexer_topk(q.detach(), k, w, 4, layout="bshd").indices.shape == (2, 0, 0)
+
+
+def test_no_host_read(npu_dsa, monkeypatch):
+    """The top-k and the loss on the operators read no device value on the host (BSND: no host lists)."""
+    import sync_detector
+
+    monkeypatch.setattr(sync_detector, "EXEMPT", ("coreattn.layers.torch_backend", "coreattn.layers.npu_fused.attention"))
+    q, k, w, query, key = _loss_inputs("sbhd", 2, 6)
+    leaves = [t.detach().requires_grad_() for t in (q, k, w)]
+    with sync_detector.no_host_reads(monkeypatch):
+        _, loss = ix.indexer_topk_and_loss(*leaves, query, key, 3, 0.1, 1.0, sparse=True, layout="sbhd")
+        loss.backward()
+    assert [c["op"] for c in npu_dsa.calls][0] == "npu_lightning_indexer" and len(npu_dsa.calls) == 3

@@ -168,6 +168,9 @@ def indexer_loss_npu(q, k, weights, query, key, key_lo, key_hi, fmt: str, *, sof
     query_index, key_index, w = _index_tensors(q, k, weights, fmt)
     batch, seqlen_q, seqlen_k = query_index.shape[0], query_index.shape[1], key_index.shape[1]
     width = topk_indices.shape[-1]
+    if batch * seqlen_q == 0 or seqlen_k == 0 or width == 0:  # no row has a key: the loss and its gradients are 0
+        zeros = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, weights)] if grads else [None] * 3
+        return torch.zeros((), dtype=torch.float32, device=q.device), *zeros
     rows = torch.nn.functional.pad(topk_indices[:, None, :], (0, loss_topk(width) - width), value=-1)  # the op's K
     prepared = prepare_topk(rows, "thd")  # [N, 1, K]: ascending, repeats and negatives -1
     idx, has_key = op_indices(prepared, key_lo, key_hi, seqlen_k, batch)

@@ -133,7 +133,7 @@ def sparse_attn_npu_fwd(q, k, v, topk, key_lo, key_hi, fmt: str, softmax_scale: 
     out = torch.where(has_key[..., None, None], out, 0).to(q.dtype)  # [B, S, Hq, 512]
     lse = (smax + torch.log(ssum))[:, 0].transpose(1, 2)  # [B, Hq, S]
     lse = torch.where(has_key[:, None, :], lse, float("-inf")).to(torch.float32)
-    return from_bsnd(out, fmt), (lse[0] if fmt == "thd" else lse.contiguous())
+    return from_bsnd(out, fmt), (lse[0] if fmt == "thd" else lse).contiguous()
 
 
 def sparse_attn_npu_bwd(dout, q, k, v, out, lse, topk, key_lo, key_hi, fmt: str, softmax_scale: float, *,
