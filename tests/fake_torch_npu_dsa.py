@@ -274,7 +274,8 @@ class FakeDsaOps:
                      actual_seq_klen=actual_seq_klen)
         _require(sparse_mode == 3, f"sparse_mode {sparse_mode}: the documented 3")
         q, k, sets, sample = self._check_sfa(query, key, key, sparse_indices, query_rope, key_rope, layout, layout, 1,
-                                             sparse_mode, pre_tokens, next_tokens, 2, (actual_seq_qlen, actual_seq_klen))
+                                             sparse_mode, pre_tokens, next_tokens, 2,
+                                             (actual_seq_qlen, actual_seq_klen))
         self._check_index_side(query_index, key_index, weights, LOSS_INDEX_HEADS)
         _require(query_index.shape[:2] == query.shape[:2] and key_index.shape[:2] == key.shape[:2],
                  "index side and attention side cover the same tokens")

@@ -14,9 +14,9 @@ tests/npu_fused/test_npu_indexer.py. Then, per layer, the steps on the inputs Me
 propagation through the model): the sparse attention (output and the gradients of query, key and the
 V up-projection) against the float64 oracle, relative to Megatron's own step in bf16; and (sbhd) the
 indexer loss and its q/k/weights gradients against the float64 oracle, relative to it in float32,
-Megatron's plain causal bounds having reached the indexer as causal. sbhd runs the sparse attention, the indexer top-k and the loss
-on the operators; packed thd runs the sparse attention there, and the indexer (per-row bounds, which
-the indexer operators do not take) on torch, the fallback logged.
+Megatron's plain causal bounds having reached the indexer as causal. sbhd runs the sparse attention,
+the indexer top-k and the loss on the operators; packed thd runs the sparse attention there, and the
+indexer (per-row bounds, which the indexer operators do not take) on torch, the fallback logged.
 """
 
 from __future__ import annotations

@@ -249,7 +249,8 @@ def test_no_host_read(npu_dsa, monkeypatch):
     """The top-k and the loss on the operators read no device value on the host (BSND: no host lists)."""
     import sync_detector
 
-    monkeypatch.setattr(sync_detector, "EXEMPT", ("coreattn.layers.torch_backend", "coreattn.layers.npu_fused.attention"))
+    exempt = ("coreattn.layers.torch_backend", "coreattn.layers.npu_fused.attention")  # the DSA mappings are checked
+    monkeypatch.setattr(sync_detector, "EXEMPT", exempt)
     q, k, w, query, key = _loss_inputs("sbhd", 2, 6)
     leaves = [t.detach().requires_grad_() for t in (q, k, w)]
     with sync_detector.no_host_reads(monkeypatch):

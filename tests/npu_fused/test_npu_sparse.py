@@ -104,7 +104,8 @@ def test_no_host_read(npu_dsa, monkeypatch):
     """Forward and backward read no device value on the host (the operators take no host lists here)."""
     import sync_detector
 
-    monkeypatch.setattr(sync_detector, "EXEMPT", ("coreattn.layers.torch_backend", "coreattn.layers.npu_fused.attention"))
+    exempt = ("coreattn.layers.torch_backend", "coreattn.layers.npu_fused.attention")  # the DSA mappings are checked
+    monkeypatch.setattr(sync_detector, "EXEMPT", exempt)
     inp = SparseInputs(SparseCase(layout="thd", lens_q=(3, 4), **ABSORBED), torch.bfloat16)
     with sync_detector.no_host_reads(monkeypatch):
         out = inp.call()[0]

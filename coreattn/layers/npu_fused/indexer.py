@@ -138,7 +138,8 @@ def loss_unfit(q, k, weights, query, key, *, sparse: bool, relu: bool, query_val
     if key_bounds or not causal:
         return f"{name} documents its causal sparse_mode 3 only: causal keys without key_bounds"
     if (fmt == "thd" or not bottom_right) and seqlen_k < seqlen_q:
-        return f"{name}'s causal mode is aligned bottom-right: top-left causal over {seqlen_q} queries and {seqlen_k} keys"
+        return (f"{name}'s causal mode is aligned bottom-right: top-left causal over {seqlen_q} queries and "
+                f"{seqlen_k} keys")
     unfit = _index_side_unfit(q, k, weights, relu, name, LOSS_INDEX_HEADS)
     if unfit:
         return unfit
@@ -169,7 +170,7 @@ def indexer_loss_npu(q, k, weights, query, key, key_lo, key_hi, fmt: str, *, sof
     batch, seqlen_q, seqlen_k = query_index.shape[0], query_index.shape[1], key_index.shape[1]
     width = topk_indices.shape[-1]
     if batch * seqlen_q == 0 or seqlen_k == 0 or width == 0:  # no row has a key: the loss and its gradients are 0
-        zeros = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, weights)] if grads else [None] * 3
+        zeros = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) if grads else None for t in (q, k, weights)]
         return torch.zeros((), dtype=torch.float32, device=q.device), *zeros
     rows = torch.nn.functional.pad(topk_indices[:, None, :], (0, loss_topk(width) - width), value=-1)  # the op's K
     prepared = prepare_topk(rows, "thd")  # [N, 1, K]: ascending, repeats and negatives -1

@@ -31,7 +31,8 @@ class IndexerTopk(NamedTuple):
     scores: torch.Tensor | None  # float32 [*tokens, K] (float64 for float64 inputs on torch), -inf unused
 
 
-def _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, backend: Backend, index_dtype, mode=None):
+def _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, backend: Backend, index_dtype,
+          mode=None):
     if backend is Backend.NPU_FUSED:
         return indexer_topk_npu(q, k, weights, lo, hi, topk, tokens.layout, mode, index_dtype), None
     if backend is Backend.TRITON and q.dtype != torch.float64:
