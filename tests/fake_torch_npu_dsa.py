@@ -6,7 +6,8 @@ arguments as torch_npu documents them (names, BSND layouts, dtypes, shapes, cont
 rows' valid-then-invalid order, the only supported attention_mode / pre_tokens / next_tokens) and
 computing its documented result with the float64 oracles (tests/sparse_oracle.py,
 tests/indexer_oracle.py); every call is recorded in ``calls`` as ``dict(op=name, **arguments)``.
-A flag per operator (``ops``) leaves it out, as a torch_npu without it.
+A flag per operator (``ops``) leaves it out, as a torch_npu without it. ``install`` puts it in
+place of torch_npu with the DSA ops' backend choice asked for a stand-in npu device.
 
 The contracts (docs/ascend.md cites each source):
 - ``npu_sparse_flash_attention``: absorbed MLA (``attention_mode=2``): q = [query, query_rope],
@@ -39,6 +40,8 @@ query gradients (the caller must not rely on them) and adds nothing to the loss.
 from __future__ import annotations
 
 import concurrent.futures
+import sys
+from typing import NamedTuple
 
 import torch
 
@@ -103,6 +106,20 @@ def _stats(q: torch.Tensor, k: torch.Tensor, sets, scale: float) -> tuple[torch.
         maxes.append(logits.amax(-1))
         lses.append(torch.logsumexp(logits, -1))
     return torch.stack(maxes), torch.stack(lses)
+
+
+def _check_stats(q, k, sets, scale, softmax_max, softmax_sum, shape) -> list[bool]:
+    """The statistics handed in are this attention's (max + log(sum) = its lse where a row has keys);
+    returns which rows have keys."""
+    for name, t in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
+        _tensor(name, t, shape, (torch.float32,))
+    full = [bool(s[0]) for s in sets]
+    _, lse = _stats(q, k, sets, scale)
+    given = (softmax_max.double() + torch.log(softmax_sum.double())).view(-1, shape[-1])
+    mask = torch.tensor(full)
+    _require(torch.allclose(given[mask], lse[mask], rtol=1e-5, atol=1e-5),
+             "softmax_max/softmax_sum are not this attention's softmax statistics over these indices")
+    return full
 
 
 def _with_autograd(fn):
@@ -192,14 +209,7 @@ class FakeDsaOps:
         batch, seqlen_q, heads = query.shape[:3]
         _tensor("d_out", d_out, query.shape, (query.dtype,))
         _tensor("out", out, query.shape, (query.dtype,))
-        for name, t in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
-            _tensor(name, t, (batch, 1, seqlen_q, heads), (torch.float32,))
-        full = [bool(s[0]) for s in sets]
-        _, lse = _stats(q, k, sets, scale_value)
-        given = (softmax_max.double() + torch.log(softmax_sum.double())).view(-1, heads)
-        mask = torch.tensor(full)
-        _require(torch.allclose(given[mask], lse[mask], rtol=1e-5, atol=1e-5),
-                 "softmax_max/softmax_sum are not this call's softmax statistics")
+        full = _check_stats(q, k, sets, scale_value, softmax_max, softmax_sum, (batch, 1, seqlen_q, heads))
         def oracle_grads():
             leaves = [t.detach().double().requires_grad_() for t in (query, key, value, query_rope, key_rope)]
             qn, kn, v, qr, kr = leaves
@@ -284,14 +294,7 @@ class FakeDsaOps:
         _require(heads in LOSS_HEADS, f"N1 = {heads}: one of {LOSS_HEADS}")
         _require(sparse_indices.shape[-1] in LOSS_TOPK, f"K = {sparse_indices.shape[-1]}: one of {LOSS_TOPK}")
         _require(batch <= 256 and seqlen_q <= 8 * 1024 and seqlen_k <= 128 * 1024, "B <= 256, S1 <= 8K, S2 <= 128K")
-        for name, t in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
-            _tensor(name, t, (batch, 1, seqlen_q, heads), (torch.float32,))
-        full = [bool(s[0]) for s in sets]
-        _, lse = _stats(q, k, sets, scale_value)
-        given = (softmax_max.double() + torch.log(softmax_sum.double())).view(-1, heads)
-        mask = torch.tensor(full)
-        _require(torch.allclose(given[mask], lse[mask], rtol=1e-5, atol=1e-5),
-                 "softmax_max/softmax_sum are not the attention's statistics over these indices")
+        _check_stats(q, k, sets, scale_value, softmax_max, softmax_sum, (batch, 1, seqlen_q, heads))
         lo = [[0] * seqlen_q for _ in range(batch)]
         hi = [[max(0, min(seqlen_k, s + 1 + seqlen_k - seqlen_q)) for s in range(seqlen_q)] for _ in range(batch)]
         chosen = torch.tensor([sorted(s[0]) + [-1] * (sparse_indices.shape[-1] - len(s[0])) for s in sets])
@@ -307,3 +310,35 @@ class FakeDsaOps:
         loss, (dq, dk, dw) = _with_autograd(oracle_grads)
         dtype = query_index.dtype
         return dq.to(dtype), dk[:, :, None].to(dtype), dw.to(dtype), loss.float().reshape(1)
+
+
+class Device(NamedTuple):
+    """Stands in for torch.device("npu"), which needs torch_npu to exist."""
+
+    type: str
+    index: int | None = 0
+
+
+NPU = Device("npu")
+
+
+def install(monkeypatch, ops=OPS) -> FakeDsaOps:
+    """A stand-in torch_npu (tests/fake_torch_npu.py's, with ``ops``) as ``torch_npu``, and the DSA ops'
+    backend choice (sparse attention, the indexer's steps) asked for an npu device, so CPU tensors
+    stand in for npu ones. Callers clear ``coreattn.kernels.npu``'s cache when done."""
+    from coreattn.kernels import npu
+    from coreattn.layers import backends
+    from coreattn.layers.dsa import sparse_function
+    from coreattn.layers.dsa.indexer import function, ops as indexer_ops
+    from fake_torch_npu import FakeTorchNpu
+
+    fake = FakeTorchNpu()
+    dsa = FakeDsaOps(fake, ops)
+    monkeypatch.setitem(sys.modules, "torch_npu", fake.module)
+    monkeypatch.delenv(backends.ENV_BACKEND, raising=False)
+    npu.cache_clear()
+    monkeypatch.setattr(sparse_function, "select_sparse_backend",
+                        lambda device, override=None, unfit=None: backends.select_sparse_backend(NPU, override, unfit))
+    monkeypatch.setattr(indexer_ops, "indexer_backend",
+                        lambda device, override=None, **kw: function.indexer_backend(NPU, override, **kw))
+    return dsa

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -35,13 +33,9 @@ dsa = pytest.importorskip("megatron.core.transformer.experimental_attention_vari
 from attn_cases import assert_flash_criterion  # noqa: E402
 from coreattn.adapters.megatron import use_coreattn  # noqa: E402
 from coreattn.kernels import npu  # noqa: E402
-from coreattn.layers import backends  # noqa: E402
 import coreattn.layers.dsa.indexer as ix  # noqa: E402
-from coreattn.layers.dsa import sparse_function  # noqa: E402
-from coreattn.layers.dsa.indexer import function, ops  # noqa: E402
 from dsa_env import build, dsa_block_spec, dsa_config, install_shims  # noqa: E402
-from fake_torch_npu import FakeTorchNpu  # noqa: E402
-from fake_torch_npu_dsa import FakeDsaOps  # noqa: E402
+from fake_torch_npu_dsa import install  # noqa: E402
 from megatron_env import megatron_cpu, megatron_cpu_shims  # noqa: E402,F401
 from indexer_oracle import loss_ref  # noqa: E402
 from test_megatron_dsa import ORACLE_STEP, SEAM, V019, make_batch, run_model  # noqa: E402
@@ -49,28 +43,11 @@ from test_megatron_dsa import ORACLE_STEP, SEAM, V019, make_batch, run_model  # 
 pytestmark = pytest.mark.skipif(not V019, reason="megatron-core 0.19's DSAttention (absorbed MLA, the indexer loss)")
 
 
-class Device(NamedTuple):
-    type: str
-    index: int | None = 0
-
-
-NPU = Device("npu")
-
-
 @pytest.fixture
 def npu_model(megatron_cpu, megatron_cpu_shims, monkeypatch):
     install_shims(monkeypatch)
     monkeypatch.setattr(dsa.DSAIndexerLossAutoScaler, "main_loss_backward_scale", torch.tensor(1.0))
-    fake = FakeTorchNpu()
-    ops_fake = FakeDsaOps(fake)
-    monkeypatch.setitem(sys.modules, "torch_npu", fake.module)
-    monkeypatch.delenv(backends.ENV_BACKEND, raising=False)
-    npu.cache_clear()
-    monkeypatch.setattr(sparse_function, "select_sparse_backend",
-                        lambda device, override=None, unfit=None: backends.select_sparse_backend(NPU, override, unfit))
-    monkeypatch.setattr(ops, "indexer_backend",
-                        lambda device, override=None, **kw: function.indexer_backend(NPU, override, **kw))
-    yield ops_fake
+    yield install(monkeypatch)
     npu.cache_clear()
 
 

@@ -10,8 +10,6 @@ fallback with its logged reason, and an explicit ``backend="npu_fused"`` outside
 """
 
 import logging
-import sys
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -19,34 +17,18 @@ import torch
 import coreattn.layers.dsa.indexer as ix
 from attn_cases import assert_flash_criterion
 from coreattn.kernels import npu
-from coreattn.layers import backends
 from coreattn.layers.backends import NPU_LOSS_OPS, NPU_TOPK_OPS, Backend
 from coreattn.layers.dsa.indexer import function, ops
-from fake_torch_npu import FakeTorchNpu
-from fake_torch_npu_dsa import FakeDsaOps
+from fake_torch_npu_dsa import NPU, install
 from indexer_oracle import causal_bounds, index_scores, loss_ref, topk_ref
 
 
-class Device(NamedTuple):
-    type: str
-    index: int | None = 0
-
-
-NPU = Device("npu")
 H, D, NP = 64, 128, 32  # index heads and dim (the operators' only ones), attention heads (the loss: 32, 64 or 128)
 
 
 @pytest.fixture
 def npu_dsa(monkeypatch):
-    fake = FakeTorchNpu()
-    dsa = FakeDsaOps(fake)
-    monkeypatch.setitem(sys.modules, "torch_npu", fake.module)
-    monkeypatch.delenv(backends.ENV_BACKEND, raising=False)
-    npu.cache_clear()
-    monkeypatch.setattr(ops, "indexer_backend",
-                        lambda device, override=None, **kw: function.indexer_backend(NPU, override, **kw))
-    # the loss's statistics come from the sparse attention operator, asked for the same stand-in device
-    yield dsa
+    yield install(monkeypatch)
     npu.cache_clear()
 
 
@@ -226,10 +208,7 @@ def test_loss_rows_past_the_operators_largest_k_fall_back(npu_dsa):
 
 
 def test_missing_loss_operator_falls_back(monkeypatch, caplog):
-    fake = FakeTorchNpu()
-    FakeDsaOps(fake, ops=("npu_sparse_flash_attention",))
-    monkeypatch.setitem(sys.modules, "torch_npu", fake.module)
-    npu.cache_clear()
+    install(monkeypatch, ops=("npu_sparse_flash_attention",))
     with caplog.at_level(logging.INFO, logger="coreattn"):
         assert function.indexer_backend(NPU, what="indexer loss", ops=NPU_LOSS_OPS) is Backend.TORCH
     assert "this torch_npu has no npu_sparse_lightning_indexer_grad_kl_loss" in caplog.text

@@ -11,8 +11,6 @@ its logged reason, an explicit ``backend="npu_fused"`` outside a limit raising i
 """
 
 import logging
-import sys
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -20,33 +18,9 @@ import torch
 from coreattn.kernels import npu
 from coreattn.layers import backends
 from coreattn.layers.backends import Backend, select_sparse_backend
-from coreattn.layers.dsa import sparse_function
 from coreattn.layers.npu_fused.sparse import sparse_unfit
-from fake_torch_npu import FakeTorchNpu
-from fake_torch_npu_dsa import OPS, FakeDsaOps
+from fake_torch_npu_dsa import NPU, install
 from sparse_cases import SparseCase, SparseInputs, assert_sparse_matches_oracle
-
-
-class Device(NamedTuple):
-    """Stands in for torch.device("npu"), which needs torch_npu to exist."""
-
-    type: str
-    index: int | None = 0
-
-
-NPU = Device("npu")
-
-
-def install(monkeypatch, ops=OPS) -> FakeDsaOps:
-    """A stand-in torch_npu with ``ops``; the sparse op's selection asked for an npu device."""
-    fake = FakeTorchNpu()
-    dsa = FakeDsaOps(fake, ops)
-    monkeypatch.setitem(sys.modules, "torch_npu", fake.module)
-    monkeypatch.delenv(backends.ENV_BACKEND, raising=False)
-    npu.cache_clear()
-    monkeypatch.setattr(sparse_function, "select_sparse_backend",
-                        lambda device, override=None, unfit=None: select_sparse_backend(NPU, override, unfit))
-    return dsa
 
 
 @pytest.fixture
