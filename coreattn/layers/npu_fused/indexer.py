@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 
 from coreattn.kernels.sparse_index import prepare_topk
-from coreattn.layers.npu_fused.sparse import (SFA_DIM, SFA_DTYPES, SFA_QUERY_HEADS, SFA_ROPE_DIM, UNLIMITED, op_indices,
-                                              sfa_forward, split_rope, to_bsnd, torch_npu_op)
+from coreattn.layers.npu_fused.sparse import (SFA_DIM, SFA_DTYPES, SFA_ROPE_DIM, UNLIMITED, op_indices, sfa_forward,
+                                              split_rope, to_bsnd, torch_npu_op)
 
 INDEX_HEADS = (64,)  # npu_lightning_indexer: "N1 only supports 64" (a later revision: <= 64 on A2/A3)
 INDEX_DIM = 128  # D of its query and key
