@@ -354,7 +354,7 @@ def _bad_calls():
         (lambda: topk(q, k, w, 2, key_bounds=(torch.zeros(8), torch.zeros(8))), TypeError, "key_bounds[0] must be"),
         (lambda: topk(q, k, w, 2, key_bounds=(torch.zeros(7, dtype=torch.int32),) * 2), ValueError,
          "key_bounds[0] must have shape"),
-        (lambda: topk(q, k, w, 2, backend="npu_fused"), ValueError, "no indexer ops"),
+        (lambda: topk(q, k, w, 2, backend="npu_fused"), RuntimeError, "npu_fused' cannot run indexer top-k on cpu"),
         (lambda: topk(q, k, w, 2, index_dtype=torch.int16), TypeError, "index_dtype must be torch.int32"),
         (lambda: ix.indexer_topk_and_loss(q, k, w, query, key, 2, 1.0, 1.0, index_dtype=torch.float32), TypeError,
          "index_dtype must be torch.int32"),

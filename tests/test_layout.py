@@ -26,7 +26,7 @@ ALLOWED = {
                                          "coreattn.layers.function"),
     "coreattn.layers.dsa": ("coreattn.kernels", "coreattn.layers.dsa", "coreattn.layers.backends",
                             "coreattn.layers.checks", "coreattn.layers.core_attention",
-                            "coreattn.layers.torch_backend"),
+                            "coreattn.layers.torch_backend", "coreattn.layers.npu_fused"),
     "coreattn.adapters": ("coreattn.kernels", "coreattn.layers", "coreattn.adapters"),
 }
 

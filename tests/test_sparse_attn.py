@@ -250,10 +250,10 @@ def test_fake_shapes_match_the_op(layout, absorbed, extras):
 
 # ---- backend choice ------------------------------------------------------------------------------
 
-def test_npu_fused_is_not_a_sparse_backend(monkeypatch):
+def test_npu_fused_sparse_attention_needs_npu_tensors(monkeypatch):
     q, k, v, cu = _one_sequence()
     topk = torch.zeros(6, 4, dtype=torch.int64)
-    with pytest.raises(RuntimeError, match="npu_fused.*no sparse attention"):
+    with pytest.raises(RuntimeError, match="npu_fused' cannot run sparse attention on cpu"):
         coreattn.sparse_varlen_attn(q, k, v, topk, cu, cu, backend="npu_fused")
     # set for dense attention, COREATTN_BACKEND=npu_fused leaves sparse attention at its default
     monkeypatch.setenv("COREATTN_BACKEND", "npu_fused")

@@ -21,6 +21,10 @@ Selection rule (first match wins):
 Backends: ``triton`` (CUDA sm80 and newer; ROCm on gfx90a, gfx942 and gfx950; Ascend via
 triton-ascend; CPU under ``TRITON_INTERPRET=1``), ``torch`` (any device) and ``npu_fused``
 (``npu`` tensors with torch_npu importable).
+
+DeepSeek Sparse Attention's ops (sparse attention, the indexer's top-k and loss) choose per call
+with ``select_dsa_backend``: ``npu_fused`` (torch_npu's DSA operators) where torch_npu has them and
+the call fits their documented limits, else the next backend, with the reason logged once.
 """
 
 from __future__ import annotations
@@ -167,18 +171,90 @@ def select_backend(device: torch.device, override: str | Backend | None = None) 
 
 
 
-def select_sparse_backend(device: torch.device, override: str | Backend | None = None) -> Backend:
-    """The backend of sparse (top-k) attention (``coreattn.sparse_varlen_attn``): ``select_backend``'s
-    rule without ``npu_fused``, which has no sparse attention. The default is Triton where it can run
-    (CUDA, ROCm, CPU under the interpreter) and torch otherwise, npu tensors included (Triton there
-    by explicit choice); ``COREATTN_BACKEND=npu_fused`` (set for dense attention) leaves sparse
-    attention at its default, and ``backend="npu_fused"`` raises."""
+# torch_npu's DSA operators coreattn maps (coreattn/layers/npu_fused/sparse.py, indexer.py): each DSA op
+# family runs on npu_fused where this torch_npu has every operator it calls
+NPU_SPARSE_OPS = ("npu_sparse_flash_attention", "npu_sparse_flash_attention_grad")
+NPU_TOPK_OPS = ("npu_lightning_indexer",)
+NPU_LOSS_OPS = ("npu_sparse_flash_attention", "npu_sparse_lightning_indexer_grad_kl_loss")
+
+# per device type, the backends a DSA op prefers (npu_fused where it has the operator and the call fits)
+_DSA_PREFERENCES: dict[str, tuple[Backend, ...]] = {"npu": (Backend.NPU_FUSED, Backend.TRITON, Backend.TORCH)}
+
+
+def npu_ops_available(device: torch.device, ops: tuple[str, ...], what: str) -> Availability:
+    """Whether torch_npu's operators ``ops`` can run ``what`` for tensors on ``device``."""
+    if not ops:
+        return Availability(False, f"torch_npu has no {what} operator")
+    if device.type != "npu":
+        return Availability(False, f"torch_npu's {what} operators run on npu tensors, not {device.type}")
+    mod = npu.torch_npu_module()
+    if mod is None:
+        return Availability(False, npu.torch_npu_reason())
+    missing = [name for name in ops if not callable(getattr(mod, name, None))]
+    if missing:
+        return Availability(False, f"this torch_npu has no {', '.join(missing)}")
+    return Availability(True, "torch_npu." + " + ".join(ops))
+
+
+def _log_choice(device: torch.device, what: str, backend: Backend, why: str) -> None:
+    """Logs a DSA op's choice and why, once per device type, op, backend and reason."""
+    key = (device.type, what, backend, why)
+    if not torch.compiler.is_compiling() and key not in _logged:
+        _logged.add(key)
+        logger.info("coreattn: %s tensors run %s on the %s backend (%s)", device.type, what, backend.value, why)
+
+
+def select_dsa_backend(device: torch.device, override: str | Backend | None = None, *, what: str,
+                       ops: tuple[str, ...] = (), unfit: Callable[[], str | None] | None = None) -> Backend:
+    """The backend of a DSA op (``what``: "sparse attention", "the indexer top-k", ...) on ``device``.
+
+    ``ops``: the torch_npu operators its ``npu_fused`` mapping calls (none: it has no npu_fused
+    mapping); ``unfit()``: None when this call fits those operators' documented limits, else the
+    limit it breaks (asked only where npu_fused could run). Rule:
+    1. ``override`` (else ``COREATTN_BACKEND``) names the backend; one that cannot run raises
+       ``RuntimeError`` with the reason, ``npu_fused`` also when the call is outside its limits
+       (the limit named). ``COREATTN_BACKEND=npu_fused`` (set for dense attention) is no override
+       here: the device default, which prefers npu_fused on an NPU;
+    2. npu tensors: ``npu_fused`` where torch_npu has the operators and the call fits, else Triton
+       (triton-ascend), else torch; other devices: Triton where it runs, else torch. Never raises:
+       the choice and the reasons the preferred ones were passed over are logged once."""
+    source = "backend"
+    if override is None and os.environ.get(ENV_BACKEND):
+        env = parse_backend(os.environ[ENV_BACKEND], ENV_BACKEND)
+        if env is not Backend.NPU_FUSED:
+            return select_backend(device)  # COREATTN_BACKEND, checked and logged there
     if override is not None:
-        if parse_backend(override) is Backend.NPU_FUSED:
-            raise RuntimeError("backend='npu_fused' has no sparse attention; choose 'triton' or 'torch'")
-        return select_backend(device, override)
-    env = os.environ.get(ENV_BACKEND)
-    if env and parse_backend(env, ENV_BACKEND) is not Backend.NPU_FUSED:
-        return select_backend(device)
-    triton_ok = device.type != "npu" and is_available(Backend.TRITON, device).ok
-    return select_backend(device, Backend.TRITON if triton_ok else Backend.TORCH)
+        backend = parse_backend(override, source)
+        if backend is not Backend.NPU_FUSED:
+            return select_backend(device, backend)
+        avail = npu_ops_available(device, ops, what)
+        if not avail.ok:
+            raise RuntimeError(f"{source}='npu_fused' cannot run {what} on {device.type}: {avail.reason}")
+        limit = unfit() if unfit is not None else None
+        if limit:
+            raise RuntimeError(f"{source}='npu_fused' cannot run this {what} call: {limit}")
+        _log_choice(device, what, backend, avail.reason)
+        return backend
+    passed = []
+    for backend in _DSA_PREFERENCES.get(device.type, (Backend.TRITON, Backend.TORCH)):
+        if backend is Backend.NPU_FUSED:
+            avail = npu_ops_available(device, ops, what)
+            limit = unfit() if avail.ok and unfit is not None else None
+            if limit:
+                avail = Availability(False, limit)
+        else:
+            avail = is_available(backend, device)
+        if avail.ok:
+            _log_choice(device, what, backend, avail.reason + "".join(f"; not {b.value}: {r}" for b, r in passed))
+            return backend
+        passed.append((backend, avail.reason))
+    raise AssertionError("the torch backend runs on every device")  # pragma: no cover
+
+
+def select_sparse_backend(device: torch.device, override: str | Backend | None = None,
+                          unfit: Callable[[], str | None] | None = None) -> Backend:
+    """The backend of sparse (top-k) attention (``coreattn.sparse_varlen_attn``): ``select_dsa_backend``
+    with torch_npu's ``npu_sparse_flash_attention`` (+ ``_grad``) as its npu_fused mapping. The
+    default: npu_fused on npu tensors where the call fits (``unfit``), else Triton where it can run
+    (CUDA, ROCm, CPU under the interpreter, Ascend through triton-ascend), else torch."""
+    return select_dsa_backend(device, override, what="sparse attention", ops=NPU_SPARSE_OPS, unfit=unfit)

@@ -167,14 +167,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     check_kwargs(module, softcap, kwargs, sparse)
     _check_mask(module, attention_mask)
     if isinstance(attention_mask, v4.HybridMask):
-        out = v4.hybrid_attention(module, query, key, attention_mask, scaling, dropout, sliding_window, s_aux, backend)
+        out = v4.hybrid_attention(query, key, attention_mask, scaling, dropout, sliding_window, s_aux)
         return out, None
     if sparse:
         for name, value_ in (("sliding_window", sliding_window), ("s_aux", s_aux)):
             if value_ is not None:
                 raise NotImplementedError(f"{name} with DSA sparse attention is not supported by coreattn "
                                           f"({_model(module)}); {_USE_EAGER}")
-        out = dsa.sparse_attention(query, key, value, attention_mask, kwargs.get("indices"), scaling, dropout, backend)
+        out = dsa.sparse_attention(query, key, value, attention_mask, kwargs.get("indices"), scaling, dropout)
         return out, None
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     opts = dict(dropout_p=float(dropout), softmax_scale=scaling, causal=causal,

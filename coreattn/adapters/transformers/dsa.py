@@ -41,7 +41,8 @@ SERVED = tuple(INDEXERS)
 class SparseMask:
     """The attention mask coreattn builds for a DSA model: query token (b, s) sees the key positions
     ``lo[b, s] <= j < hi[b, s]`` (int32 ``[B, S]``; ``lo == hi``: a padded query, which sees
-    nothing). ``backend``: the coreattn backend pinned by ``register(backend=...)`` (None: per device)."""
+    nothing). ``backend``: the coreattn backend pinned by ``register(backend=...)`` for the sparse
+    attention and the indexer (None: per device; a dense-only pin such as npu_fused becomes None)."""
 
     __slots__ = ("lo", "hi", "backend")
 
@@ -97,7 +98,7 @@ def has_holes(keep: torch.Tensor) -> torch.Tensor:
     return (runs > 1).any()
 
 
-def sparse_attention(query, key, value, mask: SparseMask, indices, scaling, dropout: float, backend):
+def sparse_attention(query, key, value, mask: SparseMask, indices, scaling, dropout: float):
     """The attention of a DSA layer: ``[B, S, Hq, Dv]`` through ``coreattn.sparse_padded_attn``."""
     if indices is None:
         raise ValueError("coreattn's DSA mask needs the indexer's top-k (indices=[batch, seq, topk]); the attention "
@@ -110,7 +111,7 @@ def sparse_attention(query, key, value, mask: SparseMask, indices, scaling, drop
                          f"{tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices).__name__}")
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, S, H, D] views
     return sparse_padded_attn(q, k, v, indices, layout="bshd", key_bounds=(mask.lo, mask.hi), causal=False,
-                              softmax_scale=scaling, backend=mask.backend if backend is None else backend)
+                              softmax_scale=scaling, backend=mask.backend)
 
 
 def _indexer_topk(indexer, rope, hidden_states, q_resid, position_embeddings, mask: SparseMask, cache):

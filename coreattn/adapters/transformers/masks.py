@@ -134,7 +134,7 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
             raise NotImplementedError(f"coreattn cannot run this mask pattern: {', '.join(parts)}; {_USE_EAGER}")
     if getattr(config, "model_type", None) in dsa.SERVED + (v4.MODEL_TYPE,):
         return _bounds_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, config,
-                         backend, kwargs.get("device") or torch.device("cpu"))
+                            _sparse_backend(backend), kwargs.get("device") or torch.device("cpu"))
     if attention_mask is None:
         return None
     if attention_mask.dim() != 2:
@@ -146,6 +146,14 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     # One read of the mask per model forward (this builder runs once for all layers), as transformers'
     # own flash-attention builder reads it; never while torch.compile traces or a CUDA graph captures.
     return None if bool(keep.all()) else keep
+
+
+def _sparse_backend(backend):
+    """The pin the sparse attention and the indexer take: a dense-only pin (``npu_fused``, dense
+    attention's torch_npu operator) leaves them at their per-call default, as CoreDSAttention does."""
+    from coreattn.layers.backends import Backend, parse_backend
+
+    return None if backend is None or parse_backend(backend) is Backend.NPU_FUSED else backend
 
 
 def _capturing_or_tracing(x: torch.Tensor) -> bool:

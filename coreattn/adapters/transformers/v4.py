@@ -247,8 +247,7 @@ def install() -> bool:
     return True
 
 
-def hybrid_attention(module, query, key_value, mask: HybridMask, scaling, dropout: float, sliding_window, s_aux,
-                     backend):
+def hybrid_attention(query, key_value, mask: HybridMask, scaling, dropout: float, sliding_window, s_aux):
     """One V4 layer's attention ``[B, S, H, D]``: ``query`` [B, H, S, D], ``key_value`` [B, 1, R + C, D]
     (R raw keys, then the layer's C compressed entries)."""
     if dropout:
@@ -274,4 +273,4 @@ def hybrid_attention(module, query, key_value, mask: HybridMask, scaling, dropou
     kv = key_value.transpose(1, 2)  # [B, R + C, 1, D]
     return sparse_padded_attn(q, kv, None, indices, layout="bshd", causal=False,
                               softmax_scale=scaling, v_head_dim=kv.shape[-1], softmax_offset=s_aux,
-                              backend=mask.backend if backend is None else backend)
+                              backend=mask.backend)

@@ -10,12 +10,13 @@ index preparation and key bounds on the device, the backend choice when the op r
 attention, indexer top-k, indexer loss and rotation on coreattn; megatron-core is imported only
 there, on first use). The kernels are coreattn/kernels/sparse_*.py, indexer_topk.py and
 hadamard.py; the torch backends coreattn/layers/torch_backend/sparse.py, indexer_topk.py,
-indexer_loss.py and hadamard.py. See docs/dsa.md.
+indexer_loss.py and hadamard.py; the npu_fused mappings onto torch_npu's DSA operators
+coreattn/layers/npu_fused/sparse.py and indexer.py. See docs/dsa.md.
 
 May import: torch, megatron-core (``core_dsa_attention.py`` only), ``coreattn.kernels``,
 ``coreattn.layers.dsa``, ``coreattn.layers.backends``, ``coreattn.layers.checks``,
-``coreattn.layers.core_attention`` (the backend pin CoreAttention reads from the config) and
-``coreattn.layers.torch_backend``.
+``coreattn.layers.core_attention`` (the backend pin CoreAttention reads from the config),
+``coreattn.layers.torch_backend`` and ``coreattn.layers.npu_fused``.
 """
 
 from coreattn.layers.dsa.indexer import (hadamard_transform, indexer_loss, indexer_topk, indexer_topk_and_loss,

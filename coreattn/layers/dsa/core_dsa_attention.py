@@ -52,6 +52,11 @@ Masks reach the seam as Megatron builds them: per query row key bounds ``[start,
 ``attention_mask``): both folded into the index list (an entry whose key is not visible becomes -1;
 O(tokens × top-k)), with a device-side assert, no host sync, that the mask holds no finite bias
 other than 0 (Megatron only builds 0/-inf masks here; coreattn's sparse op takes no bias).
+The indexer's bounds are passed as key bounds too, except Megatron's plain causal bounds (no
+packing, context parallelism or custom positions), which 0.19's mask builder
+(``dsa_masking.build_dsattention_forward_mask``, run by Megatron and only observed here) marks as
+such: they reach the indexer ops as top-left causal, the same keys in the form torch_npu's indexer
+operators take, so an NPU runs the indexer there (docs/ascend.md).
 """
 
 from __future__ import annotations
@@ -157,18 +162,35 @@ def _unfused_dsa_fn_v016(module, query, key, value, topk_indices, softmax_scale)
     return _sparse(module, query, key, value, visible, softmax_scale).reshape(sq, b, -1)
 
 
-def _indexer_keys(mask, varlen_starts, varlen_ends, key_positions):
+def _indexer_keys(module, mask, varlen_starts, varlen_ends, key_positions):
     """The keys Megatron's indexer masks let each query see, as the indexer ops take them, or
-    NotImplemented (then Megatron's own function runs): key bounds per query row on key rows (the
-    causal, packed and context-parallel forms Megatron builds for a causal mask type), or every key
-    (no mask). An additive mask (a boolean ``attention_mask``) or explicit key positions are Megatron's."""
+    NotImplemented (then Megatron's own function runs): top-left causal where Megatron built its plain
+    causal bounds (no packing, context parallelism or custom positions: it says so,
+    ``_forward_mask``), key bounds per query row on key rows (the packed and context-parallel forms
+    Megatron builds for a causal mask type), or every key (no mask). An additive mask (a boolean
+    ``attention_mask``) or explicit key positions are Megatron's."""
     if mask is not None or key_positions is not None:
         return NotImplemented
     if varlen_starts is None and varlen_ends is None:
         return dict(causal=False)
     if varlen_starts is None or varlen_ends is None:
         return NotImplemented
+    if varlen_starts is getattr(module, "_plain_causal_starts", None):
+        # starts 0, ends min(s + 1, sk): the same keys, in a form torch_npu's indexer operators express
+        return dict(causal=True, causal_alignment="top_left")
     return dict(key_bounds=(varlen_starts, varlen_ends))
+
+
+_FORWARD_MASK = getattr(getattr(_dsa, "dsa_masking", None), "build_dsattention_forward_mask", None)
+
+
+def _forward_mask(module, *args, **kwargs):
+    """megatron-core 0.19's ``dsa_masking.build_dsattention_forward_mask``, noting on ``module`` the
+    starts of the bounds it calls plain causal (its third result), which ``_indexer_keys`` recognises."""
+    result = _FORWARD_MASK(*args, **kwargs)
+    plain = isinstance(result, tuple) and len(result) == 3 and result[2] is True and result[1] is not None
+    module._plain_causal_starts = result[1][0] if plain else None
+    return result
 
 
 def _fused_qk_topk(module, q, k, weights, index_topk, mask=None, varlen_starts=None, varlen_ends=None,
@@ -178,7 +200,7 @@ def _fused_qk_topk(module, q, k, weights, index_topk, mask=None, varlen_starts=N
     The indices are int32, not Megatron's int64 (key positions fit; half the memory: 64 MiB, not 128, at
     8k tokens and top-k 2,048): DSAttention only hands them on to the sparse attention (coreattn's, which
     keeps int32) and to the index-sharing layers after it (CoreDSAttentions too)."""
-    keys = _indexer_keys(mask, varlen_starts, varlen_ends, key_positions)
+    keys = _indexer_keys(module, mask, varlen_starts, varlen_ends, key_positions)
     if keys is NotImplemented or index_topk < 1:
         return NotImplemented
     got = _indexer.indexer_topk(q, k, weights, index_topk, layout="sbhd", relu=use_relu, backend=module.backend,
@@ -191,7 +213,7 @@ def _indexer_loss(module, q, weights, k, query, key, softmax_scale, topk, loss_c
                   calculate_per_token_loss=False, use_relu=True):
     """megatron-core 0.19's ``dsa.FusedDSAIndexerLoss.apply`` on coreattn: ``(topk_indices [b, sq, K] int32,
     loss)``, the loss differentiable in q, k and weights, computed chunk by chunk (no [b, sq, sk] tensor)."""
-    keys = _indexer_keys(mask, varlen_starts, varlen_ends, key_positions)
+    keys = _indexer_keys(module, mask, varlen_starts, varlen_ends, key_positions)
     if keys is NotImplemented or topk < 1:
         return NotImplemented
     if key.dim() == 4 and key.shape[2] > 1 and key.stride(2) == 0:
@@ -298,8 +320,11 @@ def _find_indexer_hooks() -> tuple[list, str | None]:
     if wrong:
         return [], (f"megatron-core {MEGATRON_VERSION}: DSAttention's {', '.join(wrong)} is not what coreattn's "
                     "indexer replaces (megatron-core 0.19's)")
-    return [(_dsa, "FusedDSAIndexerLoss", _indexer_loss, True), (_dsa, "fused_qk_topk_naive", _fused_qk_topk, False),
-            (_dsa, "rotate_activation", _rotate_activation, False)], None
+    hooks = [(_dsa, "FusedDSAIndexerLoss", _indexer_loss, True), (_dsa, "fused_qk_topk_naive", _fused_qk_topk, False),
+             (_dsa, "rotate_activation", _rotate_activation, False)]
+    if _FORWARD_MASK is not None and "build_dsattention_forward_mask" in forward:
+        hooks.append((_dsa.dsa_masking, "build_dsattention_forward_mask", _forward_mask, False))
+    return hooks, None
 
 
 _INDEXER_HOOKS, INDEXER_REASON = _find_indexer_hooks()
@@ -394,9 +419,10 @@ class CoreDSAttention(_dsa.DSAttention):
 
     Takes Megatron's constructor arguments, plus ``backend`` (``"triton"``/``"torch"``/``Backend``),
     which overrides the per-device choice; so do ``config.coreattn_backend`` and the
-    ``COREATTN_BACKEND`` environment variable, in that order (``"npu_fused"``, dense attention's
-    Ascend op, leaves the sparse default: torch on an NPU). Parameters, buffers and state-dict
-    keys are Megatron's: checkpoints move between the two unchanged.
+    ``COREATTN_BACKEND`` environment variable, in that order (``"npu_fused"``, one pin for a whole
+    spec, leaves the DSA default, which on an NPU is torch_npu's DSA operators where a call fits
+    them, else Triton or torch, per call). Parameters, buffers and state-dict keys are Megatron's:
+    checkpoints move between the two unchanged.
     """
 
     def __init__(self, *args, backend: str | Backend | None = None, **kwargs):
@@ -404,10 +430,11 @@ class CoreDSAttention(_dsa.DSAttention):
         override = backend if backend is not None else getattr(self.config, CONFIG_BACKEND_ATTR, None)
         source = "backend" if backend is not None else f"config.{CONFIG_BACKEND_ATTR}"
         self.backend = None if override is None else parse_backend(override, source)
-        if self.backend is Backend.NPU_FUSED:  # dense attention's choice (one pin for a whole spec or config):
-            self.backend = None  # sparse attention has no npu_fused; its default, as COREATTN_BACKEND=npu_fused
+        if self.backend is Backend.NPU_FUSED:  # one pin for a whole spec or config (dense attention's choice):
+            self.backend = None  # the DSA default, npu_fused per call where it fits, as COREATTN_BACKEND=npu_fused
 
     def forward(self, *args, **kwargs):
+        self._plain_causal_starts = None  # set by Megatron's mask builder in this forward (_forward_mask)
         with routed(self):
             return super().forward(*args, **kwargs)
 

@@ -58,9 +58,12 @@ _SEMANTICS = """
     Memory is O(tokens x (heads x head dim + top-k)) plus a bounded work buffer: never
     sequence x sequence.
 
-    ``backend``: ``"triton"`` or ``"torch"`` (any device; chunked over query tokens) to override
-    the per-device default (``coreattn.layers.backends.select_sparse_backend``: Triton on CUDA and
-    ROCm, torch on CPU and Ascend NPUs; there is no ``npu_fused`` sparse attention). Nothing reads
+    ``backend``: ``"triton"``, ``"torch"`` (any device; chunked over query tokens) or
+    ``"npu_fused"`` (torch_npu's ``npu_sparse_flash_attention``: absorbed MLA 512 + 64, one key
+    head, float16/bfloat16; a call outside its limits raises naming the limit) to override the
+    per-device default (``coreattn.layers.backends.select_sparse_backend``: on Ascend NPUs
+    npu_fused where the call fits, else Triton through triton-ascend, else torch; Triton on CUDA
+    and ROCm; torch on CPU), which falls back with the reason logged, never raises. Nothing reads
     a device tensor's values (no host sync); malformed cu_seqlens or spans raise ``ValueError`` on
     CPU tensors (or with ``COREATTN_VALIDATE=1``)."""
 

@@ -1,7 +1,8 @@
 """The sparse (top-k) attention custom operators: forward and backward over one backend's pair, with autograd.
 
 Each backend implements the pair of the Triton launchers (``coreattn/kernels/sparse_fwd.py``,
-``sparse_bwd.py``; the torch backend in ``coreattn/layers/torch_backend/sparse.py``) on prepared
+``sparse_bwd.py``; the torch backend in ``coreattn/layers/torch_backend/sparse.py``; npu_fused, torch_npu's
+operators, in ``coreattn/layers/npu_fused/sparse.py``) on prepared
 inputs: ``topk`` int32 ``[N, Hidx, K]`` from ``coreattn.kernels.sparse_index.prepare_topk`` (rows
 ascending, unused entries, repeats and entries past topk_length -1) and the per-token key bounds ``key_lo``/``key_hi``
 int32 ``[N]``:
@@ -40,6 +41,7 @@ from coreattn.kernels.sparse_bwd import sparse_attn_bwd as launch_sparse_bwd
 from coreattn.kernels.sparse_fwd import sparse_attn_fwd as launch_sparse_fwd
 from coreattn.kernels.sparse_index import prepare_topk
 from coreattn.layers.checks import KERNEL_DTYPES, check_layout_values
+from coreattn.layers.npu_fused.sparse import sparse_attn_npu_bwd, sparse_attn_npu_fwd, sparse_unfit
 from coreattn.layers.torch_backend.sparse import new_lse, sparse_attn_torch_bwd, sparse_attn_torch_fwd
 
 
@@ -51,12 +53,17 @@ class SparseImpl(NamedTuple):
 
 TRITON = SparseImpl("triton", launch_sparse_fwd, launch_sparse_bwd)
 TORCH = SparseImpl("torch", sparse_attn_torch_fwd, sparse_attn_torch_bwd)
+NPU_FUSED = SparseImpl("npu_fused", sparse_attn_npu_fwd, sparse_attn_npu_bwd)
 
 
-def _impl(q: torch.Tensor, backend: str) -> SparseImpl:
+def _impl(q: torch.Tensor, backend: str, k: torch.Tensor, v: torch.Tensor | None, topk: torch.Tensor,
+          v_dim: int) -> SparseImpl:
     """The backend for q's device (``backend``: an override name, "" for the default), chosen when the
-    op runs."""
-    if select_sparse_backend(q.device, backend or None) is Backend.TORCH:
+    op runs (npu_fused where the call fits torch_npu's operator: the same answer forward and backward)."""
+    chosen = select_sparse_backend(q.device, backend or None, unfit=lambda: sparse_unfit(q, k, v, topk, v_dim))
+    if chosen is Backend.NPU_FUSED:
+        return NPU_FUSED
+    if chosen is Backend.TORCH:
         return TORCH
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; the Triton backend supports float16, bfloat16, float32")
@@ -188,9 +195,9 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
     seqlen_q, seqlen_k = _tokens(q, fmt), _tokens(k, fmt)
     if validate:  # reads cu_seqlens / spans only where coreattn may (checks.reads_values)
         check_layout_values(fmt, seq_q, len_q, None, seq_k, len_k, None, seqlen_q, seqlen_k, seqlen_q, seqlen_k)
-    impl = _impl(q, backend)
     indices, length = _with_window(topk_indices, topk_length, fmt, seq_q, len_q, seq_k, len_k, seqlen_q,
                                    window_left, window_right, bottom_right)
+    impl = _impl(q, backend, k, v, indices, v_dim)
     topk = prepare_topk(indices, "thd", length)  # [N, Hidx, K] is thd's form of the token dims
     key_lo, key_hi = key_bounds(fmt, seq_q, len_q, seq_k, len_k, topk.shape[0], seqlen_q, causal, bottom_right,
                                 bound_lo, bound_hi)
@@ -218,7 +225,7 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: Opt
                     v_dim: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, d_offset) in q, k, v's and the offset's shapes and dtypes (contiguous); dv is an empty
     [0] tensor when v is None, d_offset when there is no offset."""
-    impl = _impl(q, backend)
+    impl = _impl(q, backend, k, v, topk, v_dim)
     dq, dk, dv = impl.bwd(dout, q, k, v, out, lse, topk, key_lo, key_hi, fmt, softmax_scale, v_dim=v_dim)
     if dv is None:
         dv = q.new_empty((0,))

@@ -10,53 +10,53 @@
   differentiable.
 - The Hadamard transform (``HadamardFunction``): the backward is the same transform of the
   gradient (H is symmetric).
-- Backends: the Triton kernels (top-k, Hadamard) where ``coreattn.layers.backends`` says Triton
-  runs (CUDA sm80+, ROCm CDNA, CPU under TRITON_INTERPRET=1; an NPU defaults to torch), else torch;
-  ``backend=`` or COREATTN_BACKEND overrides ("npu_fused" has no indexer: the device default then).
-  The loss always runs its chunks in torch ops (any device); with the Triton backend only its top-k
+- Backends, chosen per step by ``coreattn.layers.backends.select_dsa_backend``: on npu tensors
+  torch_npu's operators (``npu_fused``: the top-k on ``npu_lightning_indexer``, the sparse loss on
+  ``npu_sparse_lightning_indexer_grad_kl_loss``; coreattn/layers/npu_fused/indexer.py) where the
+  call fits their documented limits, else the Triton kernels (top-k, Hadamard) where Triton runs
+  (CUDA sm80+, ROCm CDNA, CPU under TRITON_INTERPRET=1, Ascend through triton-ascend), else torch;
+  ``backend=`` or COREATTN_BACKEND overrides (COREATTN_BACKEND=npu_fused: the device default). The
+  loss otherwise runs its chunks in torch ops (any device); with the Triton backend only its top-k
   selection runs in the kernel.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from coreattn.layers.backends import ENV_BACKEND, Backend, is_available, parse_backend
+from coreattn.layers.backends import Backend, select_dsa_backend
+from coreattn.layers.npu_fused.indexer import indexer_loss_npu
 from coreattn.layers.torch_backend.hadamard import hadamard_torch
-from coreattn.layers.torch_backend.indexer_loss import loss_torch
+from coreattn.layers.torch_backend.indexer_loss import LossResult, loss_torch
 
 
-def indexer_backend(device: torch.device, override=None) -> Backend:
-    """Triton or torch for the indexer ops on ``device`` (see the module docstring)."""
-    source = "backend"
-    if override is None and os.environ.get(ENV_BACKEND):
-        override, source = os.environ[ENV_BACKEND], ENV_BACKEND
-    if override is not None:
-        backend = parse_backend(override, source)
-        if backend is Backend.NPU_FUSED:
-            if source == "backend":
-                raise ValueError("backend='npu_fused' has no indexer ops; use 'triton' or 'torch'")
-        else:
-            avail = is_available(backend, device)
-            if not avail.ok:
-                raise RuntimeError(f"{source}={backend.value!r} cannot run on {device.type}: {avail.reason}")
-            return backend
-    if device.type != "npu" and is_available(Backend.TRITON, device).ok:
-        return Backend.TRITON
-    return Backend.TORCH
+def indexer_backend(device: torch.device, override=None, *, what: str = "Hadamard transform", ops: tuple = (),
+                    unfit=None) -> Backend:
+    """The backend of one indexer step on ``device`` (see the module docstring and
+    ``coreattn.layers.backends.select_dsa_backend``); ``ops``: torch_npu's operators for it, none
+    for the Hadamard transform."""
+    return select_dsa_backend(device, override, what=what, ops=ops, unfit=unfit)
+
+
+def loss_npu(q, k, weights, query, key, key_lo, key_hi, fmt: str, *, softmax_scale: float, loss_coeff: float,
+             topk_indices: torch.Tensor, per_token: bool, grads: bool, **unused) -> LossResult:
+    """``loss_torch``'s result from torch_npu's sparse loss operator (coreattn/layers/npu_fused/indexer.py)."""
+    loss, dq, dk, dw = indexer_loss_npu(q, k, weights, query, key, key_lo, key_hi, fmt, softmax_scale=softmax_scale,
+                                        loss_coeff=loss_coeff, topk_indices=topk_indices, per_token=per_token,
+                                        grads=grads)
+    return LossResult(loss, None, None, dq, dk, dw)
 
 
 class IndexerLossFunction(torch.autograd.Function):
-    """loss (and top-k indices, when it selects them) of ``loss_torch``; differentiable in q, k, weights."""
+    """loss (and top-k indices, when it selects them) of ``impl`` (``loss_torch`` or ``loss_npu``);
+    differentiable in q, k, weights."""
 
     @staticmethod
-    def forward(ctx, q, k, weights, query, key, key_lo, key_hi, topk_indices, grad_mode: bool, options: dict):
+    def forward(ctx, q, k, weights, query, key, key_lo, key_hi, topk_indices, grad_mode: bool, options: dict,
+                impl=loss_torch):
         grads = grad_mode and any(ctx.needs_input_grad[:3])  # grad mode as the caller had it (off in here)
         with torch.no_grad():
-            result = loss_torch(q, k, weights, query, key, key_lo, key_hi, topk_indices=topk_indices, grads=grads,
-                                **options)
+            result = impl(q, k, weights, query, key, key_lo, key_hi, topk_indices=topk_indices, grads=grads, **options)
         ctx.dtypes = (q.dtype, k.dtype, weights.dtype)
         if grads:
             ctx.save_for_backward(*(g.to(dtype) for g, dtype in zip((result.dq, result.dk, result.dw), ctx.dtypes)))
@@ -74,7 +74,7 @@ class IndexerLossFunction(torch.autograd.Function):
             saved = ctx.saved_tensors
             work = [torch.float64 if g.dtype == torch.float64 else torch.float32 for g in saved]
             dq, dk, dw = ((g.to(w) * grad_loss.to(w)).to(g.dtype) for g, w in zip(saved, work))
-        return dq, dk, dw, None, None, None, None, None, None, None
+        return dq, dk, dw, None, None, None, None, None, None, None, None
 
 
 class HadamardFunction(torch.autograd.Function):

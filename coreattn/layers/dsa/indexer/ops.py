@@ -18,9 +18,11 @@ from typing import NamedTuple
 
 import torch
 
-from coreattn.layers.backends import Backend
+from coreattn.layers.backends import NPU_LOSS_OPS, NPU_TOPK_OPS, Backend
 from coreattn.layers.dsa.indexer import checks
-from coreattn.layers.dsa.indexer.function import HadamardFunction, IndexerLossFunction, indexer_backend
+from coreattn.layers.dsa.indexer.function import HadamardFunction, IndexerLossFunction, indexer_backend, loss_npu
+from coreattn.layers.npu_fused.indexer import indexer_topk_npu, loss_unfit, mask_mode, topk_unfit
+from coreattn.layers.torch_backend.indexer_loss import loss_torch
 from coreattn.layers.torch_backend.indexer_topk import topk_torch
 
 
@@ -29,7 +31,10 @@ class IndexerTopk(NamedTuple):
     scores: torch.Tensor | None  # float32 [*tokens, K] (float64 for float64 inputs on torch), -inf unused
 
 
-def _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, backend: Backend, index_dtype):
+def _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, backend: Backend, index_dtype,
+          mode=None):
+    if backend is Backend.NPU_FUSED:
+        return indexer_topk_npu(q, k, weights, lo, hi, topk, tokens.layout, mode, index_dtype), None
     if backend is Backend.TRITON and q.dtype != torch.float64:
         from coreattn.kernels.indexer_topk import indexer_topk_fwd
 
@@ -37,6 +42,17 @@ def _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, b
                                 index_dtype=index_dtype)
     return topk_torch(q, k, weights, lo, hi, topk, tokens.layout, relu=relu, return_scores=return_scores,
                       key_range=key_range, index_dtype=index_dtype)
+
+
+def _mask_mode(tokens, cu_seqlens, causal, causal_alignment, key_bounds):
+    """npu_lightning_indexer's sparse_mode for these keys, or why it has none (npu_fused/indexer.py)."""
+    return mask_mode(tokens.layout, tokens.seqlen_q, tokens.seqlen_k, causal, causal_alignment == "bottom_right",
+                     cu_seqlens is not None, key_bounds is not None)
+
+
+def _topk_backend(q, k, weights, topk, relu, return_scores, mode, backend) -> Backend:
+    return indexer_backend(q.device, backend, what="indexer top-k", ops=NPU_TOPK_OPS,
+                           unfit=lambda: topk_unfit(q, k, weights, topk, relu, return_scores, mode))
 
 
 def indexer_topk(q, k, weights, topk: int, *, layout: str = "thd", cu_seqlens=None, causal: bool = True,
@@ -68,9 +84,11 @@ def indexer_topk(q, k, weights, topk: int, *, layout: str = "thd", cu_seqlens=No
     lo, hi, key_range = checks.key_bounds(tokens, q.device, cu_seqlens=cu_seqlens, causal=causal,
                                           causal_alignment=causal_alignment, bounds=key_bounds,
                                           max_seqlen=checks.check_span(max_seqlen, tokens))
-    chosen = indexer_backend(q.device, backend)
+    mode = _mask_mode(tokens, cu_seqlens, causal, causal_alignment, key_bounds)
+    chosen = _topk_backend(q, k, weights, topk, relu, return_scores, mode, backend)
     with torch.no_grad():
-        idx, scores = _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, chosen, index_dtype)
+        idx, scores = _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, chosen, index_dtype,
+                            mode)
     return IndexerTopk(tokens.unflat(idx), None if scores is None else tokens.unflat(scores))
 
 
@@ -84,11 +102,23 @@ def _loss(q, k, weights, query, key, softmax_scale, loss_coeff, topk_indices, to
                                           causal_alignment=causal_alignment, bounds=key_bounds,
                                           max_seqlen=checks.check_span(max_seqlen, tokens))
     rows = checks.check_query_valid_rows(query_valid_rows, tokens, q.device)
-    chosen = indexer_backend(q.device, backend)
+    given = isinstance(topk_indices, torch.Tensor) and topk_indices.dim() > 0
+    width = min(topk, tokens.seqlen_k) if topk is not None else (topk_indices.shape[-1] if given else 0)
+    loss_backend = indexer_backend(
+        q.device, backend, what="indexer loss", ops=NPU_LOSS_OPS,
+        unfit=lambda: loss_unfit(q, k, weights, query, key, sparse=sparse, relu=relu, query_valid_rows=rows,
+                                 tp_group=tp_group, fmt=layout, causal=causal,
+                                 bottom_right=causal_alignment == "bottom_right", key_bounds=key_bounds is not None,
+                                 width=width))
     selected = None
-    if topk is not None and (chosen is Backend.TRITON and q.dtype != torch.float64):
-        with torch.no_grad():  # the kernel selects; the loss chunks take its indices
-            selected, _ = _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, False, chosen, index_dtype)
+    chosen = None
+    if topk is not None:
+        mode = _mask_mode(tokens, cu_seqlens, causal, causal_alignment, key_bounds)
+        chosen = _topk_backend(q, k, weights, topk, relu, False, mode, backend)
+    if chosen is not None and (chosen is Backend.NPU_FUSED or loss_backend is Backend.NPU_FUSED
+                               or (chosen is Backend.TRITON and q.dtype != torch.float64)):
+        with torch.no_grad():  # the kernel (or operator) selects; the loss takes its indices
+            selected, _ = _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, False, chosen, index_dtype, mode)
         topk_indices, topk = selected, None
     elif topk_indices is not None:
         topk_indices = checks.check_topk_indices(topk_indices, tokens, q.device)
@@ -97,8 +127,9 @@ def _loss(q, k, weights, query, key, softmax_scale, loss_coeff, topk_indices, to
     options = dict(fmt=layout, softmax_scale=float(softmax_scale), loss_coeff=float(loss_coeff), sparse=bool(sparse),
                    topk=topk, relu=relu, query_valid_rows=rows, per_token=bool(calculate_per_token_loss),
                    tp_group=tp_group, key_range=key_range, index_dtype=index_dtype)
+    impl = loss_npu if loss_backend is Backend.NPU_FUSED else loss_torch
     loss, computed = IndexerLossFunction.apply(q, k, weights, query, key, lo, hi, topk_indices,
-                                               torch.is_grad_enabled(), options)
+                                               torch.is_grad_enabled(), options, impl)
     if topk is not None:  # the torch chunks selected them
         selected = computed
     return loss, None if selected is None else tokens.unflat(selected)
@@ -156,7 +187,7 @@ def hadamard_transform(x: torch.Tensor, scale: float = 1.0, *, backend=None) -> 
         raise TypeError(f"x must be float16, bfloat16, float32 or float64, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError("x must have at least one dim (the transformed last dim)")
-    chosen = indexer_backend(x.device, backend)
+    chosen = indexer_backend(x.device, backend)  # torch_npu has no Hadamard operator: Triton or torch
     from coreattn.kernels.configs.indexer import MAX_HADAMARD_DIM
 
     if x.shape[-1] > MAX_HADAMARD_DIM:
