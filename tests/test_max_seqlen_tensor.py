@@ -59,7 +59,7 @@ def test_cp_attn_without_a_group():
 
 
 def test_transformers_packed_kwargs():
-    from coreattn.adapters import transformers as hf
+    from coreattn.adapters.transformers import attention as hf
 
     q, k, v, cu = _thd()
     want = coreattn.varlen_attn(q, k, v, cu, cu, max(LENS), max(LENS), causal=True, backend="torch")
