@@ -33,6 +33,8 @@ CASES = [
     (SparseCase(layout="sbhd", dqk=48, dv=32, hq=4, hkv=1, absorbed=True, topk_length=True, bounds=True,
                 lens_q=(6, 1, 10)), (BF16, F32)),
     (SparseCase(layout="sbhd", per_head=True, causal=False, left_pad=True, noncontig=True, lens_q=(5, 9)), (F16, F64)),
+    # runs of rows of one kind (whole causal ranges, windows, subsets, a key or two): blocks and units
+    (SparseCase(hq=8, hkv=1, topk=16, lens_q=(9, 0, 14), rows="mixed"), (BF16, F32)),
 ]
 
 
