@@ -12,6 +12,7 @@ import torch
 import coreattn
 from coreattn.layers.dsa.sparse_function import key_bounds
 from coreattn.layers.torch_backend import sparse, sparse_plan
+from coreattn.layers.torch_backend.sparse_blocks import block_cost
 from coreattn.layers.torch_backend.sparse_inputs import SparseProblem
 from coreattn.layers.torch_backend.sparse_units import unit_bytes
 from coreattn.kernels.sparse_index import prepare_topk
@@ -84,7 +85,8 @@ def _problem(tokens: int, heads: int, topk: torch.Tensor, hkv: int = 1, dqk: int
 def _host_plan(p: SparseProblem, budget: int = 8 << 20):
     stats = sparse_plan.unit_stats(p.topk, p.key_lo, p.key_hi, p.seqlen_q, p.seqlen_k)
     return sparse_plan.plan_host(p.topk, p.key_lo, p.key_hi, stats, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
-                                 group=p.group, heads_per_unit=p.hu, block_bytes=4 * budget, chunk_bytes=budget,
+                                 group=p.group, block_bytes=sparse.BLOCK_SCALE * budget,
+                                 block_cost=block_cost(p), chunk_bytes=budget,
                                  unit_bytes=lambda w: unit_bytes(p, w, True, 4))
 
 

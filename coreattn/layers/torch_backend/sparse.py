@@ -28,7 +28,7 @@ gathers its own keys, chunks as wide as the keys a token can see at all (``min(K
 keys moved to the front.
 
 Memory: a block holds ``[Hu, tokens * G, keys]`` float32 scores (and the backward's products)
-within ``block_bytes`` (4x ``CHUNK_BYTES``), a chunk of units its gathered keys and
+within ``block_bytes`` (2x ``CHUNK_BYTES``), a chunk of units its gathered keys and
 ``[C, Hq, width]`` scores within ``chunk_bytes`` (``CHUNK_BYTES``: 8 MiB on CPU, where a chunk
 then stays in the last-level cache between its gather and its products, 256 MiB on other devices;
 or the ``COREATTN_SPARSE_TORCH_CHUNK_BYTES`` environment variable); nothing is S x S and nothing
@@ -51,7 +51,7 @@ import os
 import torch
 
 from coreattn.layers.checks import reads_values
-from coreattn.layers.torch_backend.sparse_blocks import block_bwd, block_fwd
+from coreattn.layers.torch_backend.sparse_blocks import block_bwd, block_cost, block_fwd
 from coreattn.layers.torch_backend.sparse_inputs import SparseProblem, by_sample, lse_by_sample, new_lse
 from coreattn.layers.torch_backend.sparse_plan import Plan, UnitStats, plan_device, plan_host, static_width, unit_stats
 from coreattn.layers.torch_backend.sparse_units import unit_bytes, units_bwd, units_fwd
@@ -62,7 +62,7 @@ __all__ = ["sparse_attn_torch_fwd", "sparse_attn_torch_bwd", "new_lse", "chunk_b
 CHUNK_BYTES = {"cpu": 8 << 20}
 DEFAULT_CHUNK_BYTES = 256 << 20
 ENV_CHUNK_BYTES = "COREATTN_SPARSE_TORCH_CHUNK_BYTES"
-BLOCK_SCALE = 4  # a block's working set, in chunks: its product is one GEMM, which wants more rows than fit in 8 MiB
+BLOCK_SCALE = 2  # a block's working set, in chunks: its product is one GEMM, which wants more rows than fit in 8 MiB
 
 
 def chunk_bytes(device: torch.device) -> int:
@@ -79,7 +79,7 @@ def _plan(p: SparseProblem, k: torch.Tensor, backward: bool) -> tuple[UnitStats 
     if reads_values(device):
         stats = unit_stats(p.topk, p.key_lo, p.key_hi, p.seqlen_q, p.seqlen_k)
         plan = plan_host(p.topk, p.key_lo, p.key_hi, stats, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, group=p.group,
-                         heads_per_unit=p.hu, block_bytes=BLOCK_SCALE * budget, chunk_bytes=budget,
+                         block_bytes=BLOCK_SCALE * budget, block_cost=block_cost(p), chunk_bytes=budget,
                          unit_bytes=lambda width: unit_bytes(p, width, backward, k_elt))
         return stats, plan
     width = static_width(p.topk_k, p.seqlen_k)

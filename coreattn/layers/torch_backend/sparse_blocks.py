@@ -17,8 +17,21 @@ import torch
 import torch.nn.functional as F
 
 from coreattn.layers.torch_backend.sparse_inputs import SparseProblem
-from coreattn.layers.torch_backend.sparse_plan import Block, UnitStats, clipped_bounds, sample_rows
+from coreattn.layers.torch_backend.sparse_plan import Block, BlockCost, UnitStats, clipped_bounds, sample_rows
 from coreattn.layers.torch_backend.sparse_units import accumulate
+
+
+def block_cost(p: SparseProblem) -> BlockCost:
+    """A block's working memory: per (token, key) pair the backward's [S; dP] (P, dS in place) for
+    the unit's query heads in the work dtype, and the mask; per key of a range its keys (values)
+    converted to the work dtype (nothing for a range already in it: a view; its gradients are added
+    into the accumulators in place); per key of a union its gathered copy too and its gradients; per
+    token its indices' int64 temporaries while they become a mask."""
+    elt = torch.empty((), dtype=p.work).element_size()
+    per_key = p.hu * (p.dqk + (0 if p.absorbed else p.v_dim))
+    narrow = p.k_src.dtype != p.work
+    return BlockCost(pair=2 * p.hu * p.group * elt + 2, range_key=per_key * elt * narrow,
+                     union_key=per_key * (elt * (1 + narrow) + p.k_src.element_size()), token=24 * p.topk_k)
 
 
 def _place(p: SparseProblem, blk: Block) -> tuple[int, slice]:
@@ -81,12 +94,12 @@ def block_fwd(p: SparseProblem, blk: Block, stats: UnitStats, out_bs: torch.Tens
     qb = _heads_first(p.q_bs[b, pos, heads], p)  # [Hu, tokens * G, Dqk]
     kb = _keys(p, p.k_src, blk)  # [Hu, keys, Dqk]
     vb = kb[..., :p.v_dim] if p.absorbed else _keys(p, p.v_src, blk)
-    mask = _mask(p, blk, stats)  # [tokens, keys]
+    hidden = ~_mask(p, blk, stats)[None, :, None, :]  # [1, tokens, 1, keys]
     s = torch.matmul(qb, kb.transpose(1, 2)).mul_(p.scale).view(p.hu, tokens, p.group, -1)
-    s = s.masked_fill_(~mask[None, :, None, :], float("-inf"))
+    s = s.masked_fill_(hidden, float("-inf"))
     m = s.amax(-1, keepdim=True)
     m = m.masked_fill_(torch.isneginf(m), 0.0)
-    pr = torch.exp(s.sub_(m))
+    pr = s.sub_(m).exp_()  # in place: a block holds one [Hu, tokens * G, keys] buffer
     denom = pr.sum(-1, keepdim=True)
     o = torch.matmul(pr.view(p.hu, tokens * p.group, -1), vb)  # [Hu, tokens * G, Dv]
     o = o.view(p.hu, tokens, p.group, -1).div_(torch.where(denom == 0, 1.0, denom))
@@ -95,12 +108,18 @@ def block_fwd(p: SparseProblem, blk: Block, stats: UnitStats, out_bs: torch.Tens
     lse_bs[b, pos, heads] = _tokens_first(lse, p, tokens).to(lse_bs.dtype)
 
 
-def _add(acc: torch.Tensor, p: SparseProblem, blk: Block, part: torch.Tensor) -> None:
-    """Adds ``part [Hu, keys, D]`` (the list's keys' gradients) into the accumulator."""
+def _grad_into(acc: torch.Tensor, p: SparseProblem, blk: Block, products) -> None:
+    """Adds ``sum(a @ b for a, b in products)`` (``[Hu, keys, D]``: the list's keys' gradients) into
+    the accumulator: in place into a range's rows, through one temporary for a union."""
     if blk.union is None:
-        acc[blk.r0:blk.r1, p.kv_heads(blk.head)] += part.transpose(0, 1)
-    else:
-        accumulate(acc, _source_rows(p, blk), part.transpose(0, 1))
+        rows = acc[blk.r0:blk.r1, p.kv_heads(blk.head)].transpose(0, 1)  # [Hu, R, D], a view
+        for a, b in products:
+            rows.baddbmm_(a, b)
+        return
+    part = torch.matmul(*products[0])
+    for a, b in products[1:]:
+        part.baddbmm_(a, b)
+    accumulate(acc, _source_rows(p, blk), part.transpose(0, 1))
 
 
 def block_bwd(p: SparseProblem, blk: Block, stats: UnitStats, dout_bs, out_bs, lse_bs, dq_bs, dk_acc,
@@ -114,21 +133,22 @@ def block_bwd(p: SparseProblem, blk: Block, stats: UnitStats, dout_bs, out_bs, l
     delta = (do * _heads_first(out_bs[b, pos, heads], p)).sum(-1, keepdim=True)
     kb = _keys(p, p.k_src, blk)  # [Hu, keys, Dqk]
     if p.absorbed:  # V is kb's first columns, so one product gives S and dP: [q; dO] kb^T
-        qdo = torch.cat([qb, F.pad(do, (0, p.dqk - p.v_dim))], dim=1)  # [Hu, 2 * tokens * G, Dqk]
-        s, dp = torch.matmul(qdo, kb.transpose(1, 2)).split(rows, dim=1)
+        do = F.pad(do, (0, p.dqk - p.v_dim))
+        s, dp = torch.matmul(torch.cat([qb, do], dim=1), kb.transpose(1, 2)).split(rows, dim=1)
     else:
         vb = _keys(p, p.v_src, blk)
         s, dp = torch.matmul(qb, kb.transpose(1, 2)), torch.matmul(do, vb.transpose(1, 2))
     lse = _heads_first(lse_bs[b, pos, heads].unsqueeze(-1), p)  # [Hu, tokens * G, 1]
     # a row that sees nothing has lse -inf: +inf makes its P exactly 0
     lse = lse.masked_fill(torch.isneginf(lse), float("inf"))
-    mask = _mask(p, blk, stats)[None, :, None, :]
-    s = (s * p.scale).view(p.hu, tokens, p.group, -1).masked_fill_(~mask, float("-inf")).view(p.hu, rows, -1)
-    pr = torch.exp(s.sub_(lse))  # [Hu, tokens * G, keys]
-    ds = (dp - delta).mul_(pr).mul_(p.scale)
+    hidden = ~_mask(p, blk, stats)[None, :, None, :]
+    # in place: P over S's buffer, dS over dP's (a block holds two [Hu, tokens * G, keys] buffers)
+    s.mul_(p.scale).view(p.hu, tokens, p.group, -1).masked_fill_(hidden, float("-inf"))
+    pr = s.sub_(lse).exp_()  # [Hu, tokens * G, keys]
+    ds = dp.sub_(delta).mul_(pr).mul_(p.scale)
     dq_bs[b, pos, heads] = _tokens_first(torch.matmul(ds, kb), p, tokens).to(dq_bs.dtype)
-    if p.absorbed:  # dK = dS^T q + [P^T dO, 0] in one product
-        _add(dk_acc, p, blk, torch.matmul(torch.cat([ds, pr], dim=1).transpose(1, 2), qdo))
+    if p.absorbed:  # dK = dS^T q + [P^T dO, 0]: dV lands in dK's first Dv columns (dO zero-padded)
+        _grad_into(dk_acc, p, blk, [(ds.transpose(1, 2), qb), (pr.transpose(1, 2), do)])
     else:
-        _add(dk_acc, p, blk, torch.matmul(ds.transpose(1, 2), qb))
-        _add(dv_acc, p, blk, torch.matmul(pr.transpose(1, 2), do))
+        _grad_into(dk_acc, p, blk, [(ds.transpose(1, 2), qb)])
+        _grad_into(dv_acc, p, blk, [(pr.transpose(1, 2), do)])

@@ -44,7 +44,7 @@ import torch
 
 from coreattn.kernels.sparse_index import INT32_MAX
 
-STATS_CHUNK_ENTRIES = 1 << 20  # index entries examined at once in unit_stats (bounds its int64 temporaries)
+STATS_CHUNK_ENTRIES = 1 << 18  # index entries examined at once in unit_stats (bounds its temporaries)
 BLOCK_QUERY_ROWS = 512  # query rows (tokens x query heads per kv head) a block aims at: a GEMM's M
 UNION_OVERHEAD = 1.25  # a union block's gather and mask, relative to a range block of the same width
 
@@ -124,22 +124,32 @@ class Block(NamedTuple):
     contiguous: bool
 
 
+class BlockCost(NamedTuple):
+    """A block's working memory in bytes: per (token, key) pair, per key of a range or of a union, and
+    per token (its row of indices turned into a mask)."""
+
+    pair: int
+    range_key: int
+    union_key: int
+    token: int
+
+
 class Plan(NamedTuple):
     blocks: list[Block]
     rows: list[tuple[torch.Tensor, int]]  # chunks of units: (unit ids n * Hidx + h [C] int64, width)
 
 
 def _spans(count: list[int], first: list[int], end: list[int], seqlen_q: int, max_tokens: int,
-           max_rows_x_keys: int) -> list[tuple[int, int, int, int]]:
+           fits) -> list[tuple[int, int, int, int]]:
     """(n0, n1, r0, r1) of consecutive units with keys, one sample, overlapping key ranges, at most
-    ``max_tokens`` tokens and ``max_rows_x_keys`` tokens x range width."""
+    ``max_tokens`` tokens, and ``fits(tokens, range width)``."""
     spans = []
     n0 = None
     for n, (c, f, e) in enumerate(zip(count, first, end)):
         if n0 is not None:
             r0n, r1n = min(r0, f), max(r1, e)
             if c == 0 or n % seqlen_q == 0 or f >= r1 or e <= r0 or n - n0 >= max_tokens \
-                    or (n + 1 - n0) * (r1n - r0n) > max_rows_x_keys:
+                    or not fits(n + 1 - n0, r1n - r0n):
                 spans.append((n0, n, r0, r1))
                 n0 = None
             else:
@@ -165,21 +175,25 @@ def _union(topk: torch.Tensor, key_lo, key_hi, head: int, n0: int, n1: int, r0: 
 
 
 def plan_host(topk: torch.Tensor, key_lo: torch.Tensor, key_hi: torch.Tensor, stats: UnitStats, *, seqlen_q: int,
-              seqlen_k: int, group: int, heads_per_unit: int, block_bytes: int, chunk_bytes: int,
+              seqlen_k: int, group: int, block_bytes: int, block_cost: BlockCost, chunk_bytes: int,
               unit_bytes) -> Plan:
     """Blocks and row chunks from the unit statistics read on the host (see the module docstring).
-    ``block_bytes``: a block's working-memory budget; ``chunk_bytes``: a chunk of units', where
-    ``unit_bytes(width)`` is one unit's at that width."""
+    ``block_bytes``: a block's working-memory budget (``block_cost``: what it takes); ``chunk_bytes``:
+    a chunk of units', where ``unit_bytes(width)`` is one unit's at that width."""
     hidx = topk.shape[1]
     count, first, end = (x.t().tolist() for x in stats)  # [Hidx][N]
     max_tokens = max(1, BLOCK_QUERY_ROWS // max(1, group))
-    # a block's float32 scores and the backward's products: about 6 x [Hu, tokens * G, keys]
-    max_rows_x_keys = max(1, block_bytes // (6 * 4 * group * heads_per_unit))
+
+    def fits(tokens: int, width: int, union: bool = False) -> bool:
+        per_key = block_cost.union_key if union else block_cost.range_key
+        return width * (per_key + tokens * block_cost.pair) + tokens * block_cost.token <= block_bytes
     blocks, loose = [], []
     for h in range(hidx):
-        for n0, n1, r0, r1 in _spans(count[h], first[h], end[h], seqlen_q, max_tokens, max_rows_x_keys):
+        for n0, n1, r0, r1 in _spans(count[h], first[h], end[h], seqlen_q, max_tokens, fits):
             union = functools.partial(_union, topk, key_lo, key_hi, h, n0, n1, r0, r1, seqlen_q, seqlen_k)
             mode, seen = choose_mode(n1 - n0, group, sum(count[h][n0:n1]), r1 - r0, union)
+            if mode == "union" and not fits(n1 - n0, int(seen.sum()), union=True):
+                mode = "rows"
             if mode == "range":
                 contiguous = all(count[h][n] == end[h][n] - first[h][n] for n in range(n0, n1))
                 blocks.append(Block(h, n0, n1, r0, r1, None, contiguous))

@@ -22,7 +22,7 @@ def unit_bytes(p: SparseProblem, width: int, backward: bool, k_elt: int) -> int:
     work = torch.empty((), dtype=p.work).element_size()
     dv_sep = 0 if p.absorbed else p.v_dim
     gathered = p.hu * width * (p.dqk + dv_sep)
-    scores = p.hu * p.group * width * (6 if backward else 2)
+    scores = p.hu * p.group * width * (4 if backward else 2)  # S (P), and [S; dP] (P, dS) with their temporaries
     partial = gathered if backward else 0
     narrow = gathered * k_elt if k_elt != work else 0  # the gather before its conversion
     return work * (gathered + scores + partial) + narrow + 8 * p.hu * width + 40 * p.topk_k
@@ -61,7 +61,7 @@ def units_fwd(p: SparseProblem, units: torch.Tensor, width: int, out_bs: torch.T
     sc = sc.masked_fill_(~valid[:, None, None, :], float("-inf"))
     m = sc.amax(-1, keepdim=True)
     m = m.masked_fill_(torch.isneginf(m), 0.0)
-    pr = torch.exp(sc.sub_(m))
+    pr = sc.sub_(m).exp_()
     denom = pr.sum(-1, keepdim=True)
     o = torch.matmul(pr, vc).div_(torch.where(denom == 0, 1.0, denom))  # [C, Hu, G, Dv]
     p.unit_view(out_bs)[b, s, h] = o.reshape(-1, p.hu * p.group, p.v_dim).to(out_bs.dtype)
@@ -89,19 +89,22 @@ def units_bwd(p: SparseProblem, units: torch.Tensor, width: int, dout_bs, out_bs
     delta = (do * p.unit_view(out_bs)[b, s, h].to(p.work).view(-1, p.hu, g, dv)).sum(-1, keepdim=True)
     kc = _gather(p.k_src, rows, p, width)  # [C, Hu, W, Dqk]
     if p.absorbed:  # V is kc's first columns, so one product gives S and dP: [q; dO] kc^T
-        qdo = torch.cat([qc, F.pad(do, (0, dqk - dv))], dim=2)  # [C, Hu, 2G, Dqk]
-        sc, dp = torch.matmul(qdo, kc.transpose(-1, -2)).split(g, dim=2)
+        do = F.pad(do, (0, dqk - dv))
+        sc, dp = torch.matmul(torch.cat([qc, do], dim=2), kc.transpose(-1, -2)).split(g, dim=2)
     else:
         vc = _gather(p.v_src, rows, p, width)
         sc, dp = torch.matmul(qc, kc.transpose(-1, -2)), torch.matmul(do, vc.transpose(-1, -2))
     row_lse = p.unit_view(lse_bs)[b, s, h].to(p.work).view(-1, p.hu, g, 1)
     # a row that sees nothing has lse -inf: +inf makes its P exactly 0
     row_lse = row_lse.masked_fill(torch.isneginf(row_lse), float("inf"))
-    pr = torch.exp((sc * p.scale).masked_fill_(~valid[:, None, None, :], float("-inf")).sub_(row_lse))
-    ds = (dp - delta).mul_(pr).mul_(p.scale)  # [C, Hu, G, W]
+    # in place: P over S's buffer, dS over dP's
+    pr = sc.mul_(p.scale).masked_fill_(~valid[:, None, None, :], float("-inf")).sub_(row_lse).exp_()
+    ds = dp.sub_(delta).mul_(pr).mul_(p.scale)  # [C, Hu, G, W]
     p.unit_view(dq_bs)[b, s, h] = torch.matmul(ds, kc).reshape(-1, p.hu * g, dqk).to(dq_bs.dtype)
-    if p.absorbed:  # dK = dS^T q + [P^T dO, 0] in one product
-        accumulate(dk_acc, rows, torch.matmul(torch.cat([ds, pr], dim=2).transpose(-1, -2), qdo))
+    dk = torch.matmul(ds.transpose(-1, -2), qc)  # [C, Hu, W, Dqk]
+    if p.absorbed:  # dV = P^T dO lands in dK's first Dv columns (dO zero-padded)
+        dk.flatten(0, 1).baddbmm_(pr.transpose(-1, -2).flatten(0, 1), do.flatten(0, 1))
+        accumulate(dk_acc, rows, dk)
     else:
-        accumulate(dk_acc, rows, torch.matmul(ds.transpose(-1, -2), qc))
+        accumulate(dk_acc, rows, dk)
         accumulate(dv_acc, rows, torch.matmul(pr.transpose(-1, -2), do))
