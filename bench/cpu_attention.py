@@ -21,8 +21,11 @@ Every (case, mode, provider) runs in its own subprocess (``python -m bench.cpu_a
 inputs are built and the call warmed up (compiled, for flex) first; then the peak RSS is reset
 (``/proc/self/clear_refs``) and the timed calls run; ``peak_rss`` is the process's peak resident
 memory over them (what a user sees, inputs and the Python process included) and ``extra`` that
-peak minus the resident memory before them (the call's own working memory). glibc is told to
-return freed memory (``MALLOC_MMAP_THRESHOLD_``) so that RSS follows what is live.
+peak minus the resident memory before them (the call's own working memory). Each row runs twice:
+its time under the default allocator (what users get), its memory in a second worker (one call)
+where glibc is told to return freed memory at once (``MEMORY_ENV``) so that RSS follows what is
+live; those settings slow code that allocates per chunk (every large block a fresh mmap faulted in
+anew), so no time is taken there.
 """
 
 from __future__ import annotations
@@ -269,34 +272,62 @@ def run_worker(spec: dict) -> dict:
 # ---- the parent: one subprocess per row
 
 
-def _child_env() -> dict:
-    env = dict(os.environ)
+# glibc: blocks of 64 KiB and more are mmapped (returned to the system on free) and the heap is
+# trimmed at every free, so the peak RSS follows what is live
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+# what a row keeps from its memory run (the time run gives the rest)
+MEMORY_FIELDS = ("peak_rss_mib", "base_rss_mib", "extra_mib", "peak_reset", "peak_mib", "base_mib", "memory")
+
+
+def child_env(memory: bool) -> dict:
+    """A worker's environment: the checkout on PYTHONPATH and, for a memory run, ``MEMORY_ENV``; a
+    time run gets the default allocator (the caller's own MALLOC_* settings removed). Under
+    ``MEMORY_ENV`` every large allocation is a fresh mmap whose pages fault in anew: the sparse torch
+    backend, which allocates per chunk, ran 3.4x slower under it, Megatron's few large buffers 1.4x."""
+    env = {name: value for name, value in os.environ.items() if name not in MEMORY_ENV}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # large blocks are mmapped and returned on free
-    env["MALLOC_TRIM_THRESHOLD_"] = "0"
+    if memory:
+        env.update(MEMORY_ENV)
     return env
 
 
-def worker_row(args: list[str], row: dict, timeout: float = 3600) -> dict:
-    """``row`` with the result of ``python ARGS`` in a fresh process (status "ok" and the last JSON
-    line it printed, or status "error" and the last line of its stderr)."""
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO_ROOT, env=_child_env(),
-                          timeout=timeout)
+def worker_json(args: list[str], timeout: float, memory: bool) -> dict:
+    """The last JSON line ``python ARGS`` printed in a fresh process, or {"error": its stderr's last line}."""
+    try:
+        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO_ROOT,
+                              env=child_env(memory), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:g} s"}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return dict(row, status="error", reason=tail[:300])
-    return dict(row, status="ok", **json.loads(lines[-1]))
+        return {"error": f"worker exit {proc.returncode}: {tail[:300]}"}
+    return json.loads(lines[-1])
+
+
+def worker_row(args: list[str], row: dict, timeout: float = 3600, memory_args: list[str] | None = None) -> dict:
+    """``row`` with the result of ``python ARGS`` run twice in fresh processes: its time under the
+    default allocator, its memory fields (``MEMORY_FIELDS``) from a second run (``memory_args``, by
+    default the same) under ``MEMORY_ENV``. Status "ok", or "error" with the reason."""
+    timed = worker_json(args, timeout, memory=False)
+    if "error" in timed:
+        return dict(row, status="error", reason=timed["error"])
+    measured = worker_json(memory_args or args, timeout, memory=True)
+    if "error" in measured:
+        return dict(row, status="ok", memory_error=measured["error"],
+                    **{k: v for k, v in timed.items() if k not in MEMORY_FIELDS})
+    return dict(row, status="ok", **{k: v for k, v in timed.items() if k not in MEMORY_FIELDS},
+                **{k: v for k, v in measured.items() if k in MEMORY_FIELDS})
 
 
 def _run_child(spec: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "bench.cpu_attention", json.dumps(spec)], capture_output=True,
-                          text=True, timeout=SUBPROCESS_TIMEOUT_S, cwd=REPO_ROOT, env=_child_env())
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"worker exit {proc.returncode}: {tail[:300]}")
-    return json.loads(lines[-1])
+    """A row's time (default allocator) and memory (``MEMORY_ENV``, one call) from two workers."""
+    args = ["-m", "bench.cpu_attention", json.dumps(spec)]
+    memory_args = ["-m", "bench.cpu_attention", json.dumps(dict(spec, reps=1, quick=True))]
+    row = worker_row(args, {}, SUBPROCESS_TIMEOUT_S, memory_args)
+    if row["status"] != "ok":
+        raise RuntimeError(row["reason"])
+    return {k: v for k, v in row.items() if k != "status"}
 
 
 def run_cpu(cases: Iterable[CpuCase], providers: list[str], quick: bool, progress=None, modes=MODES,

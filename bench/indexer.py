@@ -2,9 +2,9 @@
 peak-memory growth over the token count T (performance data for the CPU backend).
 
 ``python -m bench.indexer [--tokens 1024 2048 4096 8192] [--ops topk loss-dense loss-sparse] [--quick]
-[--threads N] [--out DIR]``, with the Python that has megatron-core >= 0.17 for the Megatron rows
-(/work/venvs/mcore/bin/python here; elsewhere those rows are skipped with the reason). ``--threads``: torch
-threads per worker (default 1).
+[--threads N] [--out DIR]``, under a Python that has megatron-core >= 0.17 for the Megatron rows
+(``pip install "megatron-core>=0.17"``, Python >= 3.12; elsewhere those rows are skipped with the
+reason). ``--threads``: torch threads per worker (default 1).
 
 Ops, one packed causal sequence of T tokens (Megatron's sbhd with b = 1, its causal varlen bounds):
 
@@ -16,9 +16,10 @@ Ops, one packed causal sequence of T tokens (Megatron's sbhd with b = 1, its cau
 
 Shapes: indexer heads 8 x dim 64, top-k 256, ReLU; attention 8 heads of the absorbed 192 (one
 latent key head), float32 indexer side (Megatron's float32 scores) and bf16 attention side. Every row
-runs in its own subprocess: inputs built, one small warm-up call, the peak RSS reset
-(``/proc/self/clear_refs``), then the timed calls; ``extra_mib`` is the peak resident memory over
-them minus the resident memory before (the op's working memory). Megatron rows whose estimated
+runs in its own subprocesses: inputs built, one small warm-up call, the peak RSS reset
+(``/proc/self/clear_refs``), then the timed calls, under the default allocator; then again, one
+call, under the memory allocator settings (``bench.cpu_attention.MEMORY_ENV``), for ``extra_mib``:
+the peak resident memory over it minus the resident memory before (the op's working memory). Megatron rows whose estimated
 [T, T] buffers pass ``BASELINE_BUDGET`` are skipped with the estimate.
 """
 
@@ -147,7 +148,8 @@ def run(tokens, ops, quick: bool, threads: int = 1) -> list[dict]:
                                                                    f"of [T, T] buffers > {BASELINE_BUDGET >> 30} GiB"))
                     continue
                 spec = dict(op=op, provider=provider, tokens=n, reps=1 if quick else 2, threads=threads)
-                rows.append(worker_row(["-m", "bench.indexer", "--worker", json.dumps(spec)], row))
+                rows.append(worker_row(["-m", "bench.indexer", "--worker", json.dumps(spec)], row,
+                                       memory_args=["-m", "bench.indexer", "--worker", json.dumps(dict(spec, reps=1))]))
                 print(format_row(rows[-1]), flush=True)
     return rows
 

@@ -94,11 +94,14 @@ def format_table(rows: list[dict], meta: dict, primary: str = "coreattn") -> str
     sparse = _sparse_lines(rows)
     if sparse:
         threads = sorted({r["threads"] for r in rows if r["kind"] == "sparse" and r.get("threads")})
-        parts.append("sparse (top-k) attention, one sequence, causal (one subprocess per row, "
-                     f"{'/'.join(map(str, threads)) or '?'} torch threads; extra = the call's peak memory on top of "
-                     "its inputs; growth = this row / the same provider at T/2: x2 linear, x4 quadratic):\n" +
-                     _table(["config", "mode", "provider", "ms", "GFLOP/s", "peak MiB", "extra MiB",
-                             "time growth", "memory growth", "note"], sparse))
+        parts.append("sparse (top-k) attention, one sequence, causal (regime: full = every token names its whole "
+                     "causal range, sparse = not; time: every provider of a (config, mode) in one subprocess, calls "
+                     f"interleaved, default allocator, {'/'.join(map(str, threads)) or '?'} torch threads; "
+                     "x megatron / x dense = this time over Megatron's / dense attention's from that process; extra = "
+                     "the call's peak memory on top of its inputs, from its own subprocess under the memory "
+                     "allocator settings; growth = this row / the same provider at T/2: x2 linear, x4 quadratic):\n" +
+                     _table(["config", "regime", "mode", "provider", "ms", "x megatron", "x dense", "GFLOP/s",
+                             "extra MiB", "time growth", "memory growth", "note"], sparse))
     if any(r["kind"] == "kernels" for r in rows):
         from bench.kernels import format_tables
 
@@ -161,9 +164,12 @@ def _sparse_lines(rows: list[dict]) -> list[list[str]]:
         note = "" if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
         if r["status"] == "ok" and r["provider"] == "dense":
             note = f"dense {r['head_dim_qk']}/{r['head_dim_v']}, {r['heads']} kv heads"
-        lines.append([r["config"], r["mode"], r["provider"], _fmt(r.get("ms"), ".1f"), _fmt(r.get("gflops"), ".1f"),
-                      _fmt(r.get("peak_mib"), ".0f"), _fmt(r.get("extra_mib"), ".0f"),
-                      _fmt(r.get("time_growth"), ".2f"), _fmt(r.get("memory_growth"), ".2f"), note])
+        if r.get("memory_error"):
+            note = (note + "; " if note else "") + f"memory: {r['memory_error']}"
+        lines.append([r["config"], r.get("regime", "-"), r["mode"], r["provider"], _fmt(r.get("ms"), ".1f"),
+                      _fmt(r.get("x_megatron"), ".2f"), _fmt(r.get("x_dense"), ".2f"), _fmt(r.get("gflops"), ".1f"),
+                      _fmt(r.get("extra_mib"), ".0f"), _fmt(r.get("time_growth"), ".2f"),
+                      _fmt(r.get("memory_growth"), ".2f"), note])
     return lines
 
 

@@ -1,31 +1,47 @@
-"""Sparse (top-k) attention, DeepSeek Sparse Attention's core: time and peak memory over T at fixed top-k.
+"""Sparse (top-k) attention, DeepSeek Sparse Attention's core: coreattn against Megatron's path and dense attention.
 
 One sequence of T tokens in DeepSeek-V3.2's absorbed MLA form: q ``[T, H, 576]``, one latent key head
-``[T, 1, 576]`` whose first 512 columns are V, causal, softmax scale 1/sqrt(192); query token i names
-min(K, i + 1) distinct keys spread evenly over ``[0, i]`` (``(j * (i + 1)) // K``; the rest of its
-row is -1). Providers:
+``[T, 1, 576]`` whose first 512 columns are V, causal, softmax scale 1/sqrt(192). Index patterns:
+
+- ``spread`` (the default): query token i names min(K, i + 1) distinct keys spread evenly over
+  ``[0, i]`` (``(j * (i + 1)) // K``; the rest of its row is -1). While ``T <= K`` every token names
+  its whole causal range (the *full* regime: DSA's top-k there is causal attention); past K it
+  names K of its i + 1 keys (the *sparse* regime);
+- ``overlap``: token i names its K/2 most recent keys and the K/2 latest, below them, of one fixed
+  set of K/2 keys (seeded) shared by every token: neighbouring tokens' sets overlap almost entirely,
+  as a real indexer's do (local keys and heavy hitters), and spread over a range much wider than K.
+
+Providers:
 
 - ``coreattn-torch``: ``coreattn.sparse_varlen_attn(q, k, None, topk, ..., v_head_dim=512,
-  backend="torch")``: chunked over query tokens, O(T * K) memory;
+  backend="torch")``;
 - ``coreattn-triton``: the same call on the sparse Triton kernels (CUDA only; the interpreter is
   not timed);
 - ``megatron``: Megatron-Core 0.19's own DSA attention (``dsa_kernel_backend="none"``:
   ``megatron.core.transformer.experimental_attention_variant.dsa._unfused_absorbed_dsa_fn``) on
   q ``[T, 1, H, 576]``, k ``[T, 1, 1, 576]``, indices ``[1, T, K]``: dense ``[b, H, T, T]`` scores
-  and a ``[b, T, T]`` index mask. Needs megatron-core >= 0.19 in this interpreter (run the bench
-  with ``/work/venvs/mcore/bin/python`` here); skipped with the reason otherwise, and where its
-  estimated S x S buffers pass ``MEGATRON_BUDGET``;
+  and a ``[b, T, T]`` index mask. Needs megatron-core >= 0.19 in the interpreter that runs the bench
+  (``pip install "megatron-core>=0.19"``, Python >= 3.12); skipped with the reason otherwise, and
+  where its estimated S x S buffers pass ``MEGATRON_BUDGET``;
 - ``dense``: ``coreattn.varlen_attn`` (causal; torch backend on CPU, Triton on CUDA) over the same
   tokens at the head dims the same model's attention has without DSA (MLA's 192 / 128, H heads):
   what dense attention costs at that T.
 
 ``fwd`` is a training forward (inputs require grad); ``fwdbwd`` adds the backward of a fixed output
-gradient. fp32 on CPU, bf16 on CUDA. Every (T, mode, provider) runs in its own subprocess
-(``python -m bench.sparse SPEC``): inputs are built and the provider warmed up on a small T first,
-then the peak RSS is reset and the timed calls run (``peak_rss``: the process's peak resident
-memory over them; ``extra``: that peak minus the resident memory before them, i.e. what the call
-itself needs on top of its inputs). On CUDA, peak and extra come from
-``torch.cuda.max_memory_allocated``. FLOPs count the useful (query, key) pairs only (docs/benchmarks.md).
+gradient. fp32 on CPU, bf16 on CUDA. Two kinds of subprocess (``python -m bench.sparse SPEC``):
+
+- time: one per (T, mode) running every provider, their calls interleaved (provider after provider,
+  round after round), each provider warmed up on a small T first; ``ms`` is a provider's median, and
+  the ratios (``x_megatron``, ``x_dense``: this row's time over that provider's) come from the same
+  process, so the machine's load changes them little. Under the default allocator: what users get;
+- memory: one per (T, mode, provider), under ``bench.cpu_attention.MEMORY_ENV`` (glibc returns freed
+  blocks at once, so RSS follows what is live), one call after a warm-up: ``peak_mib`` the
+  process's peak resident memory over it, ``extra_mib`` that peak minus the resident memory before it
+  (what the call needs on top of its inputs). Those allocator settings make chunked code pay a page
+  fault per chunk (coreattn's torch backend measured 3.4x slower under them), so no time is taken there.
+
+On CUDA, peak and extra come from ``torch.cuda.max_memory_allocated``. FLOPs count the useful
+(query, key) pairs only (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -34,24 +50,24 @@ import gc
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from typing import Iterable, NamedTuple
 
 import torch
 
-from bench.cpu_attention import _child_env, _reset_peak, _status_kib
+from bench.cpu_attention import _reset_peak, _status_kib, worker_json
 from bench.env import REPO_ROOT
 from bench.flops import attention_flops
 
 PROVIDERS = ("coreattn-torch", "coreattn-triton", "megatron", "dense")
 MODES = ("fwd", "fwdbwd")
+PATTERNS = ("spread", "overlap")
 DQK, DV, ROPE = 576, 512, 64  # DeepSeek-V3.2: kv_lora_rank 512 + rope 64; qk_head_dim 128 + rope 64 = 192
 SCALE = 1.0 / math.sqrt(128 + ROPE)
 DENSE_DQK, DENSE_DV = 192, 128
 MEGATRON_BUDGET = 10 << 30  # skip Megatron rows whose estimated S x S buffers pass this (the machine must survive)
-TIME_BUDGET_S = 60.0
+TIME_BUDGET_S = 60.0  # per provider: the rounds stop once the slowest passes it
 MORE_REPS_S = 10.0
 MAX_REPS = 10
 SUBPROCESS_TIMEOUT_S = 3600
@@ -62,28 +78,41 @@ class SparseBenchCase(NamedTuple):
     tokens: int
     topk: int
     heads: int
+    pattern: str = "spread"
 
     @property
     def id(self) -> str:
         t = f"{self.tokens // 1024}k" if self.tokens % 1024 == 0 else str(self.tokens)
-        return f"dsa-absorbed{DQK}x{DV}-h{self.heads}-topk{self.topk}-T{t}"
+        tail = "" if self.pattern == "spread" else f"-{self.pattern}"
+        return f"dsa-absorbed{DQK}x{DV}-h{self.heads}-topk{self.topk}-T{t}{tail}"
+
+    @property
+    def regime(self) -> str:
+        """"full" where every token names its whole causal range, else "sparse"."""
+        return "full" if self.pattern == "spread" and self.tokens <= self.topk else "sparse"
 
 
 def sparse_cases(quick: bool, on_gpu: bool = False) -> list[SparseBenchCase]:
-    """T 1k..8k at top-k 2,048 (DeepSeek-V3.2's) and 512, 4 heads; GPU: 16 heads, T up to 32k;
-    quick: tiny shapes that check the section."""
+    """CPU: the full regime (T <= K: T 1k at 16 and 4 heads, 2k at 4) and the sparse one (16 heads, T 2k,
+    top-k 256) side by side, T 1k..8k at top-k 2,048 and 512 with 4 heads (memory growth), and the
+    overlap pattern at T 8k (one gather serving many tokens); GPU: 16 heads, T up to 32k; quick: tiny
+    shapes that check the section."""
     if quick:
-        return [SparseBenchCase(t, 64, 2) for t in (256, 512)]
+        return [SparseBenchCase(t, 64, 2) for t in (256, 512)] + [SparseBenchCase(64, 64, 2)]
     if on_gpu:
         return [SparseBenchCase(t, 2048, 16) for t in (4096, 8192, 16384, 32768)]
-    return [SparseBenchCase(t, k, 4) for k in (2048, 512) for t in (1024, 2048, 4096, 8192)]
+    regimes = [SparseBenchCase(1024, 2048, 16), SparseBenchCase(2048, 256, 16)]
+    sweep = [SparseBenchCase(t, k, 4) for k in (2048, 512) for t in (1024, 2048, 4096, 8192)]
+    return regimes + sweep + [SparseBenchCase(8192, 1024, 4, "overlap")]
 
 
 def visible_pairs(case: SparseBenchCase) -> int:
-    """Useful (query, key) pairs: token i sees min(K, i + 1) keys."""
+    """Useful (query, key) pairs (spread: token i sees min(K, i + 1) keys)."""
     t, k = case.tokens, case.topk
-    full = min(t, k)
-    return full * (full + 1) // 2 + (t - full) * k
+    if case.pattern == "spread":
+        full = min(t, k)
+        return full * (full + 1) // 2 + (t - full) * k
+    return int((topk_rows(t, k, "cpu", case.pattern) >= 0).sum())
 
 
 def megatron_bytes(case: SparseBenchCase, mode: str) -> int:
@@ -115,15 +144,22 @@ def skip_reason(case: SparseBenchCase, provider: str, mode: str, device: torch.d
     return None
 
 
-# ---- the worker: one (case, mode, provider) in this process
+# ---- the workers: one (case, mode) timed for every provider, or one (case, mode, provider)'s memory
 
 
-def topk_rows(tokens: int, topk: int, device) -> torch.Tensor:
-    """int64 ``[T, K]``: token i names min(K, i + 1) distinct keys spread over ``[0, i]``, the rest -1."""
+def topk_rows(tokens: int, topk: int, device, pattern: str = "spread") -> torch.Tensor:
+    """int64 ``[T, K]``: the keys each token names (see the module docstring), the rest -1."""
     i = torch.arange(tokens, device=device)[:, None]
     j = torch.arange(topk, device=device)[None, :]
-    spread = (j * (i + 1)) // topk  # distinct when i + 1 >= K
-    return torch.where(i + 1 >= topk, spread, torch.where(j <= i, j, -1))
+    if pattern == "spread":
+        spread = (j * (i + 1)) // topk  # distinct when i + 1 >= K
+        return torch.where(i + 1 >= topk, spread, torch.where(j <= i, j, -1))
+    half = topk // 2
+    recent = i - j[:, :half]  # [T, K/2]: i, i - 1, ...
+    shared = torch.randperm(tokens, generator=torch.Generator().manual_seed(0))[:topk - half].sort().values
+    shared = shared.to(device)[None, :].expand(tokens, -1)
+    older = torch.where(shared <= i - half, shared, -1)  # below the recent keys: distinct from them
+    return torch.cat([recent.clamp(min=-1), older], 1)
 
 
 def build(case: SparseBenchCase, provider: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -142,7 +178,7 @@ def build(case: SparseBenchCase, provider: str, device: torch.device, dtype: tor
         backend = "triton" if device.type == "cuda" else "torch"
         return (lambda: coreattn.varlen_attn(q, k, v, cu, cu, t, t, causal=True, backend=backend)), [q, k, v]
     q, k = randn(t, h, DQK), randn(t, 1, DQK)
-    topk = topk_rows(t, case.topk, device)
+    topk = topk_rows(t, case.topk, device, case.pattern)
     if provider == "megatron":
         from megatron.core.transformer.experimental_attention_variant.dsa import _unfused_absorbed_dsa_fn
 
@@ -161,24 +197,59 @@ def _call(fn, leaves, mode: str, dout):
         out.backward(dout.view(out.shape))
 
 
-def run_worker(spec: dict) -> dict:
-    import coreattn  # noqa: F401 (every worker holds the same modules, so RSS differences are the calls)
+class _Prepared(NamedTuple):
+    fn: object
+    leaves: list
+    dout: torch.Tensor
 
-    case = SparseBenchCase(**spec["case"])
-    provider, mode, device = spec["provider"], spec["mode"], torch.device(spec["device"])
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cuda = device.type == "cuda"
-    if spec.get("threads"):
-        torch.set_num_threads(spec["threads"])
-    torch.manual_seed(0)
-    # warm-up on a small T: imports, first-call dispatch, kernel compiles
+
+def _prepare(case: SparseBenchCase, provider: str, mode: str, device: torch.device, dtype) -> _Prepared:
+    """A provider warmed up on a small T (imports, first-call dispatch, kernel compiles), then built at T."""
+    dv = DENSE_DV if provider == "dense" else DV
     small = case._replace(tokens=WARMUP_TOKENS, topk=min(case.topk, WARMUP_TOKENS))
     fn, leaves = build(small, provider, device, dtype)
-    dv = DENSE_DV if provider == "dense" else DV
     _call(fn, leaves, mode, torch.randn(small.tokens * small.heads * dv, device=device, dtype=dtype))
     del fn, leaves
     fn, leaves = build(case, provider, device, dtype)
-    dout = torch.randn(case.tokens * case.heads * dv, device=device, dtype=dtype)
+    return _Prepared(fn, leaves, torch.randn(case.tokens * case.heads * dv, device=device, dtype=dtype))
+
+
+def _setup(spec: dict):
+    import coreattn  # noqa: F401 (every worker holds the same modules, so RSS differences are the calls)
+
+    device = torch.device(spec["device"])
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    torch.manual_seed(0)
+    return SparseBenchCase(**spec["case"]), device, torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def time_worker(spec: dict) -> dict:
+    """{provider: [ms, ...]} of every provider of the spec, their calls interleaved round by round."""
+    case, device, dtype = _setup(spec)
+    mode, providers = spec["mode"], spec["providers"]
+    prepared = {p: _prepare(case, p, mode, device, dtype) for p in providers}
+    times = {p: [] for p in providers}
+    start = time.perf_counter()
+    while True:
+        for p, (fn, leaves, dout) in prepared.items():
+            t0 = time.perf_counter()
+            _call(fn, leaves, mode, dout)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[p].append((time.perf_counter() - t0) * 1e3)
+        rounds, elapsed = len(times[providers[0]]), (time.perf_counter() - start) / len(providers)
+        if spec["quick"] or rounds >= MAX_REPS or elapsed >= TIME_BUDGET_S \
+                or (rounds >= spec["reps"] and elapsed >= MORE_REPS_S):
+            break
+    return {"times": times, "threads": torch.get_num_threads()}
+
+
+def memory_worker(spec: dict) -> dict:
+    """The peak memory of one call of one provider on top of its inputs."""
+    case, device, dtype = _setup(spec)
+    fn, leaves, dout = _prepare(case, spec["provider"], spec["mode"], device, dtype)
+    cuda = device.type == "cuda"
     gc.collect()
     if cuda:
         torch.cuda.synchronize(device)
@@ -188,70 +259,72 @@ def run_worker(spec: dict) -> dict:
     else:
         base = _status_kib("VmRSS")
         exact = _reset_peak()
-    times = []
-    start = time.perf_counter()
-    while len(times) < MAX_REPS:
-        elapsed = time.perf_counter() - start
-        if times and (len(times) >= spec["reps"] and elapsed >= MORE_REPS_S or elapsed >= TIME_BUDGET_S
-                      or spec["quick"]):
-            break
-        t0 = time.perf_counter()
-        _call(fn, leaves, mode, dout)
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e3)
+    _call(fn, leaves, spec["mode"], dout)
+    if cuda:
+        torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) / 2**10 if cuda else _status_kib("VmHWM")
-    return {"ms": statistics.median(times), "ms_min": min(times), "ms_all": times,
-            "peak_mib": peak / 1024 if peak else None, "base_mib": base / 1024 if base else None,
+    return {"peak_mib": peak / 1024 if peak else None, "base_mib": base / 1024 if base else None,
             "extra_mib": (peak - base) / 1024 if peak and base else None, "peak_reset": exact,
-            "memory": "torch.cuda.max_memory_allocated" if cuda else "VmHWM (peak RSS)",
-            "threads": torch.get_num_threads()}
+            "memory": "torch.cuda.max_memory_allocated" if cuda else "VmHWM (peak RSS), memory allocator settings"}
 
 
-# ---- the parent: one subprocess per row
+# ---- the parent
 
 
-def _run_child(spec: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "bench.sparse", json.dumps(spec)], capture_output=True, text=True,
-                          timeout=SUBPROCESS_TIMEOUT_S, cwd=REPO_ROOT, env=_child_env())
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"worker exit {proc.returncode}: {tail[:300]}")
-    return json.loads(lines[-1])
+def _run_child(spec: dict, memory: bool) -> dict:
+    result = worker_json(["-m", "bench.sparse", json.dumps(spec)], SUBPROCESS_TIMEOUT_S, memory)
+    if "error" in result:
+        raise RuntimeError(result["error"])
+    return result
+
+
+def _base_row(case: SparseBenchCase, mode: str, provider: str, device: torch.device) -> dict:
+    dense = provider == "dense"
+    dims = (DENSE_DQK, DENSE_DV) if dense else (DQK, DV)
+    pairs = case.tokens * (case.tokens + 1) // 2 if dense else visible_pairs(case)
+    return {"kind": "sparse", "config": case.id, "tokens": case.tokens, "topk": case.topk, "heads": case.heads,
+            "pattern": case.pattern, "regime": case.regime, "head_dim_qk": dims[0], "head_dim_v": dims[1],
+            "mode": mode, "provider": provider, "pairs": pairs, "flops": attention_flops(pairs, case.heads, *dims, mode),
+            "dtype": "bfloat16" if device.type == "cuda" else "float32", "device": device.type}
 
 
 def run_sparse(cases: Iterable[SparseBenchCase], providers: list[str], quick: bool, device: torch.device,
                progress=None, modes=MODES, threads: int | None = None) -> list[dict]:
-    """One row per (case, mode, provider)."""
+    """One row per (case, mode, provider): time from the (case, mode)'s time worker, memory from the
+    row's own memory worker."""
     rows = []
     for case in cases:
-        pairs = visible_pairs(case)
         for mode in modes:
-            for provider in providers:
-                dense = provider == "dense"
-                dims = (DENSE_DQK, DENSE_DV) if dense else (DQK, DV)
-                row_pairs = case.tokens * (case.tokens + 1) // 2 if dense else pairs
-                row = {"kind": "sparse", "config": case.id, "tokens": case.tokens, "topk": case.topk,
-                       "heads": case.heads, "head_dim_qk": dims[0], "head_dim_v": dims[1], "mode": mode,
-                       "provider": provider, "pairs": row_pairs,
-                       "flops": attention_flops(row_pairs, case.heads, *dims, mode),
-                       "dtype": "bfloat16" if device.type == "cuda" else "float32", "device": device.type}
-                reason = skip_reason(case, provider, mode, device)
+            group = [_base_row(case, mode, p, device) for p in providers]
+            live = []
+            for row in group:
+                reason = skip_reason(case, row["provider"], mode, device)
                 if reason:
-                    rows.append(dict(row, status="skipped", reason=reason))
+                    row.update(status="skipped", reason=reason)
+                else:
+                    live.append(row)
+            spec = {"case": case._asdict(), "mode": mode, "device": str(device), "reps": 1 if quick else 3,
+                    "quick": quick, "threads": threads, "providers": [r["provider"] for r in live]}
+            try:
+                timed = _run_child(dict(spec, kind="time"), memory=False) if live else {}
+            except RuntimeError as exc:
+                timed = {"error": str(exc).splitlines()[0][:300]}
+            for row in live:
+                if "error" in timed:
+                    row.update(status="error", reason=timed["error"])
                     continue
-                spec = {"case": case._asdict(), "provider": provider, "mode": mode, "device": str(device),
-                        "reps": 1 if quick else 3, "quick": quick, "threads": threads}
+                ms_all = timed["times"][row["provider"]]
+                row.update(status="ok", ms=statistics.median(ms_all), ms_min=min(ms_all), ms_all=ms_all,
+                           threads=timed["threads"], gflops=row["flops"] / (statistics.median(ms_all) * 1e-3) / 1e9)
                 try:
-                    row.update(status="ok", **_run_child(spec))
-                    row["gflops"] = row["flops"] / (row["ms"] * 1e-3) / 1e9
-                except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                    row.update(status="error", reason=str(exc).splitlines()[0][:300])
-                rows.append(row)
+                    row.update(_run_child(dict(spec, kind="memory", provider=row["provider"]), memory=True))
+                except RuntimeError as exc:
+                    row.update(memory_error=str(exc).splitlines()[0][:300])
                 if progress is not None:
                     progress.update(1)
-                    progress.set_postfix_str(f"sparse {case.id} {mode} {provider}"[:60], refresh=False)
+                    progress.set_postfix_str(f"sparse {case.id} {mode} {row['provider']}"[:60], refresh=False)
+            add_ratios(group)
+            rows += group
     add_growth(rows)
     return rows
 
@@ -260,12 +333,23 @@ def count(cases: Iterable[SparseBenchCase], providers: list[str], device: torch.
     return sum(1 for c in cases for m in modes for p in providers if skip_reason(c, p, m, device) is None)
 
 
+def add_ratios(group: list[dict]) -> None:
+    """On each row of one (case, mode), timed in one process: its time over Megatron's and over dense
+    attention's (``x_megatron``, ``x_dense``)."""
+    ok = {r["provider"]: r for r in group if r["status"] == "ok"}
+    for r in ok.values():
+        for name, other in (("x_megatron", "megatron"), ("x_dense", "dense")):
+            if other in ok and other != r["provider"]:
+                r[name] = r["ms"] / ok[other]["ms"]
+
+
 def add_growth(rows: list[dict]) -> None:
     """On each row: its time and extra memory over the same provider's at half the tokens (same
-    top-k, heads, mode): about x2 when linear in T, x4 when quadratic."""
-    ok = {(r["provider"], r["mode"], r["topk"], r["heads"], r["tokens"]): r for r in rows if r["status"] == "ok"}
-    for (provider, mode, topk, heads, tokens), r in ok.items():
-        half = ok.get((provider, mode, topk, heads, tokens // 2))
+    top-k, heads, pattern, mode): about x2 when linear in T, x4 when quadratic."""
+    ok = {(r["provider"], r["mode"], r["topk"], r["heads"], r["pattern"], r["tokens"]): r
+          for r in rows if r["status"] == "ok"}
+    for (provider, mode, topk, heads, pattern, tokens), r in ok.items():
+        half = ok.get((provider, mode, topk, heads, pattern, tokens // 2))
         if half is None:
             continue
         r["time_growth"] = r["ms"] / half["ms"]
@@ -274,7 +358,8 @@ def add_growth(rows: list[dict]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    print(json.dumps(run_worker(json.loads(argv[0]))))
+    spec = json.loads(argv[0])
+    print(json.dumps(time_worker(spec) if spec["kind"] == "time" else memory_worker(spec)))
     return 0
 
 

@@ -43,6 +43,9 @@ class SparseCase:
     full_rows: float = 0.0  # this share of the rows name every key of their causal range (and masked extras)
     key_window: tuple[int, int] | None = None  # keys added around each token (DeepSeek-V4's sliding window)
     sinks: bool = False  # a softmax offset per q head (differentiable)
+    # "random": every row mixes visible keys with everything that must be masked; "mixed": runs of
+    # rows of one kind each (mixed_row): whole causal ranges, windows, random subsets, a key or two
+    rows: str = "random"
 
     @property
     def id(self) -> str:
@@ -53,7 +56,7 @@ class SparseCase:
             parts.append("causal" + ("" if self.bottom_right else "-topleft"))
         parts += [name for name, on in (("qk-lens-differ", self.lens_k is not None), ("topk-length", self.topk_length),
                                         ("bounds", self.bounds), ("left-pad", self.left_pad),
-                                        ("strided", self.noncontig)) if on]
+                                        ("strided", self.noncontig), ("mixed-rows", self.rows == "mixed")) if on]
         if self.key_window is not None:
             parts.append(f"window{self.key_window[0]}-{self.key_window[1]}")
         if self.sinks:
@@ -61,6 +64,34 @@ class SparseCase:
         if self.full_rows:
             parts.append("all-rows-full" if self.full_rows >= 1 else f"full-rows{int(self.full_rows * 100)}")
         return "-".join(parts)
+
+
+MIXED_KINDS = ("full", "window", "subset", "few")
+
+
+def mixed_row(rng: random.Random, n: int, topk: int, k0: int, vis_hi: int, k_rows: int) -> list[int]:
+    """A row of kind ``MIXED_KINDS[(n // 3) % 4]`` (runs of three tokens per kind), shuffled, padded
+    with -1 and a repeat: every causal key (a token seeing its whole range, when K allows), the last
+    few of them (a window), a random subset of them with keys past causality and out of range, or
+    one or two keys and -1 (a row the backend compacts); every 11th row names nothing."""
+    if n % 11 == 5:
+        return [-1] * topk
+    kind = MIXED_KINDS[(n // 3) % len(MIXED_KINDS)]
+    visible = list(range(k0, k0 + vis_hi))
+    if kind == "full":
+        keys = visible[:topk]
+    elif kind == "window":
+        keys = visible[-max(1, vis_hi // 2):] if visible else []
+    elif kind == "subset":
+        keys = [j for j in visible if rng.random() < 0.5] + [k0 + vis_hi + 1, k_rows + 3, -5]
+    else:
+        keys = rng.sample(visible, min(2, len(visible)))
+    keys = keys[:topk]
+    if keys and len(keys) < topk:
+        keys.append(keys[0])  # a repeat
+    keys += [-1] * (topk - len(keys))
+    rng.shuffle(keys)
+    return keys
 
 
 class SparseInputs:
@@ -130,6 +161,9 @@ class SparseInputs:
                         rng.shuffle(row)
                         heads.append(row)
                         continue
+                if case.rows == "mixed" and b is not None:
+                    heads.append(mixed_row(rng, n, case.topk, k0, vis_hi, k_rows))
+                    continue
                 for slot in range(case.topk):
                     r = rng.random()
                     if b is None or n % 7 == 3:  # a row with no visible key

@@ -398,11 +398,11 @@ def test_compile_report_tables_name_the_triton_that_compiled():
 
 
 def test_sparse_section_smoke(tmp_path, capsys):
-    """``--what sparse`` alone: performance data, one subprocess per row with time and peak memory, the
-    FLOPs of the useful pairs; Megatron's row runs where megatron-core >= 0.19 imports, else is skipped
-    with the reason."""
+    """``--what sparse`` alone: performance data, the providers of a case timed in one subprocess (the
+    ratios to dense attention from it), each row's peak memory from its own, the FLOPs of the useful
+    pairs; Megatron's row runs where megatron-core >= 0.19 imports, else is skipped with the reason."""
     argv = ["--what", "sparse", "--quick", "--configs", "T256", "--sparse-providers", "coreattn-torch", "megatron",
-            "--modes", "fwdbwd", "--out", str(tmp_path), "--no-plots"]
+            "dense", "--modes", "fwdbwd", "--out", str(tmp_path), "--no-plots"]
     assert cli.main(argv) == 0
     doc, out = json.loads((tmp_path / "results.json").read_text()), capsys.readouterr().out
     assert doc["meta"]["performance_data"] is True and "NOT PERFORMANCE DATA" not in out
@@ -410,6 +410,7 @@ def test_sparse_section_smoke(tmp_path, capsys):
     core = rows["coreattn-torch"]
     assert core["status"] == "ok" and core["ms"] > 0 and core["peak_mib"] > 0 and core["extra_mib"] is not None
     assert core["pairs"] == 64 * 65 // 2 + (256 - 64) * 64 and core["gflops"] > 0
+    assert core["regime"] == "sparse" and core["x_dense"] == core["ms"] / rows["dense"]["ms"]
     assert rows["megatron"]["status"] == "ok" or "megatron-core >= 0.19" in rows["megatron"]["reason"]
     assert "sparse (top-k) attention" in out
 
@@ -423,8 +424,16 @@ def test_sparse_section_indices_and_pairs():
         assert len(set(named)) == len(named) == min(4, i + 1) and all(0 <= j <= i for j in named)
     case = sparse_bench.SparseBenchCase(10, 4, 2)
     assert sparse_bench.visible_pairs(case) == sum(min(4, i + 1) for i in range(10))
+    overlap = sparse_bench.topk_rows(40, 8, "cpu", "overlap")
+    for i, row in enumerate(overlap.tolist()):
+        named = [j for j in row if j >= 0]
+        assert len(set(named)) == len(named) and all(0 <= j <= i for j in named)
+        assert set(range(max(0, i - 3), i + 1)) <= set(named)  # its K/2 most recent keys
+    assert sparse_bench.visible_pairs(sparse_bench.SparseBenchCase(40, 8, 2, "overlap")) == int((overlap >= 0).sum())
     cases = sparse_bench.sparse_cases(quick=False)
-    assert {c.tokens for c in cases} == {1024, 2048, 4096, 8192} and {c.topk for c in cases} == {2048, 512}
+    assert {c.tokens for c in cases} == {1024, 2048, 4096, 8192} and {c.topk for c in cases} == {2048, 1024, 512, 256}
+    assert {(c.heads, c.tokens, c.topk, c.regime) for c in cases} >= {(16, 1024, 2048, "full"), (4, 1024, 2048, "full"),
+                                                                     (4, 2048, 2048, "full"), (16, 2048, 256, "sparse")}
 
 
 def test_cpu_timing_warms_up_before_timing():

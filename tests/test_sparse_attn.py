@@ -45,6 +45,8 @@ CASES = [
      (BF16, F32, F64)),
     (SparseCase(layout="bshd", hq=4, hkv=2, topk=5, key_window=(2, 1), causal=False, topk_length=True, sinks=True,
                 lens_q=(6, 0, 9)), (F32,)),
+    # runs of rows of one kind (whole causal ranges, windows, subsets, a key or two): blocks and units
+    (SparseCase(hq=8, hkv=1, topk=16, lens_q=(9, 0, 14), rows="mixed"), (BF16, F32)),
 ]
 
 

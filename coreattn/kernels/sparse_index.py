@@ -5,13 +5,13 @@ Sparse Attention's top-k: rows unsorted, -1 or any negative for an unused entry,
 possible, an optional per-row valid count ``topk_length``). The kernels take them prepared once
 per call (``prepare_topk``): int32 ``[N, Hidx, K]`` contiguous, query tokens numbered
 ``n = b * S + s`` (thd: the row), ``Hidx`` 1 (one set for every head) or the kv head count, every
-row **compact**: its distinct valid entries ascending in its first slots (gathers then walk the key
-rows in order, and a loop over a row can stop at its count of non-negative entries), -1 in the rest:
+row sorted ascending (gathers then walk the key rows in order) with
 
-- entries at slot ``>= topk_length[n]`` are dropped first (the length counts the rows' own order),
-- negative entries, and entries past int32 (no key position is), are dropped,
-- duplicates are dropped (set semantics: a key named twice counts once, as a scattered mask counts
-  it; a gather that counted it twice would give it twice the weight).
+- entries at slot ``>= topk_length[n]`` set to -1 first (the length counts the rows' own order),
+- negative entries, and entries past int32 (no key position is), -1,
+- duplicates -1 (set semantics: a key named twice counts once, as a scattered mask counts it; a
+  gather that counted it twice would give it twice the weight). Only the first of equal entries
+  stays, so a row is ascending among its valid entries with -1 where its duplicates were.
 
 Which keys an entry may reach (its sequence, causality) is not applied here: the kernels intersect
 each entry with the token's bounds ``key_lo[n] <= j < key_hi[n]`` (and ``j`` below the key rows of
@@ -82,10 +82,7 @@ def _prepare_rows(idx: torch.Tensor, length: torch.Tensor | None) -> torch.Tenso
     if idx.shape[-1] > 1:  # duplicates: an entry equal to the one before it (sorted, so every repeat)
         repeat = (idx[..., 1:] == idx[..., :-1]) & (idx[..., 1:] >= 0)
         idx[..., 1:].masked_fill_(repeat, -1)
-    # compact: the valid entries (ascending) to the front, in their order, the -1s after them
-    valid = idx >= 0
-    slot = torch.where(valid, valid.cumsum(-1) - 1, valid.sum(-1, keepdim=True) + (~valid).cumsum(-1) - 1)
-    return torch.empty_like(idx).scatter_(-1, slot, idx)
+    return idx
 
 
 class TopkCSR(NamedTuple):

@@ -5,8 +5,11 @@ between the two paths), ``fused.py`` (PyTorch's fused CPU flash kernel per seque
 (an online softmax over key blocks in torch ops, for what the fused kernel cannot express),
 ``spans.py`` (reading the sequence lengths and spans), ``dense_mask.py`` (the O(S^2) path for
 arbitrary dense masks, Megatron's ``arbitrary`` mask type), ``sparse.py`` (top-k sparse attention's
-pair ``sparse_attn_torch_fwd`` / ``sparse_attn_torch_bwd`` on the kernels' prepared indices,
-chunked over query tokens), ``indexer_topk.py`` / ``indexer_loss.py`` / ``hadamard.py`` (the DSA
+pair ``sparse_attn_torch_fwd`` / ``sparse_attn_torch_bwd`` on the kernels' prepared indices) with
+``sparse_plan.py`` (per-token key counts and ranges, and how tokens are grouped), ``sparse_blocks.py``
+(tokens sharing a key range: one product per block), ``sparse_units.py`` (each token gathering its
+own keys, cut to their count) and ``sparse_inputs.py`` (the views and key sources they share),
+``indexer_topk.py`` / ``indexer_loss.py`` / ``hadamard.py`` (the DSA
 indexer's top-k, its loss chunk by chunk, the Hadamard rotation).
 
 May import: torch, ``coreattn.kernels`` (packing, dropout's keep mask, the sink gradient) and
