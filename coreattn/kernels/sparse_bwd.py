@@ -411,7 +411,7 @@ def _dkv_task(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, to
                             BLOCK_DQK2, BLOCK_DV, BLOCK_H, BLOCK_N, V_IS_K, ATOMIC, DOT_PRECISION)
 
 
-@triton.jit(do_not_specialize=SPARSE_RUNTIME_INTS + ("token0", "chunk", "batch", "n_kblocks"))
+@triton.jit(do_not_specialize=SPARSE_RUNTIME_INTS + ("token0", "chunk", "batch", "n_sblocks", "n_kblocks"))
 def _sparse_attn_dkv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr, visit_ptr,
     n_tasks, token0, chunk, batch, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_sblocks, n_hblocks,
