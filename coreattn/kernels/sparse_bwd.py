@@ -68,10 +68,10 @@ from coreattn.kernels.configs.sparse import sparse_config
 from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.device import on_device
 from coreattn.kernels.packing import seq_strides
-from coreattn.kernels.sparse_fwd import (SPARSE_RUNTIME_INTS, _block_rows, _gather, _key_range, _program_block,
-                                         _range_keys, _range_rows, _row_offsets, _slot_row, _slot_rows, _store_tile,
-                                         _tile, _token, _token_bounds, key_side, lse_strides, mode_tiles, new_lse,
-                                         slots_of, sparse_problem, token_grid)
+from coreattn.kernels.sparse_fwd import (SPARSE_RUNTIME_INTS, _block_rows, _key_block, _key_rows, _program_block,
+                                         _program_keys, _q_tiles, _range_keys, _range_rows, _row_offsets, _slot_rows,
+                                         _store_tile, _tile, _token, _token_bounds, key_side, lse_strides, mode_tiles,
+                                         new_lse, slots_of, sparse_problem, token_grid)
 from coreattn.kernels.sparse_index import range_visits, row_classes, transpose_topk
 
 PARTIAL_BUDGET_BYTES = 1 << 30  # the deterministic backward's partial buffer per chunk of query tokens
@@ -118,22 +118,12 @@ def _sparse_dq_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq
     n, s, heads, row_ok = _block_rows(b, tb, hb, g, group, seqlen_q, BLOCK_T, BLOCK_H)
     ih = tl.minimum(g, idx_heads - 1)
     b64, g64 = b.to(tl.int64), g.to(tl.int64)
-    q_base = q_ptr + b64 * stride_qb
-    q_offs = _row_offsets(s, heads, stride_qt, stride_qh)
-    q = _tile(q_base, q_offs, row_ok, HEAD_DIM_QK, 0, BLOCK_DQK)  # [M, DQK]
-    q2 = q
-    if BLOCK_DQK2 > 0:
-        q2 = _tile(q_base, q_offs, row_ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
+    q, q2 = _q_tiles(q_ptr + b64 * stride_qb, _row_offsets(s, heads, stride_qt, stride_qh), row_ok, HEAD_DIM_QK,
+                     BLOCK_DQK, BLOCK_DQK2)  # [M, DQK], [M, DQK2]
     do = _tile(do_ptr + b64 * stride_dob, _row_offsets(s, heads, stride_dot, stride_doh), row_ok, HEAD_DIM_V, 0,
                BLOCK_DV)  # [M, DV]
-    if RANGE:  # full rows: the keys [lo, hi) of each, contiguous
-        lo, hi, own = _range_rows(lo_ptr, hi_ptr, full_ptr, n, ih, idx_heads, seqlen_k, row_ok)
-        start, stop = _key_range(lo, hi, own)
-    else:  # one token: the slots of its valid entries
-        n0 = b64 * seqlen_q + tb
-        own, start, stop = _slot_row(span_ptr, full_ptr, n0, ih, idx_heads, row_ok)
-        idx_row = topk_ptr + (n0 * idx_heads + ih) * n_slots
-        lo0, hi0 = _token_bounds(lo_ptr, hi_ptr, n0, seqlen_k)
+    own, start, stop, lo, hi, idx_row = _program_keys(topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr, b64, tb, n, ih,
+                                                      idx_heads, heads, row_ok, seqlen_q, seqlen_k, n_slots, RANGE)
     lse, delta = _row_stats(lse_ptr, delta_ptr, b64, s, heads, own, stride_lb, stride_lh)
     k_base = k_ptr + b64 * stride_kb + g64 * stride_kh
     v_base = v_ptr + b64 * stride_vb + g64 * stride_vh
@@ -143,22 +133,12 @@ def _sparse_dq_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq
     if BLOCK_DQK2 > 0:
         dq2 = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_DQK2], tl.float32)
     for it in range(start, stop, BLOCK_N):
-        if RANGE:
-            keys, load_ok, row = _range_keys(it, offs_n, stop, k_last)
-            seen = own[:, None] & (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None])  # [M, N]
-        else:
-            load_ok, row = _slot_rows(idx_row, it, offs_n, n_slots, lo0, hi0, k_last)
-            seen = load_ok[None, :]
-        kb = _gather(k_base, row, load_ok, stride_kt, HEAD_DIM_QK, 0, BLOCK_DQK)  # [N, DQK]
+        load_ok, row, seen = _key_block(it, offs_n, stop, k_last, own, lo, hi, idx_row, n_slots, RANGE)
+        kb, kb2, vb = _key_rows(k_base, v_base, row, load_ok, stride_kt, stride_vt, HEAD_DIM_QK, HEAD_DIM_V,
+                                BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, V_IS_K)  # [N, DQK], [N, DQK2], [N, DV]
         scores = tl.dot(q, tl.trans(kb), input_precision=DOT_PRECISION)  # [M, N]
-        kb2 = kb
         if BLOCK_DQK2 > 0:
-            kb2 = _gather(k_base, row, load_ok, stride_kt, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
             scores = tl.dot(q2, tl.trans(kb2), scores, input_precision=DOT_PRECISION)
-        if V_IS_K:
-            vb = kb
-        else:
-            vb = _gather(v_base, row, load_ok, stride_vt, HEAD_DIM_V, 0, BLOCK_DV)  # [N, DV]
         p = tl.math.exp2(scores * sm_scale_log2 - lse[:, None])
         p = tl.where(seen, p, 0.0)
         dp = tl.dot(do, tl.trans(vb), input_precision=DOT_PRECISION)  # [M, N]
@@ -285,15 +265,9 @@ def _sparse_dkv_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, o
         lo, hi = _token_bounds(lo_ptr, hi_ptr, n, seqlen_k)
         offs_n = tl.arange(0, BLOCK_N)
         valid, row = _slot_rows(topk_ptr + at * n_slots, s_first, offs_n, n_slots, lo, hi, k_last)
-        k_base = k_ptr + b64 * stride_kb + g64 * stride_kh
-        kb = _gather(k_base, row, valid, stride_kt, HEAD_DIM_QK, 0, BLOCK_DQK)  # [N, DQK]
-        kb2 = kb
-        if BLOCK_DQK2 > 0:
-            kb2 = _gather(k_base, row, valid, stride_kt, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)  # [N, DQK2]
-        if V_IS_K:
-            vb = kb
-        else:
-            vb = _gather(v_ptr + b64 * stride_vb + g64 * stride_vh, row, valid, stride_vt, HEAD_DIM_V, 0, BLOCK_DV)
+        kb, kb2, vb = _key_rows(k_ptr + b64 * stride_kb + g64 * stride_kh, v_ptr + b64 * stride_vb + g64 * stride_vh,
+                                row, valid, stride_kt, stride_vt, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
+                                BLOCK_DV, V_IS_K)  # [N, DQK], [N, DQK2], [N, DV]
         q_base = q_ptr + b64 * stride_qb + s64 * stride_qt
         do_base = do_ptr + b64 * stride_dob + s64 * stride_dot
         dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
@@ -305,11 +279,8 @@ def _sparse_dkv_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, o
             offs_h = h0 + tl.arange(0, BLOCK_H)
             head_ok = offs_h < group
             heads = g * group + tl.minimum(offs_h, group - 1)
-            q_offs = heads.to(tl.int64) * stride_qh
-            q = _tile(q_base, q_offs, head_ok, HEAD_DIM_QK, 0, BLOCK_DQK)  # [H, DQK]
-            q2 = q
-            if BLOCK_DQK2 > 0:
-                q2 = _tile(q_base, q_offs, head_ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
+            q, q2 = _q_tiles(q_base, heads.to(tl.int64) * stride_qh, head_ok, HEAD_DIM_QK, BLOCK_DQK,
+                             BLOCK_DQK2)  # [H, DQK], [H, DQK2]
             do = _tile(do_base, heads.to(tl.int64) * stride_doh, head_ok, HEAD_DIM_V, 0, BLOCK_DV)  # [H, DV]
             lse, delta = _row_stats(lse_ptr, delta_ptr, b64, s, heads, head_ok, stride_lb, stride_lh)
             dk, dk2, dv = _dkv_step(kb, kb2, vb, q, q2, do, valid[:, None], lse, delta, dk, dk2, dv, sm_scale,
@@ -347,15 +318,9 @@ def _range_dkv_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, ac
     b64, g64 = b.to(tl.int64), g.to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     keys, key_ok, row = _range_keys(kb * BLOCK_N, offs_n, seqlen_k, k_last)
-    k_base = k_ptr + b64 * stride_kb + g64 * stride_kh
-    kt = _gather(k_base, row, key_ok, stride_kt, HEAD_DIM_QK, 0, BLOCK_DQK)  # [N, DQK]
-    kt2 = kt
-    if BLOCK_DQK2 > 0:
-        kt2 = _gather(k_base, row, key_ok, stride_kt, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)  # [N, DQK2]
-    if V_IS_K:
-        vt = kt
-    else:
-        vt = _gather(v_ptr + b64 * stride_vb + g64 * stride_vh, row, key_ok, stride_vt, HEAD_DIM_V, 0, BLOCK_DV)
+    kt, kt2, vt = _key_rows(k_ptr + b64 * stride_kb + g64 * stride_kh, v_ptr + b64 * stride_vb + g64 * stride_vh, row,
+                            key_ok, stride_kt, stride_vt, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
+                            V_IS_K)  # [N, DQK], [N, DQK2], [N, DV]
     visit = visit_ptr + ((ih.to(tl.int64) * batch + b) * n_kblocks + kb) * 2
     tb_first = tl.load(visit)
     tb_end = tl.load(visit + 1)
@@ -370,11 +335,8 @@ def _range_dkv_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, ac
         for tb in range(tb_first, tb_end):
             n, s, heads, row_ok = _block_rows(b, tb, hb, g, group, seqlen_q, BLOCK_T, BLOCK_H)
             lo, hi, own = _range_rows(lo_ptr, hi_ptr, full_ptr, n, ih, idx_heads, seqlen_k, row_ok)
-            q_offs = _row_offsets(s, heads, stride_qt, stride_qh)
-            q = _tile(q_base, q_offs, row_ok, HEAD_DIM_QK, 0, BLOCK_DQK)  # [M, DQK]
-            q2 = q
-            if BLOCK_DQK2 > 0:
-                q2 = _tile(q_base, q_offs, row_ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
+            q, q2 = _q_tiles(q_base, _row_offsets(s, heads, stride_qt, stride_qh), row_ok, HEAD_DIM_QK, BLOCK_DQK,
+                             BLOCK_DQK2)  # [M, DQK], [M, DQK2]
             do = _tile(do_base, _row_offsets(s, heads, stride_dot, stride_doh), row_ok, HEAD_DIM_V, 0,
                        BLOCK_DV)  # [M, DV]
             lse, delta = _row_stats(lse_ptr, delta_ptr, b64, s, heads, own, stride_lb, stride_lh)

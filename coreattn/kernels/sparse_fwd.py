@@ -140,6 +140,17 @@ def _store_tile(base, offs, ok, x, HEAD_DIM: tl.constexpr, COL0: tl.constexpr, B
 
 
 @triton.jit
+def _q_tiles(base, offs, ok, HEAD_DIM_QK: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr):
+    """q rows at ``base + offs`` [M]: (its first block [M, DQK], its second [M, DQK2], the first
+    where the q/k dim is not split)."""
+    q = _tile(base, offs, ok, HEAD_DIM_QK, 0, BLOCK_DQK)
+    q2 = q
+    if BLOCK_DQK2 > 0:
+        q2 = _tile(base, offs, ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
+    return q, q2
+
+
+@triton.jit
 def _program_block(task, n_hblocks, heads_kv, n_tblocks):
     """Task -> (sample b, token block tb of the sample, kv head g, head block hb); head blocks
     fastest, then kv heads, then token blocks."""
@@ -184,12 +195,60 @@ def _key_range(lo, hi, own):
 
 
 @triton.jit
-def _slot_row(span_ptr, full_ptr, n0, ih, idx_heads, row_ok):
+def _slot_row(span_ptr, full_ptr, n0, ih, idx_heads, heads, row_ok):
     """Slot mode, token n0: (own [M]: the rows unless the token's row is full, first and end slot of
-    its valid entries: kernels/sparse_index.py ``row_classes``, empty for a full row)."""
+    its valid entries: kernels/sparse_index.py ``row_classes``, empty for a full row). The class is
+    loaded and compared per row: Triton 3.9's interpreter rejects a mask a scalar comparison
+    broadcasts into."""
     at = n0 * idx_heads + ih
-    own = row_ok & (tl.load(full_ptr + at) == 0)
+    own = row_ok & (tl.load(full_ptr + at + heads * 0) == 0)
     return own, tl.load(span_ptr + 2 * at), tl.load(span_ptr + 2 * at + 1)
+
+
+@triton.jit
+def _program_keys(topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr, b64, tb, n, ih, idx_heads, heads, row_ok, seqlen_q,
+                  seqlen_k, n_slots, RANGE: tl.constexpr):
+    """The keys a forward or dQ program steps over: (own [M]: the rows it computes, start, stop: its
+    loop's bounds, lo, hi: the rows' bounds ([M]; slot mode: its token's, scalars), idx_row: the
+    token's index row (slot mode; range mode: unused))."""
+    if RANGE:  # full rows: the keys [lo, hi) of each, contiguous
+        lo, hi, own = _range_rows(lo_ptr, hi_ptr, full_ptr, n, ih, idx_heads, seqlen_k, row_ok)
+        start, stop = _key_range(lo, hi, own)
+        idx_row = topk_ptr
+    else:  # slot mode: one token (BLOCK_T = 1), the slots of its valid entries
+        n0 = b64 * seqlen_q + tb
+        own, start, stop = _slot_row(span_ptr, full_ptr, n0, ih, idx_heads, heads, row_ok)
+        lo, hi = _token_bounds(lo_ptr, hi_ptr, n0, seqlen_k)
+        idx_row = topk_ptr + (n0 * idx_heads + ih) * n_slots
+    return own, start, stop, lo, hi, idx_row
+
+
+@triton.jit
+def _key_block(it, offs_n, stop, k_last, own, lo, hi, idx_row, n_slots, RANGE: tl.constexpr):
+    """Keys (range mode) or slots [it, it + BLOCK_N) of a program's loop: (load_ok [N], key row [N]
+    to read, seen: the (row, key) pairs that count, [M, N] or [1, N])."""
+    if RANGE:
+        keys, load_ok, row = _range_keys(it, offs_n, stop, k_last)
+        seen = own[:, None] & (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None])
+    else:
+        load_ok, row = _slot_rows(idx_row, it, offs_n, n_slots, lo, hi, k_last)
+        seen = load_ok[None, :]
+    return load_ok, row, seen
+
+
+@triton.jit
+def _key_rows(k_base, v_base, row, ok, stride_kt, stride_vt, HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr):
+    """Key rows ``row`` [N]: (k's first block [N, DQK], its second [N, DQK2] (the first where the q/k
+    dim is not split), v [N, DV]: absorbed MLA with V_IS_K, the first key block itself)."""
+    kb = _gather(k_base, row, ok, stride_kt, HEAD_DIM_QK, 0, BLOCK_DQK)
+    kb2 = kb
+    if BLOCK_DQK2 > 0:
+        kb2 = _gather(k_base, row, ok, stride_kt, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
+    vb = kb
+    if not V_IS_K:
+        vb = _gather(v_base, row, ok, stride_vt, HEAD_DIM_V, 0, BLOCK_DV)
+    return kb, kb2, vb
 
 
 @triton.jit
@@ -205,43 +264,23 @@ def _sparse_fwd_program(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, s
     n, s, heads, row_ok = _block_rows(b, tb, hb, g, group, seqlen_q, BLOCK_T, BLOCK_H)
     ih = tl.minimum(g, idx_heads - 1)
     b64, g64 = b.to(tl.int64), g.to(tl.int64)
-    q_base = q_ptr + b64 * stride_qb
-    q_offs = _row_offsets(s, heads, stride_qt, stride_qh)
-    q = _tile(q_base, q_offs, row_ok, HEAD_DIM_QK, 0, BLOCK_DQK)  # [M, DQK]
-    q2 = q
-    if BLOCK_DQK2 > 0:
-        q2 = _tile(q_base, q_offs, row_ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)  # [M, DQK2]
+    q, q2 = _q_tiles(q_ptr + b64 * stride_qb, _row_offsets(s, heads, stride_qt, stride_qh), row_ok, HEAD_DIM_QK,
+                     BLOCK_DQK, BLOCK_DQK2)  # [M, DQK], [M, DQK2]
     k_base = k_ptr + b64 * stride_kb + g64 * stride_kh
     v_base = v_ptr + b64 * stride_vb + g64 * stride_vh
     offs_n = tl.arange(0, BLOCK_N)
-    if RANGE:  # full rows: the keys [lo, hi) of each, contiguous
-        lo, hi, own = _range_rows(lo_ptr, hi_ptr, full_ptr, n, ih, idx_heads, seqlen_k, row_ok)
-        start, stop = _key_range(lo, hi, own)
-    else:  # one token (BLOCK_T = 1): the slots of its valid entries
-        n0 = b64 * seqlen_q + tb
-        own, start, stop = _slot_row(span_ptr, full_ptr, n0, ih, idx_heads, row_ok)
-        idx_row = topk_ptr + (n0 * idx_heads + ih) * n_slots
-        lo0, hi0 = _token_bounds(lo_ptr, hi_ptr, n0, seqlen_k)
-
+    own, start, stop, lo, hi, idx_row = _program_keys(topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr, b64, tb, n, ih,
+                                                      idx_heads, heads, row_ok, seqlen_q, seqlen_k, n_slots, RANGE)
     m_i = tl.full([BLOCK_T * BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_T * BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_DV], tl.float32)
     for it in range(start, stop, BLOCK_N):
-        if RANGE:
-            keys, load_ok, row = _range_keys(it, offs_n, stop, k_last)
-            seen = own[:, None] & (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None])  # [M, N]
-        else:
-            load_ok, row = _slot_rows(idx_row, it, offs_n, n_slots, lo0, hi0, k_last)
-            seen = load_ok[None, :]
-        kb = _gather(k_base, row, load_ok, stride_kt, HEAD_DIM_QK, 0, BLOCK_DQK)  # [N, DQK]
+        load_ok, row, seen = _key_block(it, offs_n, stop, k_last, own, lo, hi, idx_row, n_slots, RANGE)
+        kb, kb2, vb = _key_rows(k_base, v_base, row, load_ok, stride_kt, stride_vt, HEAD_DIM_QK, HEAD_DIM_V,
+                                BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, V_IS_K)  # [N, DQK], [N, DQK2], [N, DV]
         scores = tl.dot(q, tl.trans(kb), input_precision=DOT_PRECISION)  # [M, N]
         if BLOCK_DQK2 > 0:
-            kb2 = _gather(k_base, row, load_ok, stride_kt, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
             scores = tl.dot(q2, tl.trans(kb2), scores, input_precision=DOT_PRECISION)
-        if V_IS_K:
-            vb = kb  # absorbed MLA: V is k's first block
-        else:
-            vb = _gather(v_base, row, load_ok, stride_vt, HEAD_DIM_V, 0, BLOCK_DV)  # [N, DV]
         scores = tl.where(seen, scores * sm_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         # a row that has seen no key yet keeps m = -inf; subtract 0 instead so p and alpha are 0, not NaN

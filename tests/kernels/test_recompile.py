@@ -83,12 +83,16 @@ BATCHES = {
                               "(tests/test_gpu.py checks the compile caches on a GPU)")
 @pytest.mark.parametrize("layout", list(BATCHES))
 def test_new_lengths_keep_every_specialized_argument_class(monkeypatch, layout):
-    runs = [_record(monkeypatch, make()) for make in BATCHES[layout]]
-    for name, (module, attr) in KERNELS.items():
+    _assert_classes_kept(KERNELS, LAUNCHES, [_record(monkeypatch, make()) for make in BATCHES[layout]])
+
+
+def _assert_classes_kept(kernels: dict, launches: dict, runs: list[dict]) -> None:
+    """Every int argument outside a kernel's ``do_not_specialize`` takes one class in every run."""
+    for name, (module, attr) in kernels.items():
         kernel = getattr(module, attr)
         free = set(getattr(kernel, "kwargs", {}).get("do_not_specialize") or
                    [p.name for p in kernel.params if p.do_not_specialize])
-        for launch in (f"{name}{i}" for i in range(LAUNCHES[name])):
+        for launch in (f"{name}{i}" for i in range(launches[name])):
             for arg in runs[0][launch]:
                 if arg in free:
                     continue
@@ -134,14 +138,5 @@ def test_sparse_lengths_and_topk_keep_every_specialized_argument_class(monkeypat
     """The sparse kernels (both modes) across lengths and top-k of every class (1, a multiple of 16,
     neither), full rows and partial ones."""
     batches = [((1,), 1), ((16,), 16), ((7,), 33), ((5, 0, 28), 7), ((40, 3), 64)]
-    runs = [_sparse_record(monkeypatch, fmt, lens, n_slots) for lens, n_slots in batches]
-    for name, (module, attr) in SPARSE_KERNELS.items():
-        kernel = getattr(module, attr)
-        free = set(getattr(kernel, "kwargs", {}).get("do_not_specialize") or
-                   [p.name for p in kernel.params if p.do_not_specialize])
-        for launch in (f"{name}{i}" for i in range(SPARSE_LAUNCHES[name])):
-            for arg in runs[0][launch]:
-                if arg in free:
-                    continue
-                classes = {_spec_class(run[launch][arg]) for run in runs}
-                assert len(classes) == 1, f"{attr}: {arg} is specialized and takes {[r[launch][arg] for r in runs]}"
+    _assert_classes_kept(SPARSE_KERNELS, SPARSE_LAUNCHES,
+                         [_sparse_record(monkeypatch, fmt, lens, n_slots) for lens, n_slots in batches])

@@ -1,11 +1,19 @@
 """Launch tables of the sparse (top-k) attention kernels (kernels/sparse_fwd.py, sparse_bwd.py).
 
-Four kernels: ``fwd`` and ``dq`` (a program per (query token, kv head, block of BLOCK_H q heads)
-stepping over BLOCK_N of the token's top-k slots), ``dkv`` (a program per (query token, kv head,
-block of BLOCK_N slots) stepping over the group's heads in blocks of BLOCK_H) and ``reduce`` (a
-program per (key row, kv head) summing its CSR entries: no tile, warps only). A config is an
-``AttnConfig`` whose ``block_m`` is BLOCK_H (q heads: the rows of the forward's and dQ's dots, the
-inner dimension of dK's) and ``block_n`` BLOCK_N (slots).
+Slot mode (the rows that name part of their range): ``fwd`` and ``dq`` (a program per (query token,
+kv head, block of BLOCK_H q heads) stepping over BLOCK_N of the token's valid slots), ``dkv`` (a
+program per (query token, kv head, block of BLOCK_N slots) stepping over the group's heads in blocks
+of BLOCK_H) and ``reduce`` (a program per (key row, kv head) summing its CSR entries: no tile, warps
+only). A config is an ``AttnConfig`` whose ``block_m`` is BLOCK_H (q heads: the rows of the
+forward's and dQ's dots, the inner dimension of dK's) and ``block_n`` BLOCK_N (slots).
+
+Range mode (full rows as dense attention): ``range_fwd``, ``range_dq`` (a program per (block of
+BLOCK_T query tokens, kv head, block of BLOCK_H q heads) stepping over BLOCK_N contiguous keys) and
+``range_dkv`` (a program per (block of BLOCK_N keys, kv head) stepping over token blocks x head
+blocks). Their ``block_m`` is the tile's MMA rows, BLOCK_T x BLOCK_H (``range_tile``: the group's
+heads rounded up to a power of two, tokens for the rest), and ``block_n`` keys; the tables give
+them the slot mode's row counts and register budget (the 576/512 forward 32 rows, so 16 heads take
+two tokens).
 
 BLOCK_H is the table's for the widest heads (``block_m``) or, for a smaller GQA group, the group
 rounded up to a power of two, at least 16 (tl.dot's minimum; a group smaller than 16 is padded
@@ -15,15 +23,16 @@ the group class (heads per kv head: the 16-row tiles of GQA and the 64-row ones 
 64-128 heads take different warps).
 
 How the CUDA and CDNA entries were picked: by compiling (``python -m bench --what kernels``,
-coreattn/tune/compiler.py; docs/compile-report.md has the figures per arch and Triton, the run in
-bench/results/compile-report-sparse_2026-11-28/): with these tables every sparse kernel of the
-report (absorbed 576/512 at 16-128 heads, GQA 4 at 192/128, 128 and 64, bf16, fp16 and fp32) has
-0 spill bytes and fits its arch's shared memory (LDS) on sm80, sm86, sm89, sm90, sm100 and sm120
-under Triton 3.6.0, 3.7.1, 3.8.0 and 3.9.0 and on gfx90a, gfx942 and gfx950 under 3.9.0, and every
-16-bit tl.dot is an MMA of its input type (mma.sync; tcgen05 for sm100's 64-head forward; 16x16
-MFMAs). The comments below say what each choice avoided. What is left is MMA work: the score dots
-of 16- and 32-row tiles repeat on 2-4 warps (CDNA waves), and a GQA group smaller than 16 pads the
-16-row tile with masked heads. None has been timed.
+coreattn/tune/compiler.py; docs/compile-report.md has the figures per arch and Triton): every sparse
+kernel of the report (absorbed 576/512 at 16-128 heads, GQA 4 at 192/128, 128 and 64, bf16, fp16
+and fp32; both modes) has 0 spill bytes and fits its arch's shared memory (LDS), and every 16-bit
+tl.dot is an MMA of its input type (mma.sync; tcgen05 for sm100's 64-head slot-mode forward; 16x16 MFMAs).
+The slot mode's tables were chosen on sm80, sm86, sm89, sm90, sm100 and sm120 under Triton 3.6.0,
+3.7.1, 3.8.0 and 3.9.0 and on the CDNA archs under 3.9.0; with the range mode, sm90, sm100, gfx90a,
+gfx942 and gfx950 were compiled under all four releases (the CDNA forward at 576/512 changed for
+it). The comments below say what each choice avoided. What is left is MMA work: the score dots of
+16- and 32-row tiles repeat on 2-4 warps (CDNA waves), and a slot-mode GQA group smaller than 16
+pads the 16-row tile with masked heads (the range mode fills it with tokens). None has been timed.
 
 Ascend (triton-ascend: one warp, a persistent grid) sizes the tiles by the on-chip buffer as the
 dense tables do (``step_bytes``); the kernels run under triton-ascend 3.2's interpreter in the
@@ -109,7 +118,9 @@ for _kernel, _rows in _CDNA.items():
 _CUDA_RANGE = {
     "range_fwd": ((256, 1 << 30, _C(16, 64, 4, 2)), (1024, 1 << 30, _C(32, 32, 8, 2))),
     "range_dq": ((256, 1 << 30, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(16, 32, 8, 2))),
-    # keys x rows as the slot-mode dK/dV's slots x heads
+    # keys x rows as the slot-mode dK/dV's slots x heads, but 16 rows at 576/512: its 32 spilled 40 B on sm90 under
+    # Triton 3.7.1 (the range program holds its key block across two loops; one stage: 118 KB, unpipelined), and
+    # on 4 warps 16 x 16 spilled 244 B
     "range_dkv": ((256, 1 << 30, _C(16, 16, 4, 2)), (1024, 1 << 30, _C(16, 16, 8, 2))),
 }
 _CDNA_RANGE = {
@@ -122,8 +133,8 @@ for _kernel in RANGE_KERNELS:
         _TABLES[_kernel][_target] = _CUDA_RANGE[_kernel]
     for _target in CDNA_TARGETS:
         _TABLES[_kernel][_target] = _CDNA_RANGE[_kernel]
-# sm100: 64 rows on tcgen05 as its slot-mode forward
-_TABLES["range_fwd"]["sm100"] = _CUDA_RANGE["range_fwd"][:1] + ((1024, 1 << 30, _C(64, 16, 8, 2)),)
+# sm100 keeps mma.sync's 32 rows in the range mode: its slot mode's 64 x 16 on tcgen05 spilled 84-120 B in the
+# range forward under Triton 3.8.0 (the rows' own bounds and the [64, 16] mask beside the accumulator)
 # gfx90a and gfx942: the 576/512 forward's 64 x 16 on 8 waves spilled 4-84 B per lane under Triton 3.6.0 and
 # 3.7.1 (both modes; none under 3.9.0); 32 x 32 on 4 waves holds its accumulators in VGPRs and AGPRs
 for _target in ("gfx90a", "gfx942"):
