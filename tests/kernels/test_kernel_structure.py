@@ -15,10 +15,11 @@ and run in the Triton 3.9.0 lane.
 
 The sparse (top-k) kernels (kernels/sparse_fwd.py, sparse_bwd.py; configs/sparse.py), on sm90 for
 absorbed MLA at 576/512 with 16 and 128 q heads and GQA 4 at 128 (and, under 3.9.0, on gfx942 and
-gfx950): every kernel of the forward and both backward variants compiled, no spills, shared memory
-(LDS) within the limit, every dot an MMA (wgmma or mma.sync; MFMA) of the input type, the loops
-pipelined on sm90. Their 512-column tiles duplicate the score dots across warps (configs/sparse.py
-says why), which is shown in the compile report, not asserted here.
+gfx950): every kernel of the forward and both backward variants compiled in both modes (slot, and
+range for full rows), no spills, shared memory (LDS) within the limit, every dot an MMA (wgmma or
+mma.sync; MFMA) of the input type, the loops pipelined on sm90, no pipelined-load hazard and no i32
+stride product on a pointer offset. Their 512-column tiles duplicate the score dots across warps
+(configs/sparse.py says why), which is shown in the compile report, not asserted here.
 
 Compiling happens in subprocesses (TRITON_INTERPRET unset), once per module for every arch a
 selected test needs (``-k sm90`` compiles sm90 alone); the tests read the rows. The CUDA archs are
