@@ -14,7 +14,14 @@ something hangs; time a part leaves unused goes to the parts after it):
    pytest-xdist: each worker is its own process, and a worker whose CUDA a test poisoned exits
    (tests/conftest.py), so xdist reports that test as crashed and goes on in a fresh worker;
 4. ``bench``: a short ``python -m bench --what attention --quick`` (coreattn, torch's varlen_attn
-   and padded SDPA), each unit in an isolated worker (bench/isolation.py); alone, since it times.
+   and padded SDPA), each unit in an isolated worker (bench/isolation.py); alone, since it times;
+5. ``dsa-bench``: ``python -m bench.dsa_check``, DeepSeek Sparse Attention's row: the sparse Triton
+   kernels against dense varlen attention over the same tokens, forward + backward, where every
+   row is full (top-k past the sequence) and where most are sparse; alone, after the bench.
+
+The CUDA tests include the sparse-attention kernels' and the public sparse functions' tests, and
+the GPU tests (tests/test_gpu.py) the DSA indexer's kernels and the sparse kernels' full and mixed
+rows against float64 references, their determinism and their recompiles on CUDA.
 
 It then writes ONE JSON summary (device, driver, versions, commit, per part: status, counts, wall
 time, and every failure with its kernel launch and config where known) to
@@ -22,7 +29,8 @@ time, and every failure with its kernel launch and config where known) to
 compute-sanitizer command line for each faulted self-check case. Exit status 0 only if every part
 passed. Without a GPU it runs a degraded quick mode (one self-check row under the interpreter, a
 few kernel tests, a tiny CPU bench; the GPU-marked tests are skipped) so CI can run it; that
-summary goes to ``bench/local/``.
+summary goes to ``bench/local/`` (the DSA row then runs tiny shapes under the interpreter: its
+code path, not performance data).
 """
 
 from __future__ import annotations
@@ -46,14 +54,17 @@ from bench.cli import positive_number
 from bench.env import REPO_ROOT, device_slug, run_metadata
 from coreattn.selfcheck.faults import Child, child_env, sanitizer_hint
 
-PARTS = ("selfcheck", "gpu-tests", "cuda-tests", "bench")
+PARTS = ("selfcheck", "gpu-tests", "cuda-tests", "bench", "dsa-bench")
 DEFAULT_BUDGET = 450.0  # seconds; 8 minutes minus what starting Python and writing the summary take
-SHARES = {"selfcheck": 0.3, "tests": 0.45, "bench": 0.15}  # gpu-tests and cuda-tests run together
+# gpu-tests and cuda-tests run together; the DSA row's sparse kernels are compiled (and cached) by cuda-tests
+SHARES = {"selfcheck": 0.27, "tests": 0.45, "bench": 0.13, "dsa-bench": 0.1}
 GPU_TEST_FILES = ("tests/test_gpu.py", "tests/tune/test_tuner_gpu.py", "tests/megatron/test_gpu_megatron.py",
                   "tests/masks/test_masks.py")
 CUDA_TEST_FILES = ("tests/test_varlen_fwd.py", "tests/test_varlen_bwd.py", "tests/test_attn_features.py",
                    "tests/test_padded_attn.py", "tests/kernels/test_tile_map.py", "tests/kernels/test_dropout_rng.py",
-                   "tests/megatron/test_core_attention.py", "tests/test_bad_input.py")
+                   "tests/megatron/test_core_attention.py", "tests/test_bad_input.py",
+                   "tests/kernels/test_sparse_kernels.py", "tests/test_sparse_attn.py",
+                   "tests/test_sparse_bad_input.py")
 CPU_TESTS = ("tests/kernels/test_dropout_rng.py", "-k", "philox")  # a Triton kernel under the interpreter
 CPU_SELFCHECK = ("--case", "hdim64-causal-qk-lens-differ", "--dtype", "fp16")
 GPU_BENCH = ("--quick", "--what", "attention", "--configs", "hdim128x128", "--providers", "coreattn", "torch-varlen",
@@ -122,6 +133,12 @@ def pytest_part(name: str, on_gpu: bool, limit: float, tmp: Path, workers: int |
         per_test = max(10, limit - INTERRUPT_GRACE_S - 10) if name == "gpu-tests" else min(120, limit)
         argv += ["--timeout", str(int(per_test)), "--timeout-method", "thread"]
     return Part(name, argv, limit, out)
+
+
+def dsa_part(limit: float, tmp: Path) -> Part:
+    out = tmp / "dsa.json"
+    argv = [sys.executable, "-m", "bench.dsa_check", "--out", str(out), "--time-limit", _own_limit(limit)]
+    return Part("dsa-bench", argv, limit, out)
 
 
 def bench_part(on_gpu: bool, limit: float, tmp: Path) -> Part:
@@ -282,10 +299,10 @@ def bench_summary(part: Part, raw: dict) -> dict:
     for r in doc["results"]:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
         rows.append({k: r.get(k) for k in ("config", "mode", "provider", "dtype", "status", "ms", "tflops",
-                                           "speedup_of_coreattn", "reason")})
+                                           "speedup_of_coreattn", "ratio_to_dense", "reason")})
         if r["status"] in ("error", "fault", "timeout"):
             f = r.get("fault") or {}
-            failures.append({"part": "bench", "what": " ".join(str(r.get(k)) for k in ("config", "provider", "mode",
+            failures.append({"part": part.name, "what": " ".join(str(r.get(k)) for k in ("config", "provider", "mode",
                                                                                       "dtype")),
                              "status": r["status"], "how": r.get("reason"), "kernel_launch": f.get("where"),
                              "launch": f.get("launch")})
@@ -299,7 +316,7 @@ def _tail(text: str, lines: int = 6) -> str:
 
 
 SUMMARIES = {"selfcheck": selfcheck_summary, "gpu-tests": tests_summary, "cuda-tests": tests_summary,
-             "bench": bench_summary}
+             "bench": bench_summary, "dsa-bench": bench_summary}
 
 
 # ---- the command
@@ -316,7 +333,7 @@ def default_out(device: torch.device, parent: Path | None = None) -> Path:
 def plan(args) -> list[list[tuple[str, float]]]:
     """The phases (the parts of a phase run at the same time), each part with its share of the budget."""
     phases = [[("selfcheck", SHARES["selfcheck"])], [(n, SHARES["tests"]) for n in ("gpu-tests", "cuda-tests")],
-              [("bench", SHARES["bench"])]]
+              [("bench", SHARES["bench"])], [("dsa-bench", SHARES["dsa-bench"])]]
     return [[(n, share * args.budget) for n, share in phase if n in args.parts] for phase in phases]
 
 
@@ -325,6 +342,8 @@ def make_part(name: str, on_gpu: bool, limit: float, tmp: Path, args) -> Part:
         return selfcheck_part(on_gpu, limit, tmp)
     if name == "bench":
         return bench_part(on_gpu, limit, tmp)
+    if name == "dsa-bench":
+        return dsa_part(limit, tmp)
     return pytest_part(name, on_gpu, limit, tmp, args.workers)
 
 
@@ -414,6 +433,10 @@ def format_summary(doc: dict, max_failures: int = 25) -> str:
     for name, p in doc["parts"].items():
         lines.append(f"{name:<11} {p['status'].upper():<8} {p.get('wall_s', '-')!s:>7} {p.get('limit_s', '-')!s:>8}  "
                      f"{_counts(p.get('counts', {}))}" + (f"  ({p['note']})" if p.get("note") else ""))
+    for row in doc["parts"].get("dsa-bench", {}).get("rows", []):
+        if row.get("ratio_to_dense") is not None:
+            lines.append(f"  dsa {row['config']}: coreattn-triton sparse {row['ms']:.2f} ms = "
+                         f"{row['ratio_to_dense']:.2f}x dense varlen over the same tokens")
     if doc["failures"]:
         lines.append(f"failures ({len(doc['failures'])}; all in the JSON):")
         for f in doc["failures"][:max_failures]:

@@ -120,6 +120,8 @@ def _kernel(row: dict) -> str:
         return "dkdv[dK]" if row["dk"] else "dkdv[dV]"  # the two passes of a split dK/dV
     if row.get("atomic"):
         return row["kernel"] + "[atomic]"  # the sparse backward's atomic dK/dV variant
+    if row.get("range"):
+        return row["kernel"] + "[range]"  # the sparse kernels' range mode: full rows over contiguous keys
     return row["kernel"]
 
 

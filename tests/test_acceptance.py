@@ -108,3 +108,29 @@ def test_bad_options_exit_2_naming_the_option(argv, name, capsys):
     with pytest.raises(SystemExit) as exc:
         acceptance.parse_args(argv)
     assert exc.value.code == 2 and name in capsys.readouterr().err
+
+
+@pytest.mark.skipif(acceptance.torch.cuda.is_available(), reason="the DSA row's CPU shapes run without a GPU")
+def test_dsa_row_runs_both_regimes_and_is_summarized(tmp_path):
+    """bench/dsa_check.py's rows (tiny shapes under the interpreter here): the sparse kernels and dense
+    attention, full and sparse regimes, each timed and the sparse one set against the dense one; the
+    acceptance summary of its results file names the part and prints the ratios."""
+    from bench import dsa_check
+
+    rows = dsa_check.rows_for(acceptance.torch.device("cpu"), 600, say=lambda line: None)
+    assert [(r["regime"], r["provider"], r["status"]) for r in rows] == [
+        (regime, provider, "ok") for regime in ("full", "sparse") for provider in dsa_check.PROVIDERS]
+    sparse_rows = [r for r in rows if r["provider"] == "coreattn-triton"]
+    assert all(r["ratio_to_dense"] > 0 and r["pairs"] > 0 for r in sparse_rows)
+    results = tmp_path / "dsa.json"
+    results.write_text(json.dumps({"meta": {"performance_data": False},
+                                   "results": rows + [dict(rows[0], status="error", reason="boom")]}))
+    part = acceptance.dsa_part(60.0, tmp_path)
+    assert part.name == "dsa-bench" and part.argv[1:3] == ["-m", "bench.dsa_check"]
+    summary = acceptance.bench_summary(part._replace(result=results), {"returncode": 1, "timed_out": False})
+    assert summary["status"] == "fail" and summary["failures"][0]["part"] == "dsa-bench"
+    doc = {"device": "cpu", "driver": None, "torch": "t", "triton": "t", "python": "p", "git_commit": None,
+           "git_dirty": False, "passed": False, "wall_s": 1.0, "budget_s": 2.0, "parts": {"dsa-bench": summary},
+           "failures": summary["failures"], "sanitizer": []}
+    assert "= " in acceptance.format_summary(doc) and "x dense varlen over the same tokens" in \
+        acceptance.format_summary(doc)

@@ -225,3 +225,125 @@ def test_token_stride_past_int32_range():
     (grad_d,) = torch.autograd.grad(out_d, dense, g)
     assert torch.equal(out_w, out_d)
     torch.testing.assert_close(grad_w, grad_d, rtol=0, atol=0)
+
+
+# --- DeepSeek Sparse Attention compiled: the sparse kernels' range mode (full rows as dense attention over
+# --- contiguous keys) and slot mode (each sparse row to its count), and the indexer's kernels
+
+def _dsa_batch(lens, topk: int, heads: int = 16, seed: int = 0):
+    """Absorbed MLA 576/512 in bf16 on CUDA, packed ``lens``: token i of a sequence names min(K, i + 1)
+    keys spread over its causal range (bench/sparse.py's rule, offsets into the packed k), so each
+    sequence's first K tokens are full rows and the rest sparse. Returns (q, k, indices [T, K], cu)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    total = sum(lens)
+    q = torch.randn(total, heads, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    k = torch.randn(total, 1, 576, device="cuda", generator=gen).to(torch.bfloat16)
+    starts = torch.tensor([0, *lens[:-1]]).cumsum(0).tolist()
+    pos = torch.cat([torch.arange(n) for n in lens])
+    start = torch.cat([torch.full((n,), s) for n, s in zip(lens, starts)])
+    j = torch.arange(topk)[None, :]
+    i = pos[:, None]
+    spread = torch.where(i + 1 >= topk, (j * (i + 1)) // topk, torch.where(j <= i, j, -1))
+    indices = torch.where(spread >= 0, spread + start[:, None], -1).to("cuda")
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    return q, k, indices, cu
+
+
+def _dsa_reference(q, k, indices, scale, dout, upcast: bool):
+    """(out, dq, dk) of the dense masked softmax over each token's named keys: float64, or the naive
+    computation in the inputs' dtype (fp32 scores from bf16 values, P and the results rounded to
+    bf16). Absorbed: V = k[..., :512]."""
+    work = torch.float64 if upcast else torch.float32
+    qq, kk = (x.detach().to(torch.float64 if upcast else x.dtype).requires_grad_() for x in (q, k))
+    total = q.shape[0]
+    mask = torch.zeros(total, total + 1, dtype=torch.bool, device=q.device)
+    mask.scatter_(1, torch.where(indices >= 0, indices, total), True)
+    s = torch.einsum("thd,jd->htj", qq.to(work), kk[:, 0].to(work)) * scale
+    p = torch.softmax(s.masked_fill(~mask[:, :total], float("-inf")), -1)
+    if not upcast:
+        p = p.to(q.dtype).to(work)
+    out = torch.einsum("htj,jd->thd", p, kk[:, 0, :512].to(work)).to(qq.dtype)
+    return (out, *torch.autograd.grad(out, (qq, kk), dout.to(qq.dtype)))
+
+
+def test_sparse_full_and_mixed_rows_compiled_match_float64_without_syncs():
+    """Sequences shorter and longer than top-k in one packed batch (full rows, then sparse ones, an
+    empty sequence): out, dq and dk within the flash criterion of a float64 dense reference; a second
+    call under torch.cuda.set_sync_debug_mode("error") is bitwise equal (no host sync, deterministic)."""
+    from attn_cases import assert_flash_criterion
+
+    q, k, indices, cu = _dsa_batch((700, 0, 129, 300), topk=256)
+    scale = 192 ** -0.5
+    dout = torch.randn(q.shape[0], q.shape[1], 512, device="cuda", generator=torch.Generator(device="cuda")
+                       .manual_seed(1)).to(torch.bfloat16)
+
+    def run():
+        qq, kk = q.detach().requires_grad_(), k.detach().requires_grad_()
+        out = coreattn.sparse_varlen_attn(qq, kk, None, indices, cu, cu, softmax_scale=scale, v_head_dim=512,
+                                          backend="triton")
+        return (out, *torch.autograd.grad(out, (qq, kk), dout))
+
+    first = run()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref = _dsa_reference(q, k, indices, scale, dout, upcast=True)
+    naive = _dsa_reference(q, k, indices, scale, dout, upcast=False)
+    for name, got, again, r, n in zip(("out", "dq", "dk"), first, second, ref, naive):
+        assert torch.equal(got, again), f"{name}: two runs differ"
+        assert_flash_criterion(name, got.float(), n.float(), r)
+
+
+def test_sparse_new_batches_do_not_recompile():
+    """Other lengths, top-k and mixes of full and sparse rows reuse the compiled sparse kernels (both
+    modes), their preprocess and reduce kernels."""
+    from coreattn.kernels.attn_bwd import _attn_bwd_preprocess_kernel
+    from coreattn.kernels.sparse_bwd import _sparse_attn_dkv_kernel, _sparse_attn_dq_kernel, _sparse_attn_reduce_kernel
+    from coreattn.kernels.sparse_fwd import _sparse_attn_fwd_kernel
+
+    kernels = (_sparse_attn_fwd_kernel, _sparse_attn_dq_kernel, _sparse_attn_dkv_kernel, _sparse_attn_reduce_kernel,
+               _attn_bwd_preprocess_kernel)
+
+    def step(lens, topk, seed):
+        q, k, indices, cu = _dsa_batch(lens, topk, heads=16, seed=seed)
+        q.requires_grad_()
+        out = coreattn.sparse_varlen_attn(q, k, None, indices, cu, cu, v_head_dim=512, backend="triton")
+        out.backward(torch.ones_like(out))
+
+    step((100, 37, 300), 64, 0)
+    before = [_compiled_count(kernel) for kernel in kernels]
+    for i, (lens, topk) in enumerate([((5,), 64), ((1000, 3, 0, 77), 128), ((1,), 1), ((513, 64), 2048)]):
+        step(lens, topk, i + 1)
+    assert [_compiled_count(kernel) for kernel in kernels] == before
+
+
+def test_indexer_kernels_compiled_match_the_oracle():
+    """The DSA indexer's Triton kernels on CUDA: the fused scores + top-k on integer-valued inputs (every
+    score exact, ties broken to the lower key as the oracle does), thd with an empty and a short sequence
+    and sbhd, and the Hadamard rotation against its definition."""
+    import indexer_oracle as oracle
+    from coreattn.layers.dsa import indexer as ix
+
+    gen = torch.Generator().manual_seed(0)
+    cu = [0, 7, 7, 10, 260, 300]
+    for layout, batch, seqlen in (("thd", 1, cu[-1]), ("sbhd", 2, 150)):
+        q = torch.randint(-2, 3, (batch, seqlen, 8, 64), generator=gen).float()
+        k = torch.randint(-2, 3, (batch, seqlen, 64), generator=gen).float()
+        w = torch.tensor([0.5, -1.0, 2.0, 0.25] * 2).repeat(batch, seqlen, 1)
+        lo, hi = oracle.causal_bounds(batch, seqlen, cu if layout == "thd" else None, True)
+        expected = oracle.topk_ref(oracle.index_scores(q, k, w, True), lo, hi, 32)
+        kw = dict(cu_seqlens=torch.tensor(cu, dtype=torch.int32, device="cuda")) if layout == "thd" else {}
+        sides = [x.to("cuda") for x in (q, k, w)]
+        sides = [x[0] for x in sides] if layout == "thd" else [x.transpose(0, 1).contiguous() for x in sides]
+        got = ix.indexer_topk(*sides, 32, layout=layout, relu=True, causal=True, backend="triton", **kw)
+        got = got.indices[None] if layout == "thd" else got.indices.transpose(0, 1)
+        assert torch.equal(got.cpu(), expected), layout
+    x = torch.randn(300, 128, generator=gen, dtype=torch.float64)
+    size = 128
+    h = torch.tensor([[(-1) ** bin(i & j).count("1") for j in range(size)] for i in range(size)], dtype=torch.float64)
+    ref = x @ h * size ** -0.5
+    got = ix.hadamard_transform(x.float().to("cuda"), size ** -0.5, backend="triton")
+    assert (got.double().cpu() - ref).abs().max() <= 1e-5 * ref.abs().max()

@@ -1,29 +1,37 @@
 """Top-k sparse attention backward: kernels and launcher (the forward: kernels/sparse_fwd.py).
 
-Deterministic by default (no float atomics; two runs are bitwise equal):
+Deterministic by default (no float atomics; two runs are bitwise equal). The rows take the
+forward's two modes (kernels/sparse_fwd.py; kernels/sparse_index.py ``row_classes``):
 
 1. delta = rowsum(dO * O) per (token, q head), fp32: the dense backward's preprocess kernel
    (kernels/attn_bwd.py), which reads any of the three layouts;
-2. ``_sparse_attn_dq_kernel``, a program per (query token, kv head, block of BLOCK_H q heads) as
-   in the forward: it recomputes P from the saved lse over the token's slot blocks, dP = dO V^T,
-   dS = P (dP - delta), dQ += dS K, and stores dQ once;
-3. ``_sparse_attn_dkv_kernel``, a program per (query token, kv head, block of BLOCK_N slots): it
+2. ``_sparse_attn_dq_kernel``, per mode as the forward's programs: it recomputes P from the saved
+   lse over the row's slot blocks (slot mode) or its contiguous keys (range mode, BLOCK_T tokens x
+   BLOCK_H heads per tile), dP = dO V^T, dS = P (dP - delta), dQ += dS K, and stores dQ once;
+3. ``_sparse_attn_dkv_kernel`` in range mode, a program per (block of BLOCK_N keys of a sample, kv
+   head): dense attention's dK/dV. It loads its keys (and values) once and steps over the token
+   blocks whose full rows may see them (``range_visits``) and the group's head blocks: S^T, P^T,
+   dP^T, dS^T, dK += scale * dS^T q and dV += P^T dO (absorbed MLA where the key block is V: into the
+   same accumulator's first columns), each (key, row) pair masked by the row's range; then it stores
+   its rows into an fp32 accumulator ``[key rows, Hkv, row]``, one writer per row, every key row of
+   the batch (0 where no full row sees it): no scatter, no partial buffer;
+4. ``_sparse_attn_dkv_kernel`` in slot mode, a program per (query token, kv head, block of BLOCK_N
+   of the row's valid slots; a block past them, and every block of a full row, does nothing): it
    gathers the slots' keys (and values) once and steps over the group's q heads in blocks of
-   BLOCK_H: S^T, P^T, dP^T, dS^T; partial[n, g, slot] = scale * dS^T q (dK) and P^T dO (dV: in
-   absorbed MLA where the key block is V, added into the same accumulator's first columns; else
-   Dv more columns), fp32, one write per valid (token, slot);
-4. ``_sparse_attn_reduce_kernel``, a program per (key row, kv head, column block): it adds its
-   key's partial rows into an fp32 dK/dV accumulator one at a time, in the order of the CSR by
-   key (kernels/sparse_index.py ``transpose_topk``: (token, slot) order), so the sums do not
-   depend on timing; one writer per accumulator row per launch.
-(3) and (4) run per chunk of query tokens whose partial buffer fits ``PARTIAL_BUDGET_BYTES``
-(env ``COREATTN_SPARSE_BWD_BYTES``); a key's entries are added in (token, slot) order across
-chunks too, so any chunking gives bitwise the same gradients. At the end the accumulator is cast
-into dk (and dv) in k's (v's) dtype and layout; absorbed MLA has no dv: its V gradient is in dk's
-first v_dim columns.
+   BLOCK_H: partial[n, g, slot] = scale * dS^T q (dK) and P^T dO (dV), fp32, one write per valid
+   (token, slot);
+5. ``_sparse_attn_reduce_kernel``, a program per (key row, kv head, column block): it adds its
+   key's partial rows into the accumulator one at a time, in the order of the CSR by key of the
+   slot mode's rows (kernels/sparse_index.py ``transpose_topk``, full rows left out: (token, slot)
+   order), so the sums do not depend on timing; one writer per accumulator row per launch.
+(4) and (5) run per chunk of query tokens whose partial buffer fits ``PARTIAL_BUDGET_BYTES``
+(env ``COREATTN_SPARSE_BWD_BYTES``); a key's entries are added after the range mode's sum, in
+(token, slot) order across chunks too, so any chunking gives bitwise the same gradients. At the end
+the accumulator is cast into dk (and dv) in k's (v's) dtype and layout; absorbed MLA has no dv: its
+V gradient is in dk's first v_dim columns.
 
-``atomic=True`` (an option for the tuner or an explicit opt-in): (3) adds its rows atomically into
-the fp32 accumulator; no partial buffer, no CSR, no (4). Float atomics add in whatever order the
+``atomic=True`` (an option for the tuner or an explicit opt-in): (4) adds its rows atomically into
+the fp32 accumulator after (3); no partial buffer, no CSR, no (5). Float atomics add in whatever order the
 programs run: results vary in the last bits from run to run (not bitwise reproducible).
 
 Saved by the forward for this (the caller keeps them): q, k, v, out, lse, the prepared indices and
@@ -35,10 +43,14 @@ chunk of C query tokens the partial buffer, Hkv x C x K x (its row width, padded
 at most the budget (C is the largest that fits, at least 1: 576/512 with K = 2048 is 4.7 MB per
 token, 227 tokens per chunk in the default 1 GiB), plus the chunk's CSR: about 40 B per (token,
 index head, slot) while torch sorts it (int64 keys, order and temporaries), 4 B kept, and 4 B per
-(index head, key row) of row pointers. The atomic variant needs the accumulator only. Traffic:
-every (token, slot) is gathered twice (dQ and dK/dV kernels), and the deterministic variant
-writes and reads each valid (token, kv head, slot)'s partial row once (2 x 4 x row width bytes:
-4.6 KB at 576/512), which the atomic variant replaces with one fp32 atomic add per element.
+(index head, key row) of row pointers; the row classes (``row_classes``: 8 B per (token, index head)
+of spans, 1 B of class) and the range mode's visits (8 B per (index head, sample, key block)). The
+atomic variant needs the accumulator only. Traffic, slot mode: every (token, slot) is gathered twice
+(dQ and dK/dV kernels), and the deterministic variant writes and reads each valid (token, kv head,
+slot)'s partial row once (2 x 4 x row width bytes: 4.6 KB at 576/512), which the atomic variant
+replaces with one fp32 atomic add per element. Range mode: keys read as contiguous rows, once per
+token block (dQ) and once per key block (dK/dV, which reads each full row's q and dO once per key
+block of BLOCK_N keys); nothing written but dQ and the accumulator.
 """
 
 from __future__ import annotations
@@ -56,10 +68,11 @@ from coreattn.kernels.configs.sparse import sparse_config
 from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.device import on_device
 from coreattn.kernels.packing import seq_strides
-from coreattn.kernels.sparse_fwd import (SPARSE_RUNTIME_INTS, _gather, _head_rows, _program_heads, _slot_rows,
-                                         _store_head_rows, _token, _token_bounds, key_side, lse_strides, new_lse,
-                                         slots_of, sparse_problem, token_grid)
-from coreattn.kernels.sparse_index import transpose_topk
+from coreattn.kernels.sparse_fwd import (SPARSE_RUNTIME_INTS, _block_rows, _key_block, _key_rows, _program_block,
+                                         _program_keys, _q_tiles, _range_keys, _range_rows, _row_offsets, _slot_rows,
+                                         _store_tile, _tile, _token, _token_bounds, key_side, lse_strides, mode_tiles,
+                                         new_lse, slots_of, sparse_problem, token_grid)
+from coreattn.kernels.sparse_index import range_visits, row_classes, transpose_topk
 
 PARTIAL_BUDGET_BYTES = 1 << 30  # the deterministic backward's partial buffer per chunk of query tokens
 ENV_PARTIAL_BUDGET = "COREATTN_SPARSE_BWD_BYTES"
@@ -82,97 +95,93 @@ def partial_budget() -> int:
 
 
 @triton.jit
-def _head_stats(lse_ptr, delta_ptr, b64, s64, heads, head_ok, stride_lb, stride_lh):
-    """lse (log2 domain; -inf, a token without a visible key, and masked heads as +inf: P = 0) and
-    delta of the heads [H] of token (b, s)."""
-    at = b64 * stride_lb + heads.to(tl.int64) * stride_lh + s64
-    lse = tl.load(lse_ptr + at, mask=head_ok, other=float("inf")) * 1.4426950408889634
+def _row_stats(lse_ptr, delta_ptr, b64, s, heads, ok, stride_lb, stride_lh):
+    """lse (log2 domain; -inf, a token without a visible key, and rows not ``ok`` as +inf: P = 0) and
+    delta of the rows (position s, q head) [M] of sample b."""
+    at = b64 * stride_lb + heads.to(tl.int64) * stride_lh + s
+    lse = tl.load(lse_ptr + at, mask=ok, other=float("inf")) * 1.4426950408889634
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
-    delta = tl.load(delta_ptr + at, mask=head_ok, other=0.0)
+    delta = tl.load(delta_ptr + at, mask=ok, other=0.0)
     return lse, delta
 
 
 @triton.jit
-def _sparse_dq_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, topk_ptr, lo_ptr, hi_ptr,
-                       seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, idx_heads, sm_scale,
-                       sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                       stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt,
-                       stride_dqh, stride_lb, stride_lh,
+def _sparse_dq_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, topk_ptr, span_ptr, full_ptr,
+                       lo_ptr, hi_ptr, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, n_tblocks,
+                       idx_heads, sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt,
+                       stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_dqb,
+                       stride_dqt, stride_dqh, stride_lb, stride_lh,
                        HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
-                       BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    n, g, heads, head_ok = _program_heads(task, n_hblocks, heads_kv, group, BLOCK_H)
-    b, s = _token(n, seqlen_q)
-    b64, s64, g64 = b.to(tl.int64), s.to(tl.int64), g.to(tl.int64)
-    lo, hi = _token_bounds(lo_ptr, hi_ptr, n, seqlen_k)
-    idx_row = topk_ptr + (n.to(tl.int64) * idx_heads + tl.minimum(g, idx_heads - 1)) * n_slots
-    q_base = q_ptr + b64 * stride_qb + s64 * stride_qt
-    q = _head_rows(q_base, heads, head_ok, stride_qh, HEAD_DIM_QK, 0, BLOCK_DQK)  # [H, DQK]
-    q2 = q
-    if BLOCK_DQK2 > 0:
-        q2 = _head_rows(q_base, heads, head_ok, stride_qh, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
-    do = _head_rows(do_ptr + b64 * stride_dob + s64 * stride_dot, heads, head_ok, stride_doh, HEAD_DIM_V, 0,
-                    BLOCK_DV)  # [H, DV]
-    lse, delta = _head_stats(lse_ptr, delta_ptr, b64, s64, heads, head_ok, stride_lb, stride_lh)
+                       BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr, RANGE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    b, tb, g, hb = _program_block(task, n_hblocks, heads_kv, n_tblocks)
+    n, s, heads, row_ok = _block_rows(b, tb, hb, g, group, seqlen_q, BLOCK_T, BLOCK_H)
+    ih = tl.minimum(g, idx_heads - 1)
+    b64, g64 = b.to(tl.int64), g.to(tl.int64)
+    q, q2 = _q_tiles(q_ptr + b64 * stride_qb, _row_offsets(s, heads, stride_qt, stride_qh), row_ok, HEAD_DIM_QK,
+                     BLOCK_DQK, BLOCK_DQK2)  # [M, DQK], [M, DQK2]
+    do = _tile(do_ptr + b64 * stride_dob, _row_offsets(s, heads, stride_dot, stride_doh), row_ok, HEAD_DIM_V, 0,
+               BLOCK_DV)  # [M, DV]
+    own, start, stop, lo, hi, idx_row = _program_keys(topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr, b64, tb, n, ih,
+                                                      idx_heads, heads, row_ok, seqlen_q, seqlen_k, n_slots, RANGE)
+    lse, delta = _row_stats(lse_ptr, delta_ptr, b64, s, heads, own, stride_lb, stride_lh)
     k_base = k_ptr + b64 * stride_kb + g64 * stride_kh
     v_base = v_ptr + b64 * stride_vb + g64 * stride_vh
     offs_n = tl.arange(0, BLOCK_N)
-    dq = tl.zeros([BLOCK_H, BLOCK_DQK], tl.float32)
+    dq = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_DQK], tl.float32)
     dq2 = dq  # a second block only where the q/k dim is split (a 0-wide tl.zeros is no tensor)
     if BLOCK_DQK2 > 0:
-        dq2 = tl.zeros([BLOCK_H, BLOCK_DQK2], tl.float32)
-    for s0 in range(0, n_slots, BLOCK_N):
-        valid, row = _slot_rows(idx_row, s0, offs_n, n_slots, lo, hi, k_last)
-        kb = _gather(k_base, row, valid, stride_kt, HEAD_DIM_QK, 0, BLOCK_DQK)  # [N, DQK]
-        scores = tl.dot(q, tl.trans(kb), input_precision=DOT_PRECISION)  # [H, N]
-        kb2 = kb
+        dq2 = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_DQK2], tl.float32)
+    for it in range(start, stop, BLOCK_N):
+        load_ok, row, seen = _key_block(it, offs_n, stop, k_last, own, lo, hi, idx_row, n_slots, RANGE)
+        kb, kb2, vb = _key_rows(k_base, v_base, row, load_ok, stride_kt, stride_vt, HEAD_DIM_QK, HEAD_DIM_V,
+                                BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, V_IS_K)  # [N, DQK], [N, DQK2], [N, DV]
+        scores = tl.dot(q, tl.trans(kb), input_precision=DOT_PRECISION)  # [M, N]
         if BLOCK_DQK2 > 0:
-            kb2 = _gather(k_base, row, valid, stride_kt, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
             scores = tl.dot(q2, tl.trans(kb2), scores, input_precision=DOT_PRECISION)
-        if V_IS_K:
-            vb = kb
-        else:
-            vb = _gather(v_base, row, valid, stride_vt, HEAD_DIM_V, 0, BLOCK_DV)  # [N, DV]
         p = tl.math.exp2(scores * sm_scale_log2 - lse[:, None])
-        p = tl.where(valid[None, :], p, 0.0)
-        dp = tl.dot(do, tl.trans(vb), input_precision=DOT_PRECISION)  # [H, N]
+        p = tl.where(seen, p, 0.0)
+        dp = tl.dot(do, tl.trans(vb), input_precision=DOT_PRECISION)  # [M, N]
         ds = (p * (dp - delta[:, None])).to(kb.dtype)
         dq = tl.dot(ds, kb, dq, input_precision=DOT_PRECISION)
         if BLOCK_DQK2 > 0:
             dq2 = tl.dot(ds, kb2, dq2, input_precision=DOT_PRECISION)
-    dq_base = dq_ptr + b64 * stride_dqb + s64 * stride_dqt
-    _store_head_rows(dq_base, heads, head_ok, stride_dqh, dq * sm_scale, HEAD_DIM_QK, 0, BLOCK_DQK)
+    dq_base = dq_ptr + b64 * stride_dqb
+    dq_offs = _row_offsets(s, heads, stride_dqt, stride_dqh)
+    _store_tile(dq_base, dq_offs, own, dq * sm_scale, HEAD_DIM_QK, 0, BLOCK_DQK)
     if BLOCK_DQK2 > 0:
-        _store_head_rows(dq_base, heads, head_ok, stride_dqh, dq2 * sm_scale, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
+        _store_tile(dq_base, dq_offs, own, dq2 * sm_scale, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
 
 
 @triton.jit(do_not_specialize=SPARSE_RUNTIME_INTS)
 def _sparse_attn_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, topk_ptr, lo_ptr, hi_ptr,
-    n_tasks, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, idx_heads, sm_scale, sm_scale_log2,
-    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr,
+    n_tasks, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, n_tblocks, idx_heads, sm_scale,
+    sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh, stride_lb, stride_lh,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    V_IS_K: tl.constexpr, RANGE: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
-    # tasks as the forward's: n_tokens x heads_kv x n_hblocks; PERSISTENT: over a core-count grid
+    # tasks as the forward's: batch x n_tblocks x heads_kv x n_hblocks; PERSISTENT: over a core-count grid
     if PERSISTENT:
         for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
             t = tl.minimum(task, n_tasks - 1)
-            _sparse_dq_program(t, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, topk_ptr, lo_ptr, hi_ptr,
-                               seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, idx_heads, sm_scale,
-                               sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                               stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_dqb,
-                               stride_dqt, stride_dqh, stride_lb, stride_lh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
-                               BLOCK_DQK2, BLOCK_DV, BLOCK_H, BLOCK_N, V_IS_K, DOT_PRECISION)
+            _sparse_dq_program(t, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, topk_ptr, span_ptr,
+                               full_ptr, lo_ptr, hi_ptr, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group,
+                               n_hblocks, n_tblocks, idx_heads, sm_scale, sm_scale_log2, stride_qb, stride_qt,
+                               stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                               stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh, stride_lb,
+                               stride_lh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_T, BLOCK_H,
+                               BLOCK_N, V_IS_K, RANGE, DOT_PRECISION)
     else:
         _sparse_dq_program(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, topk_ptr,
-                           lo_ptr, hi_ptr, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, idx_heads,
-                           sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                           stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_dqb,
-                           stride_dqt, stride_dqh, stride_lb, stride_lh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
-                           BLOCK_DQK2, BLOCK_DV, BLOCK_H, BLOCK_N, V_IS_K, DOT_PRECISION)
+                           span_ptr, full_ptr, lo_ptr, hi_ptr, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group,
+                           n_hblocks, n_tblocks, idx_heads, sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh,
+                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot,
+                           stride_doh, stride_dqb, stride_dqt, stride_dqh, stride_lb, stride_lh, HEAD_DIM_QK,
+                           HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_T, BLOCK_H, BLOCK_N, V_IS_K, RANGE,
+                           DOT_PRECISION)
 
 
 @triton.jit
@@ -194,19 +203,55 @@ def _put_cols(base, rows_off, row_ok, x, WIDTH: tl.constexpr, COL0: tl.constexpr
 
 
 @triton.jit
-def _sparse_dkv_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, topk_ptr, lo_ptr, hi_ptr,
-                        token0, chunk, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_sblocks, idx_heads,
-                        sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                        stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
-                        stride_row,
+def _put_dkv(out_ptr, rows_off, row_ok, dk, dk2, dv, HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+             BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr,
+             ATOMIC: tl.constexpr):
+    """The fp32 dK (and dV, in the columns after dK's) rows [N] at ``out_ptr + rows_off``."""
+    _put_cols(out_ptr, rows_off, row_ok, dk, HEAD_DIM_QK, 0, BLOCK_DQK, ATOMIC)
+    if BLOCK_DQK2 > 0:
+        _put_cols(out_ptr, rows_off, row_ok, dk2, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, ATOMIC)
+    if not V_IS_K:
+        _put_cols(out_ptr + HEAD_DIM_QK, rows_off, row_ok, dv, HEAD_DIM_V, 0, BLOCK_DV, ATOMIC)
+
+
+@triton.jit
+def _dkv_step(kb, kb2, vb, q, q2, do, seen, lse, delta, dk, dk2, dv, sm_scale, sm_scale_log2,
+              BLOCK_DQK2: tl.constexpr, V_IS_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """dK (dV) of keys kb [N, DQK] (kb2, vb [N, DV]) += what rows q [M, DQK] (q2, do [M, DV], lse and
+    delta [M]) give through the (key, row) pairs ``seen`` [N, M]: S^T, P^T, dP^T, dS^T, then dK += dS^T q
+    and dV += P^T dO (absorbed MLA with V_IS_K: into dK's first block)."""
+    scores = tl.dot(kb, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
+    if BLOCK_DQK2 > 0:
+        scores = tl.dot(kb2, tl.trans(q2), scores, input_precision=DOT_PRECISION)
+    p = tl.math.exp2(scores * sm_scale_log2 - lse[None, :])
+    p = tl.where(seen, p, 0.0)
+    dp = tl.dot(vb, tl.trans(do), input_precision=DOT_PRECISION)  # [N, M]
+    ds = (p * (dp - delta[None, :]) * sm_scale).to(kb.dtype)
+    dk = tl.dot(ds, q, dk, input_precision=DOT_PRECISION)
+    if BLOCK_DQK2 > 0:
+        dk2 = tl.dot(ds, q2, dk2, input_precision=DOT_PRECISION)
+    if V_IS_K:  # absorbed MLA: dV joins dK's first block
+        dk = tl.dot(p.to(do.dtype), do, dk, input_precision=DOT_PRECISION)
+    else:
+        dv = tl.dot(p.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    return dk, dk2, dv
+
+
+@triton.jit
+def _sparse_dkv_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, topk_ptr, span_ptr, lo_ptr,
+                        hi_ptr, token0, chunk, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_sblocks,
+                        idx_heads, sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt,
+                        stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb,
+                        stride_lh, stride_row,
                         HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                         BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr, ATOMIC: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
-    """Slot block ``task % n_sblocks`` of kv head g of token ``token0 + n_local``. Writes the
-    slots' fp32 dK (and dV) rows: into the partial buffer ``[Hkv, chunk, K, stride_row]`` at
-    (g, n_local, slot), or (ATOMIC) added into the accumulator ``[key rows, Hkv, stride_row]`` at
-    (the slot's key row, g)."""
+    """Slot mode: slot block ``task % n_sblocks`` of the valid span of kv head g's row of token
+    ``token0 + n_local``. Writes the slots' fp32 dK (and dV) rows: into the partial buffer
+    ``[Hkv, chunk, K, stride_row]`` at (g, n_local, slot), or (ATOMIC) added into the accumulator
+    ``[key rows, Hkv, stride_row]`` at (the slot's key row, g). A block past the span (a full row's
+    span is empty) does nothing."""
     sb = task % n_sblocks
     rest = task // n_sblocks
     g = rest % heads_kv
@@ -214,89 +259,150 @@ def _sparse_dkv_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, o
     n = token0 + n_local
     b, s = _token(n, seqlen_q)
     b64, s64, g64 = b.to(tl.int64), s.to(tl.int64), g.to(tl.int64)
-    lo, hi = _token_bounds(lo_ptr, hi_ptr, n, seqlen_k)
-    idx_row = topk_ptr + (n.to(tl.int64) * idx_heads + tl.minimum(g, idx_heads - 1)) * n_slots
+    at = n.to(tl.int64) * idx_heads + tl.minimum(g, idx_heads - 1)
+    s_first = tl.load(span_ptr + 2 * at) + sb * BLOCK_N
+    if s_first < tl.load(span_ptr + 2 * at + 1):
+        lo, hi = _token_bounds(lo_ptr, hi_ptr, n, seqlen_k)
+        offs_n = tl.arange(0, BLOCK_N)
+        valid, row = _slot_rows(topk_ptr + at * n_slots, s_first, offs_n, n_slots, lo, hi, k_last)
+        kb, kb2, vb = _key_rows(k_ptr + b64 * stride_kb + g64 * stride_kh, v_ptr + b64 * stride_vb + g64 * stride_vh,
+                                row, valid, stride_kt, stride_vt, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
+                                BLOCK_DV, V_IS_K)  # [N, DQK], [N, DQK2], [N, DV]
+        q_base = q_ptr + b64 * stride_qb + s64 * stride_qt
+        do_base = do_ptr + b64 * stride_dob + s64 * stride_dot
+        dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
+        dk2 = dk
+        if BLOCK_DQK2 > 0:
+            dk2 = tl.zeros([BLOCK_N, BLOCK_DQK2], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+        for h0 in range(0, group, BLOCK_H):  # group >= 1
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            head_ok = offs_h < group
+            heads = g * group + tl.minimum(offs_h, group - 1)
+            q, q2 = _q_tiles(q_base, heads.to(tl.int64) * stride_qh, head_ok, HEAD_DIM_QK, BLOCK_DQK,
+                             BLOCK_DQK2)  # [H, DQK], [H, DQK2]
+            do = _tile(do_base, heads.to(tl.int64) * stride_doh, head_ok, HEAD_DIM_V, 0, BLOCK_DV)  # [H, DV]
+            lse, delta = _row_stats(lse_ptr, delta_ptr, b64, s, heads, head_ok, stride_lb, stride_lh)
+            dk, dk2, dv = _dkv_step(kb, kb2, vb, q, q2, do, valid[:, None], lse, delta, dk, dk2, dv, sm_scale,
+                                    sm_scale_log2, BLOCK_DQK2, V_IS_K, DOT_PRECISION)
+        if ATOMIC:
+            rows_off = ((b64 * seqlen_k + row) * heads_kv + g) * stride_row  # [N] accumulator rows
+        else:
+            slots = tl.minimum(s_first + offs_n, n_slots - 1)
+            rows_off = ((g64 * chunk + n_local) * n_slots + slots) * stride_row  # [N] partial rows
+        _put_dkv(out_ptr, rows_off, valid, dk, dk2, dv, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
+                 V_IS_K, ATOMIC)
+
+
+@triton.jit
+def _range_dkv_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, acc_ptr, full_ptr, lo_ptr, hi_ptr,
+                       visit_ptr, batch, seqlen_q, seqlen_k, k_last, heads_kv, group, n_hblocks, n_kblocks, idx_heads,
+                       sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                       stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
+                       stride_row,
+                       HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                       BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """Range mode: keys [kb * BLOCK_N, ...) of sample b, kv head g (task: kv heads fastest). Their
+    dK (dV) from the full rows that see them, as dense attention's dK/dV: the keys loaded once, the
+    rows of the token blocks ``visit[g's index head, b, kb]`` (kernels/sparse_index.py
+    ``range_visits``) in steps of BLOCK_T tokens x BLOCK_H heads, each (key, row) pair masked by the
+    row's own range; then stored into the accumulator ``[key rows, Hkv, stride_row]``, one writer per
+    row (every key row of the sample, 0 where no full row sees it)."""
+    g = task % heads_kv
+    rest = task // heads_kv
+    kb = rest % n_kblocks
+    b = rest // n_kblocks
+    ih = tl.minimum(g, idx_heads - 1)
+    b64, g64 = b.to(tl.int64), g.to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
-    valid, row = _slot_rows(idx_row, sb * BLOCK_N, offs_n, n_slots, lo, hi, k_last)
-    k_base = k_ptr + b64 * stride_kb + g64 * stride_kh
-    kb = _gather(k_base, row, valid, stride_kt, HEAD_DIM_QK, 0, BLOCK_DQK)  # [N, DQK]
-    kb2 = kb
-    if BLOCK_DQK2 > 0:
-        kb2 = _gather(k_base, row, valid, stride_kt, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)  # [N, DQK2]
-    if V_IS_K:
-        vb = kb
-    else:
-        vb = _gather(v_ptr + b64 * stride_vb + g64 * stride_vh, row, valid, stride_vt, HEAD_DIM_V, 0, BLOCK_DV)
-    q_base = q_ptr + b64 * stride_qb + s64 * stride_qt
-    do_base = do_ptr + b64 * stride_dob + s64 * stride_dot
+    keys, key_ok, row = _range_keys(kb * BLOCK_N, offs_n, seqlen_k, k_last)
+    kt, kt2, vt = _key_rows(k_ptr + b64 * stride_kb + g64 * stride_kh, v_ptr + b64 * stride_vb + g64 * stride_vh, row,
+                            key_ok, stride_kt, stride_vt, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
+                            V_IS_K)  # [N, DQK], [N, DQK2], [N, DV]
+    visit = visit_ptr + ((ih.to(tl.int64) * batch + b) * n_kblocks + kb) * 2
+    tb_first = tl.load(visit)
+    tb_end = tl.load(visit + 1)
+    q_base = q_ptr + b64 * stride_qb
+    do_base = do_ptr + b64 * stride_dob
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
     dk2 = dk
     if BLOCK_DQK2 > 0:
         dk2 = tl.zeros([BLOCK_N, BLOCK_DQK2], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    for h0 in range(0, group, BLOCK_H):  # group >= 1
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        head_ok = offs_h < group
-        heads = g * group + tl.minimum(offs_h, group - 1)
-        q = _head_rows(q_base, heads, head_ok, stride_qh, HEAD_DIM_QK, 0, BLOCK_DQK)  # [H, DQK]
-        do = _head_rows(do_base, heads, head_ok, stride_doh, HEAD_DIM_V, 0, BLOCK_DV)  # [H, DV]
-        lse, delta = _head_stats(lse_ptr, delta_ptr, b64, s64, heads, head_ok, stride_lb, stride_lh)
-        scores = tl.dot(kb, tl.trans(q), input_precision=DOT_PRECISION)  # [N, H]
-        q2 = q
-        if BLOCK_DQK2 > 0:
-            q2 = _head_rows(q_base, heads, head_ok, stride_qh, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
-            scores = tl.dot(kb2, tl.trans(q2), scores, input_precision=DOT_PRECISION)
-        p = tl.math.exp2(scores * sm_scale_log2 - lse[None, :])
-        p = tl.where(valid[:, None], p, 0.0)
-        dp = tl.dot(vb, tl.trans(do), input_precision=DOT_PRECISION)  # [N, H]
-        ds = (p * (dp - delta[None, :]) * sm_scale).to(kb.dtype)
-        dk = tl.dot(ds, q, dk, input_precision=DOT_PRECISION)
-        if BLOCK_DQK2 > 0:
-            dk2 = tl.dot(ds, q2, dk2, input_precision=DOT_PRECISION)
-        if V_IS_K:  # absorbed MLA: dV joins dK's first block
-            dk = tl.dot(p.to(do.dtype), do, dk, input_precision=DOT_PRECISION)
-        else:
-            dv = tl.dot(p.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-    if ATOMIC:
-        rows_off = ((b64 * seqlen_k + row) * heads_kv + g) * stride_row  # [N] accumulator rows
+    for hb in range(0, n_hblocks):
+        for tb in range(tb_first, tb_end):
+            n, s, heads, row_ok = _block_rows(b, tb, hb, g, group, seqlen_q, BLOCK_T, BLOCK_H)
+            lo, hi, own = _range_rows(lo_ptr, hi_ptr, full_ptr, n, ih, idx_heads, seqlen_k, row_ok)
+            q, q2 = _q_tiles(q_base, _row_offsets(s, heads, stride_qt, stride_qh), row_ok, HEAD_DIM_QK, BLOCK_DQK,
+                             BLOCK_DQK2)  # [M, DQK], [M, DQK2]
+            do = _tile(do_base, _row_offsets(s, heads, stride_dot, stride_doh), row_ok, HEAD_DIM_V, 0,
+                       BLOCK_DV)  # [M, DV]
+            lse, delta = _row_stats(lse_ptr, delta_ptr, b64, s, heads, own, stride_lb, stride_lh)
+            seen = own[None, :] & (keys[:, None] >= lo[None, :]) & (keys[:, None] < hi[None, :])  # [N, M]
+            dk, dk2, dv = _dkv_step(kt, kt2, vt, q, q2, do, seen, lse, delta, dk, dk2, dv, sm_scale, sm_scale_log2,
+                                    BLOCK_DQK2, V_IS_K, DOT_PRECISION)
+    rows_off = ((b64 * seqlen_k + row) * heads_kv + g) * stride_row  # [N] accumulator rows
+    _put_dkv(acc_ptr, rows_off, key_ok, dk, dk2, dv, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
+             V_IS_K, False)
+
+
+@triton.jit
+def _dkv_task(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, topk_ptr, span_ptr, full_ptr, lo_ptr,
+              hi_ptr, visit_ptr, token0, chunk, batch, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group,
+              n_sblocks, n_hblocks, n_kblocks, idx_heads, sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh,
+              stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
+              stride_lb, stride_lh, stride_row,
+              HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
+              BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+              V_IS_K: tl.constexpr, ATOMIC: tl.constexpr, RANGE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    if RANGE:
+        _range_dkv_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, full_ptr, lo_ptr, hi_ptr,
+                           visit_ptr, batch, seqlen_q, seqlen_k, k_last, heads_kv, group, n_hblocks, n_kblocks,
+                           idx_heads, sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt,
+                           stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb,
+                           stride_lh, stride_row, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_T,
+                           BLOCK_H, BLOCK_N, V_IS_K, DOT_PRECISION)
     else:
-        slots = tl.minimum(sb * BLOCK_N + offs_n, n_slots - 1)
-        rows_off = ((g64 * chunk + n_local) * n_slots + slots) * stride_row  # [N] partial rows
-    _put_cols(out_ptr, rows_off, valid, dk, HEAD_DIM_QK, 0, BLOCK_DQK, ATOMIC)
-    if BLOCK_DQK2 > 0:
-        _put_cols(out_ptr, rows_off, valid, dk2, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2, ATOMIC)
-    if not V_IS_K:
-        _put_cols(out_ptr + HEAD_DIM_QK, rows_off, valid, dv, HEAD_DIM_V, 0, BLOCK_DV, ATOMIC)
+        _sparse_dkv_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, topk_ptr, span_ptr,
+                            lo_ptr, hi_ptr, token0, chunk, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group,
+                            n_sblocks, idx_heads, sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh,
+                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot,
+                            stride_doh, stride_lb, stride_lh, stride_row, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
+                            BLOCK_DQK2, BLOCK_DV, BLOCK_H, BLOCK_N, V_IS_K, ATOMIC, DOT_PRECISION)
 
 
-@triton.jit(do_not_specialize=SPARSE_RUNTIME_INTS + ("token0", "chunk"))
+@triton.jit(do_not_specialize=SPARSE_RUNTIME_INTS + ("token0", "chunk", "batch", "n_sblocks", "n_kblocks"))
 def _sparse_attn_dkv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, topk_ptr, lo_ptr, hi_ptr,
-    n_tasks, token0, chunk, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_sblocks, idx_heads, sm_scale,
-    sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_row,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr, visit_ptr,
+    n_tasks, token0, chunk, batch, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_sblocks, n_hblocks,
+    n_kblocks, idx_heads, sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_row,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr,
-    ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    V_IS_K: tl.constexpr, ATOMIC: tl.constexpr, RANGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
-    # tasks: the chunk's tokens x heads_kv x n_sblocks slot blocks (slot blocks fastest); PERSISTENT:
-    # over a core-count grid
+    # tasks: slot mode, the chunk's tokens x heads_kv x n_sblocks slot blocks (slot blocks fastest); range
+    # mode, batch x n_kblocks key blocks x heads_kv. PERSISTENT: over a core-count grid
     if PERSISTENT:
         for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
             t = tl.minimum(task, n_tasks - 1)
-            _sparse_dkv_program(t, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, topk_ptr, lo_ptr,
-                                hi_ptr, token0, chunk, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group,
-                                n_sblocks, idx_heads, sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh,
-                                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob,
-                                stride_dot, stride_doh, stride_lb, stride_lh, stride_row, HEAD_DIM_QK, HEAD_DIM_V,
-                                BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_H, BLOCK_N, V_IS_K, ATOMIC, DOT_PRECISION)
+            _dkv_task(t, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, topk_ptr, span_ptr, full_ptr,
+                      lo_ptr, hi_ptr, visit_ptr, token0, chunk, batch, seqlen_q, seqlen_k, k_last, n_slots, heads_kv,
+                      group, n_sblocks, n_hblocks, n_kblocks, idx_heads, sm_scale, sm_scale_log2, stride_qb,
+                      stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                      stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_row, HEAD_DIM_QK, HEAD_DIM_V,
+                      BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_T, BLOCK_H, BLOCK_N, V_IS_K, ATOMIC, RANGE,
+                      DOT_PRECISION)
     else:
-        _sparse_dkv_program(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, topk_ptr,
-                            lo_ptr, hi_ptr, token0, chunk, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group,
-                            n_sblocks, idx_heads, sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh,
-                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob,
-                            stride_dot, stride_doh, stride_lb, stride_lh, stride_row, HEAD_DIM_QK, HEAD_DIM_V,
-                            BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_H, BLOCK_N, V_IS_K, ATOMIC, DOT_PRECISION)
+        _dkv_task(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, out_ptr, topk_ptr, span_ptr,
+                  full_ptr, lo_ptr, hi_ptr, visit_ptr, token0, chunk, batch, seqlen_q, seqlen_k, k_last, n_slots,
+                  heads_kv, group, n_sblocks, n_hblocks, n_kblocks, idx_heads, sm_scale, sm_scale_log2, stride_qb,
+                  stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob,
+                  stride_dot, stride_doh, stride_lb, stride_lh, stride_row, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
+                  BLOCK_DQK2, BLOCK_DV, BLOCK_T, BLOCK_H, BLOCK_N, V_IS_K, ATOMIC, RANGE, DOT_PRECISION)
 
 
 @triton.jit
@@ -387,11 +493,12 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     target = target_of(q.device)
     block_dqk, block_dqk2, block_dv = prob.blocks
     widths = (block_dqk + block_dqk2, block_dv, q.element_size(), prob.group)
-    cfg_dq, cfg_dkv, cfg_reduce, cfg_pre = (sparse_config(target, kernel, *widths)
-                                            for kernel in ("dq", "dkv", "reduce", "pre"))
+    cfg_dq, cfg_rdq, cfg_dkv, cfg_rdkv, cfg_reduce, cfg_pre = (
+        sparse_config(target, kernel, *widths) for kernel in ("dq", "range_dq", "dkv", "range_dkv", "reduce", "pre"))
     k, v = key_side(k, v, prob)
     topk = slots_of(topk)
     n_slots, idx_heads = topk.shape[-1], topk.shape[1]
+    classes = row_classes(topk, key_lo, key_hi, prob.seqlen_k)
     scale = dict(sm_scale=softmax_scale, sm_scale_log2=softmax_scale * LOG2E)
     consts = dict(HEAD_DIM_QK=prob.dim_qk, HEAD_DIM_V=prob.dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2,
                   BLOCK_DV=block_dv, V_IS_K=prob.v_is_k, DOT_PRECISION=dot_precision(q.dtype, target))
@@ -410,48 +517,64 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         **cfg_pre.launch(),
     )
     common = dict(seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, k_last=max(prob.seqlen_k, 1) - 1, n_slots=n_slots,
-                  heads_kv=prob.heads_kv, group=prob.group, idx_heads=idx_heads, **scale)
+                  heads_kv=prob.heads_kv, group=prob.group, idx_heads=idx_heads, **scale,
+                  **dict(zip(("stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh",
+                              "stride_vb", "stride_vt", "stride_vh", "stride_dob", "stride_dot", "stride_doh"),
+                             qkv_strides)),
+                  **dict(zip(("stride_lb", "stride_lh"), lse_strides(lse, fmt))), **consts)
 
-    # (2) dQ
-    n_hblocks = triton.cdiv(prob.group, cfg_dq.block_m)
-    grid, persistent, tasks = token_grid(q.device, target, prob.n_tokens, prob.heads_kv * n_hblocks)
-    _sparse_attn_dq_kernel[grid](
-        q, k, v, dout, lse, delta, dq, topk, key_lo, key_hi, tasks, n_hblocks=n_hblocks, **common,
-        **dict(zip(("stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb",
-                    "stride_vt", "stride_vh", "stride_dob", "stride_dot", "stride_doh"), qkv_strides)),
-        **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, fmt))),
-        **dict(zip(("stride_lb", "stride_lh"), lse_strides(lse, fmt))),
-        BLOCK_H=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, PERSISTENT=persistent, **consts, **cfg_dq.launch(),
-    )
+    # (2) dQ: the slot mode's rows, then the range mode's (full rows)
+    for range_mode, cfg in ((False, cfg_dq), (True, cfg_rdq)):
+        tiles = mode_tiles(prob, cfg.block_m, range_mode)
+        grid, persistent, tasks = token_grid(q.device, target, prob.batch * tiles.n_tblocks,
+                                             prob.heads_kv * tiles.n_hblocks)
+        _sparse_attn_dq_kernel[grid](
+            q, k, v, dout, lse, delta, dq, topk, classes.span, classes.full, key_lo, key_hi, tasks,
+            n_hblocks=tiles.n_hblocks, n_tblocks=tiles.n_tblocks, **common,
+            **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, fmt))),
+            BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_N=cfg.block_n, RANGE=range_mode,
+            PERSISTENT=persistent, **cfg.launch(),
+        )
 
-    # (3) + (4) dK (dV) into an fp32 accumulator [key rows, Hkv, stride_row]
+    # (3) + (4) dK (dV) into an fp32 accumulator [key rows, Hkv, stride_row]: first the range mode's, which
+    # stores every key row (full rows' dK/dV as dense products), then the slot mode's rows added to it
     width = prob.dim_qk + (0 if prob.v_is_k else prob.dim_v)
     stride_row = _aligned(width)
     key_rows = prob.key_rows
-    acc = torch.zeros((max(key_rows, 1), prob.heads_kv, stride_row), dtype=torch.float32, device=q.device)
+    acc = torch.empty((max(key_rows, 1), prob.heads_kv, stride_row), dtype=torch.float32, device=q.device)
     if key_rows > 0:
-        n_sblocks = triton.cdiv(n_slots, cfg_dkv.block_n)
-        dkv_args = dict(**common, n_sblocks=n_sblocks, stride_row=stride_row,
-                        **dict(zip(("stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh",
-                                    "stride_vb", "stride_vt", "stride_vh", "stride_dob", "stride_dot", "stride_doh"),
-                                   qkv_strides)),
-                        **dict(zip(("stride_lb", "stride_lh"), lse_strides(lse, fmt))),
-                        BLOCK_H=cfg_dkv.block_m, BLOCK_N=cfg_dkv.block_n, **consts, **cfg_dkv.launch())
+        dkv_args = dict(**common, stride_row=stride_row, n_sblocks=triton.cdiv(n_slots, cfg_dkv.block_n),
+                        batch=prob.batch, span_ptr=classes.span, full_ptr=classes.full)
+        tiles = mode_tiles(prob, cfg_rdkv.block_m, True)
+        n_kblocks = triton.cdiv(prob.seqlen_k, cfg_rdkv.block_n)
+        visits = range_visits(classes.full, key_lo, key_hi, batch=prob.batch, seqlen_q=prob.seqlen_q,
+                              seqlen_k=prob.seqlen_k, block_t=tiles.block_t, block_n=cfg_rdkv.block_n)
+        grid, persistent, tasks = token_grid(q.device, target, prob.batch * n_kblocks, prob.heads_kv)
+        _sparse_attn_dkv_kernel[grid](q, k, v, dout, lse, delta, acc, topk, lo_ptr=key_lo, hi_ptr=key_hi,
+                                      visit_ptr=visits, n_tasks=tasks, token0=0, chunk=0, n_hblocks=tiles.n_hblocks,
+                                      n_kblocks=n_kblocks, BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h,
+                                      BLOCK_N=cfg_rdkv.block_n, ATOMIC=False, RANGE=True, PERSISTENT=persistent,
+                                      **dkv_args, **cfg_rdkv.launch())
+        slot_args = dict(dkv_args, visit_ptr=visits, n_hblocks=1, n_kblocks=n_kblocks, BLOCK_T=1,
+                         BLOCK_H=cfg_dkv.block_m, BLOCK_N=cfg_dkv.block_n, RANGE=False, **cfg_dkv.launch())
+        per_token = prob.heads_kv * dkv_args["n_sblocks"]
         if atomic:
-            grid, persistent, tasks = token_grid(q.device, target, prob.n_tokens, prob.heads_kv * n_sblocks)
-            _sparse_attn_dkv_kernel[grid](q, k, v, dout, lse, delta, acc, topk, key_lo, key_hi, tasks, 0,
-                                          prob.n_tokens, ATOMIC=True, PERSISTENT=persistent, **dkv_args)
+            grid, persistent, tasks = token_grid(q.device, target, prob.n_tokens, per_token)
+            _sparse_attn_dkv_kernel[grid](q, k, v, dout, lse, delta, acc, topk, lo_ptr=key_lo, hi_ptr=key_hi,
+                                          n_tasks=tasks, token0=0, chunk=prob.n_tokens, ATOMIC=True,
+                                          PERSISTENT=persistent, **slot_args)
         else:
             chunk = chunk_tokens(prob.n_tokens, prob.heads_kv, n_slots, stride_row, partial_budget())
             part = torch.empty((prob.heads_kv, chunk, n_slots, stride_row), dtype=torch.float32, device=q.device)
             n_cblocks = triton.cdiv(width, cfg_reduce.block_n)
             for token0 in range(0, prob.n_tokens, chunk):
                 token1 = min(prob.n_tokens, token0 + chunk)
-                grid, persistent, tasks = token_grid(q.device, target, token1 - token0, prob.heads_kv * n_sblocks)
-                _sparse_attn_dkv_kernel[grid](q, k, v, dout, lse, delta, part, topk, key_lo, key_hi, tasks, token0,
-                                              chunk, ATOMIC=False, PERSISTENT=persistent, **dkv_args)
+                grid, persistent, tasks = token_grid(q.device, target, token1 - token0, per_token)
+                _sparse_attn_dkv_kernel[grid](q, k, v, dout, lse, delta, part, topk, lo_ptr=key_lo, hi_ptr=key_hi,
+                                              n_tasks=tasks, token0=token0, chunk=chunk, ATOMIC=False,
+                                              PERSISTENT=persistent, **slot_args)
                 csr = transpose_topk(topk, key_lo, key_hi, token0, token1, seqlen_q=prob.seqlen_q,
-                                     seqlen_k=prob.seqlen_k, batch=prob.batch)
+                                     seqlen_k=prob.seqlen_k, batch=prob.batch, skip=classes.full)
                 grid, persistent, tasks = token_grid(q.device, target, key_rows, prob.heads_kv * n_cblocks,
                                                      vector_only=True)
                 _sparse_attn_reduce_kernel[grid](part, acc, csr.row_ptr, csr.entries, tasks, prob.heads_kv,

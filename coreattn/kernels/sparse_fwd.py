@@ -5,14 +5,30 @@ Each query token attends to the key positions its prepared index row names
 its bounds ``key_lo[n] <= j < key_hi[n]`` (positions in its sample; causality is folded into
 key_hi) and with the key rows of its sample.
 
-Program = (query token n, kv head g, block of BLOCK_H q heads of g's group), head blocks fastest.
-All heads of a group share the token's key set, so one gathered key block serves BLOCK_H rows of
-the MMA (absorbed MLA: one kv head and 16-128 q heads; a group smaller than 16 is padded with
-masked rows). The program loops over the token's K slots in blocks of BLOCK_N: it loads the
-indices (slots clamped to the row), marks the valid ones, gathers their key rows at addresses
-clamped into the token's bounds and then into the tensor (``_slot_rows``: every lane's address is
-inside k for any index value, also in the pipeliner's prologue and prefetches), masks the values,
-and runs the online softmax in the log2 domain as kernels/attn_fwd.py does.
+The rows are sorted into two modes first (kernels/sparse_index.py ``row_classes``, torch ops on
+the device, no host read), one launch each, every output row written by exactly one:
+
+- slot mode, the rows that name part of their range: program = (query token n, kv head g, block of
+  BLOCK_H q heads of g's group), head blocks fastest. All heads of a group share the token's key set,
+  so one gathered key block serves BLOCK_H rows of the MMA (absorbed MLA: one kv head and 16-128 q
+  heads; a group smaller than 16 is padded with masked rows). The program loops over the slots of
+  its row's valid entries only (``span``: a prepared row is sorted, so they lie between its first
+  and last valid slot, -1 between them only where a key was named twice; the unused slots cost
+  nothing) in blocks of BLOCK_N: it
+  loads the indices (slots clamped to the row), marks the valid ones, gathers their key rows at
+  addresses clamped into the token's bounds and then into the tensor (``_slot_rows``: every lane's
+  address is inside k for any index value, also in the pipeliner's prologue and prefetches), masks
+  the values;
+- range mode, the full rows (their valid entries are every key of ``[lo, hi)``, as top-k gives every
+  token of a sequence shorter than K): dense attention. Program = (block of BLOCK_T query tokens of a
+  sample, kv head g, block of BLOCK_H q heads); its M = BLOCK_T x BLOCK_H rows (heads fastest: a GQA
+  group smaller than 16 fills the tile with tokens, not masked heads) step over the keys of the
+  union of their ranges, contiguous rows read without any index (``_range_keys``: clamped into the
+  sample for any key), each (row, key) pair masked by the row's own range (causality across the
+  token block, sequence boundaries inside it, key bounds): one key block serves every token of the
+  block. Rows of the block that are not full are left to the slot mode.
+
+Both run the online softmax in the log2 domain as kernels/attn_fwd.py does.
 
 Absorbed MLA (``v`` None, ``v_dim`` given): V is the first ``v_dim`` columns of k. Where v's block
 is the q/k dims' first block (576 = 512 + 64 with v_dim 512: the 512 block IS V) the gathered key
@@ -36,13 +52,14 @@ import triton.language as tl
 from coreattn.kernels.attn_common import _cols
 from coreattn.kernels.attn_fwd import LOG2E, MAX_TASKS, dot_precision
 from coreattn.kernels.configs.base import head_blocks
-from coreattn.kernels.configs.sparse import sparse_config
+from coreattn.kernels.configs.sparse import range_tile, sparse_config
 from coreattn.kernels.configs.targets import persistent_grid, target_of
 from coreattn.kernels.device import on_device
 from coreattn.kernels.packing import seq_len_dim, seq_strides, stand_in
+from coreattn.kernels.sparse_index import row_classes
 
 # runtime ints that follow the batch, its lengths or the top-k: never specialized
-SPARSE_RUNTIME_INTS = ("n_tasks", "seqlen_q", "seqlen_k", "k_last", "n_slots", "stride_lb", "stride_lh")
+SPARSE_RUNTIME_INTS = ("n_tasks", "seqlen_q", "seqlen_k", "k_last", "n_slots", "n_tblocks", "stride_lb", "stride_lh")
 
 
 @triton.jit
@@ -64,14 +81,14 @@ def _token_bounds(lo_ptr, hi_ptr, n, seqlen_k):
 def _slot_rows(idx_row, s0, offs_n, n_slots, lo, hi, k_last):
     """Slots [s0, s0 + BLOCK_N) of a token's index row: (valid [N], key row [N] to read).
 
-    The slot is clamped to the row's last (n_slots >= 1), so the index load's address is inside for
+    The slot is clamped into the row (n_slots >= 1), so the index load's address is inside for
     any s0, a prefetch past the last block included; the key row is clamped into the token's bounds
     [lo, max(hi, lo + 1) - 1] and then into the sample's rows [0, k_last], whatever value the index
     load returned (a masked-off asynchronous copy may leave anything): the gather never leaves k, and
     a valid entry's row is its own."""
     slots = s0 + offs_n
     slot_ok = slots < n_slots
-    idx = tl.load(idx_row + tl.minimum(slots, n_slots - 1), mask=slot_ok, other=-1)
+    idx = tl.load(idx_row + tl.minimum(tl.maximum(slots, 0), n_slots - 1), mask=slot_ok, other=-1)
     valid = slot_ok & (idx >= lo) & (idx < hi)
     row = tl.minimum(tl.maximum(idx, lo), tl.maximum(hi, lo + 1) - 1)
     row = tl.minimum(tl.maximum(row, 0), k_last)
@@ -92,73 +109,179 @@ def _gather(base, row, valid, stride_t, HEAD_DIM: tl.constexpr, COL0: tl.constex
 
 
 @triton.jit
-def _head_rows(base, heads, head_ok, stride_h, HEAD_DIM: tl.constexpr, COL0: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows ``heads`` [H] (clamped into the group by the caller) of a token's [heads, HEAD_DIM]
-    view, columns [COL0, COL0 + BLOCK_D); masked rows and columns read as 0."""
-    offs_d = COL0 + tl.arange(0, BLOCK_D)
-    ptrs = base + heads.to(tl.int64)[:, None] * stride_h + _cols(offs_d, HEAD_DIM, COL0 + BLOCK_D)[None, :]
-    return tl.load(ptrs, mask=head_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+def _range_keys(j0, offs_n, stop, k_last):
+    """Keys [j0, j0 + BLOCK_N) of a contiguous range ending at ``stop``: (keys [N], load_ok [N], key
+    row [N] to read, clamped into the sample's rows [0, k_last] for any j0: a prefetch past the
+    range's end reads the last row, masked off)."""
+    keys = j0 + offs_n
+    return keys, keys < stop, tl.minimum(tl.maximum(keys, 0), k_last)
 
 
 @triton.jit
-def _store_head_rows(base, heads, head_ok, stride_h, x, HEAD_DIM: tl.constexpr, COL0: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
-    offs_d = COL0 + tl.arange(0, BLOCK_D)
-    ptrs = base + heads.to(tl.int64)[:, None] * stride_h + _cols(offs_d, HEAD_DIM, COL0 + BLOCK_D)[None, :]
-    tl.store(ptrs, x.to(base.dtype.element_ty), mask=head_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+def _row_offsets(s, heads, stride_t, stride_h):
+    """int64 [M] element offsets of rows (position s, head) of a [.., S, H, D] view from its sample's base."""
+    return s.to(tl.int64) * stride_t + heads.to(tl.int64) * stride_h
 
 
 @triton.jit
-def _program_heads(task, n_hblocks, heads_kv, group, BLOCK_H: tl.constexpr):
-    """Task -> (token n, kv head g, the block's q heads [H] clamped into the group, head_ok [H]);
-    head blocks fastest, then kv heads."""
+def _tile(base, offs, ok, HEAD_DIM: tl.constexpr, COL0: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows at ``base + offs`` [M] (int64), columns [COL0, COL0 + BLOCK_D) of a HEAD_DIM-wide row;
+    rows not ``ok`` and columns past the head dim read as 0."""
+    offs_d = COL0 + tl.arange(0, BLOCK_D)
+    ptrs = base + offs[:, None] + _cols(offs_d, HEAD_DIM, COL0 + BLOCK_D)[None, :]
+    return tl.load(ptrs, mask=ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+
+@triton.jit
+def _store_tile(base, offs, ok, x, HEAD_DIM: tl.constexpr, COL0: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_d = COL0 + tl.arange(0, BLOCK_D)
+    ptrs = base + offs[:, None] + _cols(offs_d, HEAD_DIM, COL0 + BLOCK_D)[None, :]
+    tl.store(ptrs, x.to(base.dtype.element_ty), mask=ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _q_tiles(base, offs, ok, HEAD_DIM_QK: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr):
+    """q rows at ``base + offs`` [M]: (its first block [M, DQK], its second [M, DQK2], the first
+    where the q/k dim is not split)."""
+    q = _tile(base, offs, ok, HEAD_DIM_QK, 0, BLOCK_DQK)
+    q2 = q
+    if BLOCK_DQK2 > 0:
+        q2 = _tile(base, offs, ok, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
+    return q, q2
+
+
+@triton.jit
+def _program_block(task, n_hblocks, heads_kv, n_tblocks):
+    """Task -> (sample b, token block tb of the sample, kv head g, head block hb); head blocks
+    fastest, then kv heads, then token blocks."""
     hb = task % n_hblocks
     rest = task // n_hblocks
     g = rest % heads_kv
-    n = rest // heads_kv
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_ok = offs_h < group
-    heads = g * group + tl.minimum(offs_h, group - 1)
-    return n, g, heads, head_ok
+    rest = rest // heads_kv
+    b = rest // n_tblocks
+    return b, rest - b * n_tblocks, g, hb
 
 
 @triton.jit
-def _sparse_fwd_program(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, lo_ptr, hi_ptr,
-                        seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, idx_heads, sm_scale_log2,
-                        stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                        stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
-                        HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
-                        BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_H: tl.constexpr,
-                        BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    n, g, heads, head_ok = _program_heads(task, n_hblocks, heads_kv, group, BLOCK_H)
-    b, s = _token(n, seqlen_q)
-    b64, s64, g64 = b.to(tl.int64), s.to(tl.int64), g.to(tl.int64)
-    lo, hi = _token_bounds(lo_ptr, hi_ptr, n, seqlen_k)
-    idx_row = topk_ptr + (n.to(tl.int64) * idx_heads + tl.minimum(g, idx_heads - 1)) * n_slots
-    q_base = q_ptr + b64 * stride_qb + s64 * stride_qt
-    q = _head_rows(q_base, heads, head_ok, stride_qh, HEAD_DIM_QK, 0, BLOCK_DQK)  # [H, DQK]
-    q2 = q
+def _block_rows(b, tb, hb, g, group, seqlen_q, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The M = BLOCK_T x BLOCK_H rows of token block tb of sample b (positions [tb * BLOCK_T, ...))
+    and head block hb of kv head g's group, heads fastest: (token n [M] int64, position s [M] and q
+    head [M], both clamped into the sample and the group for any tb, row_ok [M])."""
+    r = tl.arange(0, BLOCK_T * BLOCK_H)
+    offs_h = hb * BLOCK_H + r % BLOCK_H
+    s = tb * BLOCK_T + r // BLOCK_H
+    row_ok = (offs_h < group) & (s < seqlen_q)
+    s = tl.minimum(tl.maximum(s, 0), seqlen_q - 1)
+    heads = g * group + tl.minimum(offs_h, group - 1)
+    return b.to(tl.int64) * seqlen_q + s, s, heads, row_ok
+
+
+@triton.jit
+def _range_rows(lo_ptr, hi_ptr, full_ptr, n, ih, idx_heads, seqlen_k, row_ok):
+    """Range mode: the rows' visible keys [lo, hi) (within [0, seqlen_k)) and ``own`` [M]: the full
+    rows (kernels/sparse_index.py ``row_classes``), the ones the range mode computes."""
+    lo = tl.maximum(tl.load(lo_ptr + n), 0)
+    hi = tl.minimum(tl.load(hi_ptr + n), seqlen_k)
+    own = row_ok & (tl.load(full_ptr + n * idx_heads + ih) != 0)
+    return lo, hi, own
+
+
+@triton.jit
+def _key_range(lo, hi, own):
+    """[start, stop): the union's bounds of the own rows' key ranges (empty without one)."""
+    live = own & (hi > lo)
+    stop = tl.max(tl.where(live, hi, 0), 0)
+    return tl.min(tl.where(live, lo, stop), 0), stop
+
+
+@triton.jit
+def _slot_row(span_ptr, full_ptr, n0, ih, idx_heads, heads, row_ok):
+    """Slot mode, token n0: (own [M]: the rows unless the token's row is full, first and end slot of
+    its valid entries: kernels/sparse_index.py ``row_classes``, empty for a full row). The class is
+    loaded and compared per row: Triton 3.9's interpreter rejects a mask a scalar comparison
+    broadcasts into."""
+    at = n0 * idx_heads + ih
+    own = row_ok & (tl.load(full_ptr + at + heads * 0) == 0)
+    return own, tl.load(span_ptr + 2 * at), tl.load(span_ptr + 2 * at + 1)
+
+
+@triton.jit
+def _program_keys(topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr, b64, tb, n, ih, idx_heads, heads, row_ok, seqlen_q,
+                  seqlen_k, n_slots, RANGE: tl.constexpr):
+    """The keys a forward or dQ program steps over: (own [M]: the rows it computes, start, stop: its
+    loop's bounds, lo, hi: the rows' bounds ([M]; slot mode: its token's, scalars), idx_row: the
+    token's index row (slot mode; range mode: unused))."""
+    if RANGE:  # full rows: the keys [lo, hi) of each, contiguous
+        lo, hi, own = _range_rows(lo_ptr, hi_ptr, full_ptr, n, ih, idx_heads, seqlen_k, row_ok)
+        start, stop = _key_range(lo, hi, own)
+        idx_row = topk_ptr
+    else:  # slot mode: one token (BLOCK_T = 1), the slots of its valid entries
+        n0 = b64 * seqlen_q + tb
+        own, start, stop = _slot_row(span_ptr, full_ptr, n0, ih, idx_heads, heads, row_ok)
+        lo, hi = _token_bounds(lo_ptr, hi_ptr, n0, seqlen_k)
+        idx_row = topk_ptr + (n0 * idx_heads + ih) * n_slots
+    return own, start, stop, lo, hi, idx_row
+
+
+@triton.jit
+def _key_block(it, offs_n, stop, k_last, own, lo, hi, idx_row, n_slots, RANGE: tl.constexpr):
+    """Keys (range mode) or slots [it, it + BLOCK_N) of a program's loop: (load_ok [N], key row [N]
+    to read, seen: the (row, key) pairs that count, [M, N] or [1, N])."""
+    if RANGE:
+        keys, load_ok, row = _range_keys(it, offs_n, stop, k_last)
+        seen = own[:, None] & (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None])
+    else:
+        load_ok, row = _slot_rows(idx_row, it, offs_n, n_slots, lo, hi, k_last)
+        seen = load_ok[None, :]
+    return load_ok, row, seen
+
+
+@triton.jit
+def _key_rows(k_base, v_base, row, ok, stride_kt, stride_vt, HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, V_IS_K: tl.constexpr):
+    """Key rows ``row`` [N]: (k's first block [N, DQK], its second [N, DQK2] (the first where the q/k
+    dim is not split), v [N, DV]: absorbed MLA with V_IS_K, the first key block itself)."""
+    kb = _gather(k_base, row, ok, stride_kt, HEAD_DIM_QK, 0, BLOCK_DQK)
+    kb2 = kb
     if BLOCK_DQK2 > 0:
-        q2 = _head_rows(q_base, heads, head_ok, stride_qh, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)  # [H, DQK2]
+        kb2 = _gather(k_base, row, ok, stride_kt, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
+    vb = kb
+    if not V_IS_K:
+        vb = _gather(v_base, row, ok, stride_vt, HEAD_DIM_V, 0, BLOCK_DV)
+    return kb, kb2, vb
+
+
+@triton.jit
+def _sparse_fwd_program(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr,
+                        seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, n_tblocks, idx_heads,
+                        sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb,
+                        stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+                        HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                        BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr, RANGE: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+    b, tb, g, hb = _program_block(task, n_hblocks, heads_kv, n_tblocks)
+    n, s, heads, row_ok = _block_rows(b, tb, hb, g, group, seqlen_q, BLOCK_T, BLOCK_H)
+    ih = tl.minimum(g, idx_heads - 1)
+    b64, g64 = b.to(tl.int64), g.to(tl.int64)
+    q, q2 = _q_tiles(q_ptr + b64 * stride_qb, _row_offsets(s, heads, stride_qt, stride_qh), row_ok, HEAD_DIM_QK,
+                     BLOCK_DQK, BLOCK_DQK2)  # [M, DQK], [M, DQK2]
     k_base = k_ptr + b64 * stride_kb + g64 * stride_kh
     v_base = v_ptr + b64 * stride_vb + g64 * stride_vh
     offs_n = tl.arange(0, BLOCK_N)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    for s0 in range(0, n_slots, BLOCK_N):
-        valid, row = _slot_rows(idx_row, s0, offs_n, n_slots, lo, hi, k_last)
-        kb = _gather(k_base, row, valid, stride_kt, HEAD_DIM_QK, 0, BLOCK_DQK)  # [N, DQK]
-        scores = tl.dot(q, tl.trans(kb), input_precision=DOT_PRECISION)  # [H, N]
+    own, start, stop, lo, hi, idx_row = _program_keys(topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr, b64, tb, n, ih,
+                                                      idx_heads, heads, row_ok, seqlen_q, seqlen_k, n_slots, RANGE)
+    m_i = tl.full([BLOCK_T * BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_T * BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_DV], tl.float32)
+    for it in range(start, stop, BLOCK_N):
+        load_ok, row, seen = _key_block(it, offs_n, stop, k_last, own, lo, hi, idx_row, n_slots, RANGE)
+        kb, kb2, vb = _key_rows(k_base, v_base, row, load_ok, stride_kt, stride_vt, HEAD_DIM_QK, HEAD_DIM_V,
+                                BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, V_IS_K)  # [N, DQK], [N, DQK2], [N, DV]
+        scores = tl.dot(q, tl.trans(kb), input_precision=DOT_PRECISION)  # [M, N]
         if BLOCK_DQK2 > 0:
-            kb2 = _gather(k_base, row, valid, stride_kt, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
             scores = tl.dot(q2, tl.trans(kb2), scores, input_precision=DOT_PRECISION)
-        if V_IS_K:
-            vb = kb  # absorbed MLA: V is k's first block
-        else:
-            vb = _gather(v_base, row, valid, stride_vt, HEAD_DIM_V, 0, BLOCK_DV)  # [N, DV]
-        scores = tl.where(valid[None, :], scores * sm_scale_log2, float("-inf"))
+        scores = tl.where(seen, scores * sm_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         # a row that has seen no key yet keeps m = -inf; subtract 0 instead so p and alpha are 0, not NaN
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -171,39 +294,39 @@ def _sparse_fwd_program(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, l
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-    o_base = out_ptr + b64 * stride_ob + s64 * stride_ot
-    _store_head_rows(o_base, heads, head_ok, stride_oh, out, HEAD_DIM_V, 0, BLOCK_DV)
-    tl.store(lse_ptr + b64 * stride_lb + heads.to(tl.int64) * stride_lh + s64, lse, mask=head_ok)
+    _store_tile(out_ptr + b64 * stride_ob, _row_offsets(s, heads, stride_ot, stride_oh), own, out, HEAD_DIM_V, 0,
+                BLOCK_DV)
+    tl.store(lse_ptr + b64 * stride_lb + heads.to(tl.int64) * stride_lh + s, lse, mask=own)
 
 
 @triton.jit(do_not_specialize=SPARSE_RUNTIME_INTS)
 def _sparse_attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, lo_ptr, hi_ptr,
-    n_tasks, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, idx_heads, sm_scale_log2,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr,
+    n_tasks, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, n_tblocks, idx_heads, sm_scale_log2,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    V_IS_K: tl.constexpr, RANGE: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
-    # tasks: n_tokens x heads_kv x n_hblocks (= n_tasks); PERSISTENT (Ascend): those tasks over a
-    # core-count 1D grid.
+    # tasks: batch x n_tblocks token blocks x heads_kv x n_hblocks (= n_tasks); PERSISTENT (Ascend):
+    # those tasks over a core-count 1D grid.
     if PERSISTENT:
         for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
             t = tl.minimum(task, n_tasks - 1)  # addresses inside for any task (see attn_common)
-            _sparse_fwd_program(t, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, lo_ptr, hi_ptr, seqlen_q,
-                                seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, idx_heads, sm_scale_log2,
-                                stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb,
-                                stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
-                                HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_H, BLOCK_N, V_IS_K,
-                                DOT_PRECISION)
+            _sparse_fwd_program(t, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, span_ptr, full_ptr, lo_ptr,
+                                hi_ptr, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, n_tblocks,
+                                idx_heads, sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt,
+                                stride_kh, stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh,
+                                stride_lb, stride_lh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
+                                BLOCK_T, BLOCK_H, BLOCK_N, V_IS_K, RANGE, DOT_PRECISION)
     else:
-        _sparse_fwd_program(tl.program_id(0), q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, lo_ptr, hi_ptr,
-                            seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, idx_heads,
-                            sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                            stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
-                            HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_H, BLOCK_N, V_IS_K,
-                            DOT_PRECISION)
+        _sparse_fwd_program(tl.program_id(0), q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, span_ptr, full_ptr,
+                            lo_ptr, hi_ptr, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks,
+                            n_tblocks, idx_heads, sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb,
+                            stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh,
+                            stride_lb, stride_lh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_T,
+                            BLOCK_H, BLOCK_N, V_IS_K, RANGE, DOT_PRECISION)
 
 
 class SparseProblem(NamedTuple):
@@ -291,6 +414,27 @@ def token_grid(device: torch.device, target: str, n_tokens: int, per_token: int,
     return (persistent_grid(device, tasks, vector_only),), True, tasks
 
 
+class ModeTiles(NamedTuple):
+    """A launch's row tile: BLOCK_T query tokens x BLOCK_H q heads (slot mode: one token), and the
+    blocks of the sample's tokens and of a kv head's group it steps over."""
+
+    block_t: int
+    block_h: int
+    n_tblocks: int
+    n_hblocks: int
+
+
+def mode_tiles(prob: SparseProblem, rows: int, range_mode: bool) -> ModeTiles:
+    """The tiles of a launch whose config has ``rows`` MMA rows (``block_m``): range mode splits
+    them into tokens x heads (configs/sparse.py ``range_tile``); slot mode's are q heads of one token."""
+    if range_mode:
+        block_t, block_h = range_tile(prob.group, rows)
+        n_tblocks = triton.cdiv(prob.seqlen_q, block_t)
+    else:
+        block_t, block_h, n_tblocks = 1, rows, prob.seqlen_q
+    return ModeTiles(block_t, block_h, n_tblocks, triton.cdiv(prob.group, block_h))
+
+
 @on_device
 def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, topk: torch.Tensor,
                     key_lo: torch.Tensor, key_hi: torch.Tensor, fmt: str, softmax_scale: float, *,
@@ -306,6 +450,10 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, to
     and lse float32 natural log, ``[Hq, T]`` (thd) or ``[B, Hq, S]``; -inf (out 0) for a token
     without a visible key. ``out``/``lse`` may be given as preallocated buffers (every element is
     written). Inputs are assumed checked by the caller (coreattn.layers).
+
+    Two launches of the kernel, each writing the rows the other leaves (kernels/sparse_index.py
+    ``row_classes``, torch ops on the device): the slot mode for the rows that name part of their
+    range, the range mode for the full ones.
     """
     prob = sparse_problem(q, k, v, fmt, v_dim)
     if out is None:
@@ -316,19 +464,24 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, to
         return out, lse
     target = target_of(q.device)
     block_dqk, block_dqk2, block_dv = prob.blocks
-    cfg = sparse_config(target, "fwd", block_dqk + block_dqk2, block_dv, q.element_size(), prob.group)
     k, v = key_side(k, v, prob)
     topk = slots_of(topk)
-    n_hblocks = triton.cdiv(prob.group, cfg.block_m)
-    grid, persistent, tasks = token_grid(q.device, target, prob.n_tokens, prob.heads_kv * n_hblocks)
-    _sparse_attn_fwd_kernel[grid](
-        q, k, v, out, lse, topk, key_lo, key_hi,
-        tasks, prob.seqlen_q, prob.seqlen_k, max(prob.seqlen_k, 1) - 1, topk.shape[-1], prob.heads_kv, prob.group,
-        n_hblocks, topk.shape[1], softmax_scale * LOG2E,
-        *seq_strides(q, fmt), *seq_strides(k, fmt), *seq_strides(v, fmt), *seq_strides(out, fmt),
-        *lse_strides(lse, fmt),
-        HEAD_DIM_QK=prob.dim_qk, HEAD_DIM_V=prob.dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2,
-        BLOCK_DV=block_dv, BLOCK_H=cfg.block_m, BLOCK_N=cfg.block_n, V_IS_K=prob.v_is_k,
-        DOT_PRECISION=dot_precision(q.dtype, target), PERSISTENT=persistent, **cfg.launch(),
-    )
+    classes = row_classes(topk, key_lo, key_hi, prob.seqlen_k)
+    for range_mode in (False, True):
+        cfg = sparse_config(target, "range_fwd" if range_mode else "fwd", block_dqk + block_dqk2, block_dv,
+                            q.element_size(), prob.group)
+        tiles = mode_tiles(prob, cfg.block_m, range_mode)
+        grid, persistent, tasks = token_grid(q.device, target, prob.batch * tiles.n_tblocks,
+                                             prob.heads_kv * tiles.n_hblocks)
+        _sparse_attn_fwd_kernel[grid](
+            q, k, v, out, lse, topk, classes.span, classes.full, key_lo, key_hi,
+            tasks, prob.seqlen_q, prob.seqlen_k, max(prob.seqlen_k, 1) - 1, topk.shape[-1], prob.heads_kv,
+            prob.group, tiles.n_hblocks, tiles.n_tblocks, topk.shape[1], softmax_scale * LOG2E,
+            *seq_strides(q, fmt), *seq_strides(k, fmt), *seq_strides(v, fmt), *seq_strides(out, fmt),
+            *lse_strides(lse, fmt),
+            HEAD_DIM_QK=prob.dim_qk, HEAD_DIM_V=prob.dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2,
+            BLOCK_DV=block_dv, BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_N=cfg.block_n,
+            V_IS_K=prob.v_is_k, RANGE=range_mode, DOT_PRECISION=dot_precision(q.dtype, target),
+            PERSISTENT=persistent, **cfg.launch(),
+        )
     return out, lse

@@ -398,9 +398,12 @@ def describe(launch: dict, arch: str) -> dict:
     graph = hazards.Graph(ttgir)
     constants = launch["constants"]
     row = dict(arch=arch, triton=triton.__version__, kernel=KERNEL_NAMES.get(launch["fn"], launch["fn"]),
-               block_m=constants.get("BLOCK_M", constants.get("BLOCK_H")),  # sparse: q heads x slots
+               # sparse: MMA rows (q heads x BLOCK_T tokens) x slots or keys
+               block_m=constants.get("BLOCK_M", constants.get("BLOCK_H") and
+                                     constants["BLOCK_H"] * constants.get("BLOCK_T", 1)),
                block_n=constants.get("BLOCK_N", constants.get("BLOCK_W")),  # sparse reduce: columns
                dk=constants.get("DK", True), dv=constants.get("DV", True), atomic=constants.get("ATOMIC", False),
+               range=constants.get("RANGE", False),  # the sparse kernels' range mode (full rows)
                int64_lanes=constants.get("INT64_LANES"), num_warps=md.num_warps, num_stages=md.num_stages,
                smem=md.shared, **pipeline_hazards(graph), **offsets.counts(graph))
     if arch in CDNA_ARCHS:

@@ -15,10 +15,11 @@ and run in the Triton 3.9.0 lane.
 
 The sparse (top-k) kernels (kernels/sparse_fwd.py, sparse_bwd.py; configs/sparse.py), on sm90 for
 absorbed MLA at 576/512 with 16 and 128 q heads and GQA 4 at 128 (and, under 3.9.0, on gfx942 and
-gfx950): every kernel of the forward and both backward variants compiled, no spills, shared memory
-(LDS) within the limit, every dot an MMA (wgmma or mma.sync; MFMA) of the input type, the loops
-pipelined on sm90. Their 512-column tiles duplicate the score dots across warps (configs/sparse.py
-says why), which is shown in the compile report, not asserted here.
+gfx950): every kernel of the forward and both backward variants compiled in both modes (slot, and
+range for full rows), no spills, shared memory (LDS) within the limit, every dot an MMA (wgmma or
+mma.sync; MFMA) of the input type, the loops pipelined on sm90, no pipelined-load hazard and no i32
+stride product on a pointer offset. Their 512-column tiles duplicate the score dots across warps
+(configs/sparse.py says why), which is shown in the compile report, not asserted here.
 
 Compiling happens in subprocesses (TRITON_INTERPRET unset), once per module for every arch a
 selected test needs (``-k sm90`` compiles sm90 alone); the tests read the rows. The CUDA archs are
@@ -57,7 +58,8 @@ CDNA_DIMS["gfx90a"] = ("64/64", "64/64+max_logit", "128/128", "256/256")
 # the sparse kernels (tests/kernels/kernel_structure.py's ``s`` specs: compiler.sparse_problem_of)
 SPARSE_DIMS = {"sm90": ("s576/512a16", "s576/512a128", "s128/128g4")}
 SPARSE_CDNA_DIMS = {arch: ("s576/512a128", "s128/128g4") for arch in ("gfx942", "gfx950")}
-SPARSE_KERNELS = {"sparse_fwd", "sparse_pre", "sparse_dq", "sparse_dkv", "sparse_dkv[atomic]", "sparse_reduce"}
+SPARSE_KERNELS = {"sparse_fwd", "sparse_pre", "sparse_dq", "sparse_dkv", "sparse_dkv[atomic]", "sparse_reduce",
+                  "sparse_fwd[range]", "sparse_dq[range]", "sparse_dkv[range]"}
 
 
 def _has_backend(name: str) -> bool:
@@ -130,7 +132,7 @@ def sparse_rows(request):
 
 
 def _sparse_kernel(r: dict) -> str:
-    return r["kernel"] + ("[atomic]" if r.get("atomic") else "")
+    return r["kernel"] + ("[atomic]" if r.get("atomic") else "[range]" if r.get("range") else "")
 
 
 def _where() -> str:
@@ -223,6 +225,16 @@ def test_sm90_sparse_kernels_spill_free_pipelined_mmas_of_the_input_type(sparse_
                 if not r["mma"] or set(r["mma"]) - {"wgmma", "mma.sync"} or r["fma_dots"]], "dots not MMAs" + _where()
     assert not [(_label(r), r["mma_inputs"]) for r in mma if r["mma_inputs"] != ["bf16"]], "MMA inputs" + _where()
     assert not [(_label(r), r["num_stages"]) for r in mma if r["num_stages"] < 2], "not pipelined" + _where()
+    _assert_sparse_addresses(mine)
+
+
+def _assert_sparse_addresses(mine: list[dict]) -> None:
+    """No division by a maybe-zero value on a pipelined load's address, no i32 stride product on a
+    pointer offset (the sparse kernels form every offset in int64) but the preprocess kernel's lane
+    offsets (the dense kernel's int32 variant: kernels/attn_common.py)."""
+    assert not [(_label(r), r["pipeline_hazards"]) for r in mine if r["pipeline_hazards"]], "hazards" + _where()
+    assert not [(_label(r), r["i32_offsets"]) for r in mine if r["kernel"] != "sparse_pre" and r["i32_offsets"]], \
+        "i32 stride products" + _where()
 
 
 @needs_amd
@@ -238,5 +250,6 @@ def test_cdna_sparse_kernels_fit_without_spills_and_use_bf16_mfma(sparse_rows, a
     assert not spilled, "VGPR spills or scratch" + _where()
     mma = [r for r in mine if r["kernel"] in SPARSE_MMA_KERNELS]
     assert mma and not [(_label(r), r["fma_dots"]) for r in mma if r["fma_dots"]], "dots without MFMA" + _where()
+    _assert_sparse_addresses(mine)
     assert not [(_label(r), r["mma"]) for r in mma if not r["mma"] or not all(k.startswith("v_mfma_f32_") and
                                                                                "bf16" in k for k in r["mma"])]

@@ -18,7 +18,8 @@ with each arch's configs:
 - gfx950 (CDNA3+, whose direct-to-LDS loads are asynchronous): 128 with GQA and every feature
   (CDNA's tables use num_stages 1: no loop is pipelined there today, the check holds if one is);
 - the sparse (top-k) kernels (kernels/sparse_fwd.py, sparse_bwd.py: forward, dQ, both dK/dV variants,
-  the CSR reduce, the delta preprocess) on sm90 and sm80: absorbed MLA at 576/512 with 128 heads (V
+  each of the three also in its range mode for full rows, the CSR reduce, the delta preprocess) on
+  sm90 and sm80: absorbed MLA at 576/512 with 128 heads (V
   read from the gathered key block) and GQA 4 at 192/128 (separate V, a split q/k block);
 - per arch the tile scan and map kernels of both layouts and the mask utilities' kernels;
 - a canary: a small kernel with the dK/dV loop's shape, unclamped and clamped, which the scanner must
@@ -61,7 +62,7 @@ EVERY_KERNEL = {"fwd", "bwd_pre", "dkdv", "dq", "tile_scan", "tile_map", "copy_r
 FEATURES = {f"{k}:{f}" for k in ATTENTION for f in ("DROPOUT", "HAS_LEFT", "HAS_RIGHT", "gqa", "mha")}
 PADDED = {f"{k}:{f}" for k in ATTENTION for f in ("HAS_Q_KEEP", "HAS_K_KEEP", "padded", "left-only")}
 SPARSE = {"sparse_fwd", "sparse_fwd:V_IS_K", "sparse_dq", "sparse_dq:V_IS_K", "sparse_dkv", "sparse_dkv:V_IS_K",
-          "sparse_dkv:ATOMIC", "sparse_reduce"}
+          "sparse_dkv:ATOMIC", "sparse_reduce", "sparse_fwd:RANGE", "sparse_dq:RANGE", "sparse_dkv:RANGE"}
 # the classes each arch must have compiled: every kernel, and each variant that changes a loop body
 REQUIRED = {
     "sm90": EVERY_KERNEL | FEATURES | PADDED | {f"{k}:TMA" for k in ATTENTION} | {

@@ -10,7 +10,7 @@ per class. So across batches of different lengths, every int argument outside
 import pytest
 import torch
 
-from coreattn.kernels import attn_bwd, attn_fwd, tile_map
+from coreattn.kernels import attn_bwd, attn_fwd, sparse_bwd, sparse_fwd, sparse_index, tile_map
 from coreattn.kernels.packing import Packing, packed
 
 H, HKV, DQK, DV = 4, 2, 40, 24  # H * D multiples of 16, as in real models
@@ -83,14 +83,60 @@ BATCHES = {
                               "(tests/test_gpu.py checks the compile caches on a GPU)")
 @pytest.mark.parametrize("layout", list(BATCHES))
 def test_new_lengths_keep_every_specialized_argument_class(monkeypatch, layout):
-    runs = [_record(monkeypatch, make()) for make in BATCHES[layout]]
-    for name, (module, attr) in KERNELS.items():
+    _assert_classes_kept(KERNELS, LAUNCHES, [_record(monkeypatch, make()) for make in BATCHES[layout]])
+
+
+def _assert_classes_kept(kernels: dict, launches: dict, runs: list[dict]) -> None:
+    """Every int argument outside a kernel's ``do_not_specialize`` takes one class in every run."""
+    for name, (module, attr) in kernels.items():
         kernel = getattr(module, attr)
         free = set(getattr(kernel, "kwargs", {}).get("do_not_specialize") or
                    [p.name for p in kernel.params if p.do_not_specialize])
-        for launch in (f"{name}{i}" for i in range(LAUNCHES[name])):
+        for launch in (f"{name}{i}" for i in range(launches[name])):
             for arg in runs[0][launch]:
                 if arg in free:
                     continue
                 classes = {_spec_class(run[launch][arg]) for run in runs}
                 assert len(classes) == 1, f"{attr}: {arg} is specialized and takes {[r[launch][arg] for r in runs]}"
+
+
+SPARSE_KERNELS = {"fwd": (sparse_fwd, "_sparse_attn_fwd_kernel"), "pre": (sparse_bwd, "_attn_bwd_preprocess_kernel"),
+                  "dq": (sparse_bwd, "_sparse_attn_dq_kernel"), "dkv": (sparse_bwd, "_sparse_attn_dkv_kernel"),
+                  "reduce": (sparse_bwd, "_sparse_attn_reduce_kernel")}
+# per forward + backward: the slot and range modes of fwd, dq and dK/dV, one chunk's reduce
+SPARSE_LAUNCHES = {"fwd": 2, "pre": 1, "dq": 2, "dkv": 2, "reduce": 1}
+SDQK, SDV = 48, 32  # one latent key head: its row a multiple of 16, as in real models (576)
+
+
+def _sparse_record(monkeypatch, fmt, lens, n_slots):
+    """The int arguments of every sparse kernel launch of one forward + backward (absorbed MLA, GQA
+    of 4 heads on one latent head), each token naming its whole causal range or part of it."""
+    calls = {name: [] for name in SPARSE_KERNELS}
+    for name, (module, attr) in SPARSE_KERNELS.items():
+        monkeypatch.setattr(module, attr, _Recorder(getattr(module, attr), calls[name]))
+    if fmt == "thd":
+        tokens, seqlen = sum(lens), sum(lens)
+        q, k = torch.zeros(tokens, H, SDQK), torch.zeros(tokens, 1, SDQK)
+    else:
+        batch, seqlen = len(lens), max(lens)
+        q, k = torch.zeros(batch, seqlen, H, SDQK), torch.zeros(batch, seqlen, 1, SDQK)
+        tokens = batch * seqlen
+    pos = torch.arange(tokens, dtype=torch.int32) % seqlen
+    lo, hi = torch.zeros(tokens, dtype=torch.int32), pos + 1
+    topk = sparse_index.prepare_topk(torch.arange(n_slots).expand(tokens, n_slots), "thd")
+    out, lse = sparse_fwd.sparse_attn_fwd(q, k, None, topk, lo, hi, fmt, 0.1, v_dim=SDV)
+    sparse_bwd.sparse_attn_bwd(torch.zeros_like(out), q, k, None, out, lse, topk, lo, hi, fmt, 0.1, v_dim=SDV)
+    monkeypatch.undo()
+    assert {n: len(c) for n, c in calls.items()} == SPARSE_LAUNCHES
+    return {f"{name}{i}": call for name, c in calls.items() for i, call in enumerate(c)}
+
+
+@pytest.mark.interpreter_only("records the launchers on CPU tensors, whose launch target is the interpreter "
+                              "(tests/test_gpu.py checks the compile caches on a GPU)")
+@pytest.mark.parametrize("fmt", ["thd", "bshd"])
+def test_sparse_lengths_and_topk_keep_every_specialized_argument_class(monkeypatch, fmt):
+    """The sparse kernels (both modes) across lengths and top-k of every class (1, a multiple of 16,
+    neither), full rows and partial ones."""
+    batches = [((1,), 1), ((16,), 16), ((7,), 33), ((5, 0, 28), 7), ((40, 3), 64)]
+    _assert_classes_kept(SPARSE_KERNELS, SPARSE_LAUNCHES,
+                         [_sparse_record(monkeypatch, fmt, lens, n_slots) for lens, n_slots in batches])

@@ -1,7 +1,8 @@
 """The sparse kernels' index preparation (coreattn/kernels/sparse_index.py) against Python loops
 written from its definition: the prepared rows (sorted, set semantics, topk_length, negatives and
-values past int32 unused, sbhd's token order) and the CSR by key (every valid entry once, in
-(token, slot) order within a key)."""
+values past int32 unused, sbhd's token order), the CSR by key (every valid entry once, in
+(token, slot) order within a key; the full rows left out where asked), the row classes (full rows, the
+slots of the others' valid entries) and the token blocks the range-mode dK/dV visits per key block."""
 
 import pytest
 import torch
@@ -74,35 +75,118 @@ def test_empty_inputs():
     assert prepare_topk(torch.zeros(0, 2, 4, dtype=torch.int64), "sbhd").shape == (0, 1, 4)
 
 
-def _expected_csr(prepared, lo, hi, start, stop, seqlen_q, seqlen_k, batch):
+def _expected_csr(prepared, lo, hi, start, stop, seqlen_q, seqlen_k, batch, skip=None):
     """{(index head, key row): [n_local * K + slot, ...]} in (token, slot) order, from loops."""
     n_slots = prepared.shape[-1]
     out = {}
     for n in range(start, stop):
         b = n // seqlen_q
         for h in range(prepared.shape[1]):
+            if skip is not None and skip[n, h]:
+                continue
             for slot, j in enumerate(prepared[n, h].tolist()):
                 if max(int(lo[n]), 0) <= j < min(int(hi[n]), seqlen_k):
                     out.setdefault((h, b * seqlen_k + j), []).append((n - start) * n_slots + slot)
     return out
 
 
-@pytest.mark.parametrize("heads, start, stop", [(1, 0, 8), (2, 3, 7)], ids=["shared-whole", "per-head-chunk"])
-def test_csr_by_key_lists_every_valid_entry_in_token_slot_order(heads, start, stop):
+@pytest.mark.parametrize("heads, start, stop, skip", [(1, 0, 8, False), (2, 3, 7, True)],
+                         ids=["shared-whole", "per-head-chunk-skipping-rows"])
+def test_csr_by_key_lists_every_valid_entry_in_token_slot_order(heads, start, stop, skip):
+    """``skip``: the rows marked (the range mode's full rows) are left out."""
     gen = torch.Generator().manual_seed(1)
     batch, seqlen_q, seqlen_k, n_slots = 2, 4, 5, 6
     raw = torch.randint(-2, seqlen_k + 2, (batch * seqlen_q, heads, n_slots), generator=gen)
     prepared = prepare_topk(raw, "thd")
     lo = torch.randint(-1, 2, (batch * seqlen_q,), generator=gen, dtype=torch.int32)
     hi = torch.randint(0, seqlen_k + 2, (batch * seqlen_q,), generator=gen, dtype=torch.int32)
-    csr = transpose_topk(prepared, lo, hi, start, stop, seqlen_q=seqlen_q, seqlen_k=seqlen_k, batch=batch)
+    skip = torch.randint(0, 2, (batch * seqlen_q, heads), generator=gen, dtype=torch.int8) if skip else None
+    csr = transpose_topk(prepared, lo, hi, start, stop, seqlen_q=seqlen_q, seqlen_k=seqlen_k, batch=batch, skip=skip)
     key_rows = batch * seqlen_k
     assert csr.row_ptr.dtype == torch.int32 and csr.row_ptr.shape == (heads * key_rows + 1,)
     assert csr.entries.dtype == torch.int32 and csr.entries.shape == ((stop - start) * heads * n_slots,)
-    expected = _expected_csr(prepared, lo, hi, start, stop, seqlen_q, seqlen_k, batch)
+    expected = _expected_csr(prepared, lo, hi, start, stop, seqlen_q, seqlen_k, batch, skip)
     ptr, entries = csr.row_ptr.tolist(), csr.entries.tolist()
     for h in range(heads):
         for r in range(key_rows):
             seg = h * key_rows + r
             assert entries[ptr[seg]:ptr[seg + 1]] == expected.get((h, r), []), (h, r)
     assert ptr[-1] == sum(len(v) for v in expected.values())
+
+
+def _classes_by_loops(prepared, lo, hi, seqlen_k):
+    """(span [N][H] (begin, end), full [N][H]) from row_classes' definition."""
+    spans, fulls = [], []
+    for n, heads in enumerate(prepared.tolist()):
+        lo_n, hi_n = max(int(lo[n]), 0), min(int(hi[n]), seqlen_k)
+        spans.append([])
+        fulls.append([])
+        for row in heads:
+            slots = [i for i, j in enumerate(row) if lo_n <= j < hi_n]
+            full = len(slots) == max(hi_n - lo_n, 0)
+            fulls[-1].append(int(full))
+            spans[-1].append((slots[0], slots[-1] + 1) if slots and not full else (0, 0))
+    return spans, fulls
+
+
+@pytest.mark.parametrize("chunk", [None, 5], ids=["whole", "chunk5"])
+def test_row_classes_full_rows_and_the_span_of_the_valid_entries(chunk, monkeypatch):
+    """Full rows (every key of [lo, hi), in any order, among -1, repeats and keys outside; an empty
+    range), rows one key short, rows without a valid entry, random rows; bounds clamped to the keys."""
+    if chunk is not None:
+        monkeypatch.setattr(sparse_index, "CLASSIFY_CHUNK_ENTRIES", chunk)
+    gen = torch.Generator().manual_seed(2)
+    seqlen_k, n_slots = 9, 8
+    lo = torch.tensor([0, 2, 3, -2, 4, 5, 0, 1, 6, 0], dtype=torch.int32)
+    hi = torch.tensor([3, 6, 3, 2, 12, 8, 9, 4, 7, 5], dtype=torch.int32)
+    rows = [[2, 0, -1, 1, 1, 7, -5, 3],  # full [0, 3) with a repeat and keys outside
+            [5, 3, 4, 2, -1, -1, -1, -1],  # full [2, 6)
+            [1, 2, -1, -1, -1, -1, -1, -1],  # empty range: full
+            [0, 1, -1, 5, -1, -1, -1, -1],  # [-2, 2) clamped to [0, 2): full
+            [4, 5, 6, 7, -1, 8, 11, 20],  # [4, 12) clamped to [4, 9): full
+            [5, 7, -1, -1, -1, -1, -1, -1],  # one short of [5, 8)
+            [-1] * n_slots,  # nothing valid
+            [0, 1, 2, 3, 3, 2, 1, 0],  # [1, 4) with repeats and 0 outside: full
+            [6, 6, 6, 6, 6, 6, 6, 6],  # full [6, 7)
+            torch.randint(-2, 11, (n_slots,), generator=gen).tolist()]
+    prepared = prepare_topk(torch.tensor(rows), "thd")
+    classes = sparse_index.row_classes(prepared, lo, hi, seqlen_k)
+    assert classes.span.dtype == torch.int32 and classes.span.shape == (len(rows), 1, 2)
+    assert classes.full.dtype == torch.int8 and classes.full.shape == (len(rows), 1)
+    spans, fulls = _classes_by_loops(prepared, lo, hi, seqlen_k)
+    assert classes.full.tolist() == fulls
+    assert [[tuple(s) for s in n] for n in classes.span.tolist()] == spans
+    assert fulls[:6] == [[1], [1], [1], [1], [1], [0]] and fulls[6:9] == [[0], [1], [1]]
+
+
+def test_range_visits_cover_every_token_block_a_key_block_meets():
+    """Per (index head, sample, key block): [first, end) holds every token block with a full row whose
+    range meets the key block (random bounds, two samples, two index heads), and is exactly the blocks
+    from the key block's own to the sample's last where rows are causal and all full."""
+    gen = torch.Generator().manual_seed(3)
+    batch, seqlen_q, seqlen_k, block_t, block_n = 2, 11, 13, 4, 4
+    n = batch * seqlen_q
+    lo = torch.randint(-1, 8, (n,), generator=gen, dtype=torch.int32)
+    hi = lo + torch.randint(-1, 7, (n,), generator=gen, dtype=torch.int32)
+    full = torch.randint(0, 2, (n, 2), generator=gen, dtype=torch.int8)
+    visits = sparse_index.range_visits(full, lo, hi, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                                       block_t=block_t, block_n=block_n)
+    n_kblocks = -(-seqlen_k // block_n)
+    assert visits.dtype == torch.int32 and visits.shape == (2, batch, n_kblocks, 2)
+    for h in range(2):
+        for b in range(batch):
+            for kb in range(n_kblocks):
+                first, end = visits[h, b, kb].tolist()
+                for s in range(seqlen_q):
+                    t = b * seqlen_q + s
+                    lo_t, hi_t = max(int(lo[t]), 0), min(int(hi[t]), seqlen_k)
+                    if full[t, h] and lo_t < hi_t and lo_t < (kb + 1) * block_n and hi_t > kb * block_n:
+                        assert first <= s // block_t < end, (h, b, kb, s)
+    # causal, every row full: key block kb is seen from its own positions to the end of the sample
+    pos = torch.arange(seqlen_q, dtype=torch.int32).repeat(batch)
+    visits = sparse_index.range_visits(torch.ones(n, 1, dtype=torch.int8), torch.zeros(n, dtype=torch.int32),
+                                       pos + 1, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_q, block_t=block_t,
+                                       block_n=block_n)
+    n_tblocks = -(-seqlen_q // block_t)
+    want = [[(kb * block_n) // block_t, n_tblocks] for kb in range(-(-seqlen_q // block_n))]
+    assert visits[0, 0].tolist() == want and visits[0, 1].tolist() == want

@@ -41,6 +41,12 @@ class SparseCase:
     per_head: bool = False  # indices [.., Hkv, K] (else one set for every head)
     causal: bool = True
     topk_length: bool = False
+    # index rows: "random" (half visible keys, half what must be masked), "full" (every row names its whole
+    # visible range, shuffled, among -1, a repeat and keys outside it: the kernels' range mode), "mixed" (the
+    # whole range where it fits in K, else K keys spread over it; with per_head, the second index head's
+    # rows leave out one key: a token full for one kv head and not for the other)
+    rows: str = "random"
+    window: int = 0  # key bounds narrower than the sequence: lo = max(start, position + 1 - window)
 
     @property
     def id(self) -> str:
@@ -50,6 +56,8 @@ class SparseCase:
         parts += ["per-head-idx"] if self.per_head else []
         parts += ["causal"] if self.causal else ["full"]
         parts += ["topk-length"] if self.topk_length else []
+        parts += [f"{self.rows}-rows"] if self.rows != "random" else []
+        parts += [f"bounds-window{self.window}"] if self.window else []
         return "-".join(parts)
 
 
@@ -75,9 +83,30 @@ def _bounds(case: SparseCase, tokens) -> tuple[torch.Tensor, torch.Tensor]:
             lo.append(0)
             hi.append(0)
             continue
-        lo.append(start)
+        lo.append(max(start, pos + 1 - case.window) if case.window else start)
         hi.append(pos + 1 if case.causal else start + length)
     return torch.tensor(lo, dtype=torch.int32), torch.tensor(hi, dtype=torch.int32)
+
+
+def _whole_rows(case: SparseCase, lo, hi, rows, gen) -> torch.Tensor:
+    """[N, Hidx, K] int64 for ``rows`` "full" and "mixed" (SparseCase.rows): each row's keys, then a
+    repeat, a -1, a key of the next row (outside the range: past causality or another sequence) and
+    -1 up to K, shuffled."""
+    n_idx = case.heads_kv if case.per_head else 1
+    raw = torch.full((len(lo), n_idx, case.n_slots), -1, dtype=torch.int64)
+    for t in range(len(lo)):
+        visible = list(range(int(lo[t]), int(hi[t])))
+        for h in range(n_idx):
+            keys = visible
+            if len(keys) > case.n_slots:  # mixed: K keys spread over the range
+                keys = [visible[(j * len(visible)) // case.n_slots] for j in range(case.n_slots)]
+            if h == 1 and len(keys) > 1:
+                keys = keys[1:]
+            extra = [keys[0], -1, int(hi[t]) % rows] if keys else [-1, int(hi[t]) % rows]
+            row = (keys + extra)[:case.n_slots]
+            raw[t, h, :len(row)] = torch.tensor(row)
+            raw[t, h] = raw[t, h, torch.randperm(case.n_slots, generator=gen)]
+    return raw
 
 
 def _raw_indices(case: SparseCase, tokens, lo, hi, rows, gen) -> torch.Tensor:
@@ -167,7 +196,10 @@ class Batch:
         self.case, self.dtype = case, dtype
         batch, seqlen, seqlen_k, tokens = _token_layout(case)
         self.lo, self.hi = _bounds(case, tokens)
-        raw = _raw_indices(case, tokens, self.lo, self.hi, seqlen_k, gen)
+        if case.rows == "random":
+            raw = _raw_indices(case, tokens, self.lo, self.hi, seqlen_k, gen)
+        else:
+            raw = _whole_rows(case, self.lo, self.hi, seqlen_k, gen)
         lengths = None
         if case.topk_length:
             lengths = torch.randint(0, case.n_slots + 3, (len(tokens),), generator=gen)
@@ -259,6 +291,16 @@ CASES = [
     # DeepSeek-V3.2 / GLM-5's absorbed MLA: 576 = 512 + 64, V = the 512 block, few tokens
     (SparseCase(lens=(4, 2), heads_q=16, heads_kv=1, dim_qk=576, dim_v=512, absorbed=True, n_slots=20),
      torch.bfloat16),
+    # every row full (top-k longer than every sequence): the range mode alone, its 16-row tiles 8 tokens of
+    # GQA 2 across sequence boundaries, 16-key blocks across the 12-token sequence
+    (SparseCase(rows="full", n_slots=16), torch.float16),
+    # bshd, one sample longer than K: its first 6 tokens full, the rest sparse, and per kv head (the second's
+    # rows one key short: slot mode), so token blocks, key blocks and dK/dV rows take both modes at once
+    (SparseCase(fmt="bshd", lens=(14, 9), heads_kv=2, per_head=True, rows="mixed", n_slots=6), torch.float32),
+    # key bounds narrower than causality (a window of 4): a row naming its 4 keys is full, its range does not
+    # start at the sequence's; absorbed V from the key block
+    (SparseCase(lens=(11, 6), heads_q=2, heads_kv=1, dim_qk=32, dim_v=32, absorbed=True, rows="full", window=4,
+                n_slots=8), torch.float32),
 ]
 
 
@@ -323,6 +365,63 @@ def test_atomic_variant_agrees_within_rounding(small):
     for a, b in zip(atomic[1:], exact[1:]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     batch.check_backward(atomic)
+
+
+class _LoadCalls:
+    """Counts the interpreter's load calls that read each of some tensors (any lane's address in its
+    storage): the kernels' algorithmic cost in gathers, independent of the machine's speed."""
+
+    def __init__(self, monkeypatch, **tensors):
+        from triton.runtime import interpreter
+
+        storages = {name: t.untyped_storage() for name, t in tensors.items()}
+        self.ranges = {name: (s.data_ptr(), s.data_ptr() + s.nbytes()) for name, s in storages.items()}
+        self.calls = dict.fromkeys(tensors, 0)
+        real = interpreter.InterpreterBuilder.create_masked_load
+
+        def counted(builder, ptrs, mask, *args, **kwargs):
+            addr = ptrs.data.astype("uint64")
+            for name, (lo, hi) in self.ranges.items():
+                self.calls[name] += bool(((addr >= lo) & (addr < hi)).any())
+            return real(builder, ptrs, mask, *args, **kwargs)
+
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counted)
+
+
+def _widened(topk: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """The same prepared rows in ``n_slots`` slots (-1 before them, prepared again)."""
+    pad = torch.full((*topk.shape[:-1], n_slots - topk.shape[-1]), -1, dtype=topk.dtype, device=topk.device)
+    return prepare_topk(torch.cat([pad, topk], -1), "thd")
+
+
+@pytest.mark.interpreter_only("counts the kernels' loads under the interpreter")
+def test_unused_slots_and_full_rows_cost_no_loads(monkeypatch):
+    """The same valid entries in K = 10 and in K = 200 slots (190 more -1) take as many key loads in
+    every kernel, forward and backward, with bitwise equal results: each row's loop runs from its
+    first valid slot to its last, and slot blocks past it do nothing. Full rows (the range mode) read
+    no index entry at all."""
+    batch = Batch(SMALL, torch.float32, seed=2)
+    runs = []
+    for n_slots in (SMALL.n_slots, 200):
+        topk = _widened(batch.topk, n_slots)
+        calls = _LoadCalls(monkeypatch, k=batch.k, topk=topk)
+        out, lse = sparse_attn_fwd(batch.q, batch.k, batch.v, topk, batch.lo, batch.hi, "thd", batch.scale)
+        grads = sparse_attn_bwd(batch.dout, batch.q, batch.k, batch.v, out, lse, topk, batch.lo, batch.hi, "thd",
+                                batch.scale)
+        monkeypatch.undo()
+        runs.append((calls.calls, out, lse, grads))
+    (few, *first), (many, *second) = runs
+    assert few["k"] > 0 and few == many, (few, many)
+    for a, b in zip([first[0], first[1], *first[2]], [second[0], second[1], *second[2]]):
+        assert (a is None and b is None) or torch.equal(a, b)
+    batch.check_forward(first[0], first[1])
+
+    full = Batch(SparseCase(lens=(5, 0, 9), heads_q=4, heads_kv=1, rows="full", n_slots=12), torch.float32)
+    calls = _LoadCalls(monkeypatch, k=full.k, topk=full.topk)
+    out, lse = full.forward()
+    full.backward(out, lse)
+    monkeypatch.undo()
+    assert calls.calls["k"] > 0 and calls.calls["topk"] == 0, calls.calls
 
 
 @pytest.mark.parametrize("what", ["no-tokens", "no-slots", "no-keys"])

@@ -1,11 +1,19 @@
 """Launch tables of the sparse (top-k) attention kernels (kernels/sparse_fwd.py, sparse_bwd.py).
 
-Four kernels: ``fwd`` and ``dq`` (a program per (query token, kv head, block of BLOCK_H q heads)
-stepping over BLOCK_N of the token's top-k slots), ``dkv`` (a program per (query token, kv head,
-block of BLOCK_N slots) stepping over the group's heads in blocks of BLOCK_H) and ``reduce`` (a
-program per (key row, kv head) summing its CSR entries: no tile, warps only). A config is an
-``AttnConfig`` whose ``block_m`` is BLOCK_H (q heads: the rows of the forward's and dQ's dots, the
-inner dimension of dK's) and ``block_n`` BLOCK_N (slots).
+Slot mode (the rows that name part of their range): ``fwd`` and ``dq`` (a program per (query token,
+kv head, block of BLOCK_H q heads) stepping over BLOCK_N of the token's valid slots), ``dkv`` (a
+program per (query token, kv head, block of BLOCK_N slots) stepping over the group's heads in blocks
+of BLOCK_H) and ``reduce`` (a program per (key row, kv head) summing its CSR entries: no tile, warps
+only). A config is an ``AttnConfig`` whose ``block_m`` is BLOCK_H (q heads: the rows of the
+forward's and dQ's dots, the inner dimension of dK's) and ``block_n`` BLOCK_N (slots).
+
+Range mode (full rows as dense attention): ``range_fwd``, ``range_dq`` (a program per (block of
+BLOCK_T query tokens, kv head, block of BLOCK_H q heads) stepping over BLOCK_N contiguous keys) and
+``range_dkv`` (a program per (block of BLOCK_N keys, kv head) stepping over token blocks x head
+blocks). Their ``block_m`` is the tile's MMA rows, BLOCK_T x BLOCK_H (``range_tile``: the group's
+heads rounded up to a power of two, tokens for the rest), and ``block_n`` keys; the tables give
+them the slot mode's row counts and register budget (the 576/512 forward 32 rows, so 16 heads take
+two tokens).
 
 BLOCK_H is the table's for the widest heads (``block_m``) or, for a smaller GQA group, the group
 rounded up to a power of two, at least 16 (tl.dot's minimum; a group smaller than 16 is padded
@@ -15,15 +23,16 @@ the group class (heads per kv head: the 16-row tiles of GQA and the 64-row ones 
 64-128 heads take different warps).
 
 How the CUDA and CDNA entries were picked: by compiling (``python -m bench --what kernels``,
-coreattn/tune/compiler.py; docs/compile-report.md has the figures per arch and Triton, the run in
-bench/results/compile-report-sparse_2026-11-28/): with these tables every sparse kernel of the
-report (absorbed 576/512 at 16-128 heads, GQA 4 at 192/128, 128 and 64, bf16, fp16 and fp32) has
-0 spill bytes and fits its arch's shared memory (LDS) on sm80, sm86, sm89, sm90, sm100 and sm120
-under Triton 3.6.0, 3.7.1, 3.8.0 and 3.9.0 and on gfx90a, gfx942 and gfx950 under 3.9.0, and every
-16-bit tl.dot is an MMA of its input type (mma.sync; tcgen05 for sm100's 64-head forward; 16x16
-MFMAs). The comments below say what each choice avoided. What is left is MMA work: the score dots
-of 16- and 32-row tiles repeat on 2-4 warps (CDNA waves), and a GQA group smaller than 16 pads the
-16-row tile with masked heads. None has been timed.
+coreattn/tune/compiler.py; docs/compile-report.md has the figures per arch and Triton): every sparse
+kernel of the report (absorbed 576/512 at 16-128 heads, GQA 4 at 192/128, 128 and 64, bf16, fp16
+and fp32; both modes) has 0 spill bytes and fits its arch's shared memory (LDS), and every 16-bit
+tl.dot is an MMA of its input type (mma.sync; tcgen05 for sm100's 64-head slot-mode forward; 16x16 MFMAs).
+The slot mode's tables were chosen on sm80, sm86, sm89, sm90, sm100 and sm120 under Triton 3.6.0,
+3.7.1, 3.8.0 and 3.9.0 and on the CDNA archs under 3.9.0; with the range mode, sm90, sm100, gfx90a,
+gfx942 and gfx950 were compiled under all four releases (the CDNA forward at 576/512 changed for
+it). The comments below say what each choice avoided. What is left is MMA work: the score dots of
+16- and 32-row tiles repeat on 2-4 warps (CDNA waves), and a slot-mode GQA group smaller than 16
+pads the 16-row tile with masked heads (the range mode fills it with tokens). None has been timed.
 
 Ascend (triton-ascend: one warp, a persistent grid) sizes the tiles by the on-chip buffer as the
 dense tables do (``step_bytes``); the kernels run under triton-ascend 3.2's interpreter in the
@@ -40,7 +49,8 @@ import triton
 from coreattn.kernels.configs.base import AttnConfig
 from coreattn.kernels.configs.targets import ASCEND_STEP_BUDGET, CDNA_TARGETS, FP_FUSION, MAXNREG
 
-KERNELS = ("fwd", "dq", "dkv", "reduce", "pre")
+KERNELS = ("fwd", "dq", "dkv", "range_fwd", "range_dq", "range_dkv", "reduce", "pre")
+RANGE_KERNELS = {"range_fwd": "fwd", "range_dq": "dq", "range_dkv": "dkv"}  # each with its slot-mode twin
 MIN_BLOCK_H = 16  # tl.dot's smallest M
 
 _C = AttnConfig
@@ -48,12 +58,15 @@ _W = functools.partial(AttnConfig, matrix_instr_nonkdim=16)
 
 # The interpreter: small tiles, so tests cross slot blocks (K up to 40) and head blocks (groups > 16), and
 # unequal (16 heads x 32 slots), so a kernel that mixed up the two would fail on shapes.
+# Range mode: 16 rows (tokens x heads) over 16 keys, so the short sequences of the tests cross key blocks and
+# a row block holds several tokens (8 with a group of 2).
 _INTERPRETER = {"fwd": _C(16, 32, 1, 1), "dq": _C(16, 32, 1, 1), "dkv": _C(16, 32, 1, 1), "reduce": _C(0, 64, 1, 1),
-                "pre": _C(16, 0, 1, None)}
+                "pre": _C(16, 0, 1, None), "range_fwd": _C(16, 16, 1, 1), "range_dq": _C(16, 16, 1, 1),
+                "range_dkv": _C(16, 16, 1, 1)}
 
 # CUDA and CDNA tables: kernel -> target -> ((max width, max group, AttnConfig), ...), first match wins;
 # width = the larger of the q/k blocks' sum and the v block. fp32 takes _FP32 (no tensor-core MMA at IEEE).
-_TABLES: dict = {"fwd": {}, "dq": {}, "dkv": {}}
+_TABLES: dict = {kernel: {} for kernel in ("fwd", "dq", "dkv", *RANGE_KERNELS)}
 _REDUCE = {"cuda": _C(0, 512, 4, 2), "cdna": _W(0, 512, 4, 1)}
 # the delta preprocess (the dense kernel): rows per program and warps by v's block
 _PRE = ((128, _C(64, 0, 4, None)), (256, _C(32, 0, 4, None)), (512, _C(16, 0, 8, None)))
@@ -99,6 +112,42 @@ for _kernel, _rows in _CDNA.items():
     for _target in CDNA_TARGETS:
         _TABLES[_kernel][_target] = _rows
 
+# Range mode (full rows as dense attention over contiguous keys): block_m is the tile's MMA rows, BLOCK_T
+# query tokens x BLOCK_H q heads (``range_tile``), so a GQA group smaller than 16 fills the rows with tokens
+# instead of masked heads, and at 576/512 16 heads take two tokens per 32-row tile: one key block serves both.
+_CUDA_RANGE = {
+    "range_fwd": ((256, 1 << 30, _C(16, 64, 4, 2)), (1024, 1 << 30, _C(32, 32, 8, 2))),
+    "range_dq": ((256, 1 << 30, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(16, 32, 8, 2))),
+    # keys x rows as the slot-mode dK/dV's slots x heads, but 16 rows at 576/512: its 32 spilled 40 B on sm90 under
+    # Triton 3.7.1 (the range program holds its key block across two loops; one stage: 118 KB, unpipelined), and
+    # on 4 warps 16 x 16 spilled 244 B
+    "range_dkv": ((256, 1 << 30, _C(16, 16, 4, 2)), (1024, 1 << 30, _C(16, 16, 8, 2))),
+}
+_CDNA_RANGE = {
+    "range_fwd": ((256, 1 << 30, _W(16, 64, 1, 1)), (1024, 1 << 30, _W(64, 16, 8, 1))),
+    "range_dq": _CDNA["dq"],
+    "range_dkv": _CDNA["dkv"],
+}
+for _kernel in RANGE_KERNELS:
+    for _target in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120"):
+        _TABLES[_kernel][_target] = _CUDA_RANGE[_kernel]
+    for _target in CDNA_TARGETS:
+        _TABLES[_kernel][_target] = _CDNA_RANGE[_kernel]
+# sm100 keeps mma.sync's 32 rows in the range mode: its slot mode's 64 x 16 on tcgen05 spilled 84-120 B in the
+# range forward under Triton 3.8.0 (the rows' own bounds and the [64, 16] mask beside the accumulator)
+# gfx90a and gfx942: the 576/512 forward's 64 x 16 on 8 waves spilled 4-84 B per lane under Triton 3.6.0 and
+# 3.7.1 (both modes; none under 3.9.0); 32 x 32 on 4 waves holds its accumulators in VGPRs and AGPRs
+for _target in ("gfx90a", "gfx942"):
+    _TABLES["fwd"][_target] = _CDNA["fwd"][:2] + ((1024, 1 << 30, _W(32, 32, 4, 1)),)
+    _TABLES["range_fwd"][_target] = _CDNA_RANGE["range_fwd"][:1] + ((1024, 1 << 30, _W(32, 32, 4, 1)),)
+
+
+def range_tile(group: int, rows: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_H) of a range-mode tile of ``rows`` MMA rows: the group's q heads rounded up to
+    a power of two (at most ``rows``), and as many query tokens as fill the rest."""
+    block_h = min(rows, triton.next_power_of_2(max(group, 1)))
+    return rows // block_h, block_h
+
 
 def block_h_for(group: int, block_h: int) -> int:
     """BLOCK_H for a group of ``group`` q heads per kv head: the config's, or the group rounded up
@@ -136,16 +185,18 @@ def _ascend(kernel: str, block_dqk: int, block_dv: int, elem: int) -> AttnConfig
 
 def sparse_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem: int = 2,
                   group: int = 1) -> AttnConfig:
-    """The config of sparse ``kernel`` ("fwd", "dq", "dkv", "reduce") on ``target``: ``block_dqk``
-    the q/k blocks' total width (576 for 512 + 64), ``block_dv`` v's block, ``elem`` bytes per input
-    element, ``group`` q heads per kv head. ``block_m`` is BLOCK_H, fitted to the group
-    (``block_h_for``)."""
+    """The config of sparse ``kernel`` (``KERNELS``: the slot mode's "fwd", "dq", "dkv", the range
+    mode's "range_fwd", "range_dq", "range_dkv", "reduce", "pre") on ``target``: ``block_dqk`` the
+    q/k blocks' total width (576 for 512 + 64), ``block_dv`` v's block, ``elem`` bytes per input
+    element, ``group`` q heads per kv head. ``block_m`` is the slot mode's BLOCK_H, fitted to the group
+    (``block_h_for``), and the range mode's MMA rows (``range_tile`` splits them)."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown sparse kernel {kernel!r}; expected one of {KERNELS}")
+    twin = RANGE_KERNELS.get(kernel, kernel)
     if target == "interpreter":
         cfg = _INTERPRETER[kernel]
     elif target == "ascend":
-        cfg = _ascend(kernel, block_dqk, block_dv, elem)
+        cfg = _ascend(twin, block_dqk, block_dv, elem)
     else:
         cdna = target in CDNA_TARGETS
         if kernel == "reduce":
@@ -153,7 +204,7 @@ def sparse_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem:
         elif kernel == "pre":
             cfg = next(c for w, c in _PRE if block_dv <= w)
         elif elem == 4:
-            cfg = (_FP32_CDNA if cdna else _FP32)[kernel]
+            cfg = (_FP32_CDNA if cdna else _FP32)[twin]
         else:
             widest = max(block_dqk, block_dv)
             rows = [c for w, g, c in _TABLES[kernel][target] if widest <= w and group <= g]
@@ -161,6 +212,6 @@ def sparse_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem:
                 raise ValueError(f"no sparse {kernel} config for head blocks {block_dqk}/{block_dv} on {target}")
             cfg = rows[0]
         cfg = cfg._replace(fp_fusion=FP_FUSION) if cdna else cfg._replace(maxnreg=MAXNREG, fp_fusion=FP_FUSION)
-    if kernel in ("reduce", "pre"):
+    if kernel in ("reduce", "pre") or kernel in RANGE_KERNELS:
         return cfg
     return cfg._replace(block_m=block_h_for(group, cfg.block_m))
