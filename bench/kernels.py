@@ -27,16 +27,18 @@ FEATURE_DIMS = MAIN_DIMS
 # the sparse (top-k) kernels: absorbed MLA (DeepSeek-V3.2, GLM-5) at 576/512 with 16 to 128 q heads on one
 # latent key head (BLOCK_H 16, 32, 64: configs/sparse.py), GQA 4 with separate V at 192/128, 128 and 64
 SPARSE_HEADS = (16, 32, 64, 128)
+SPARSE_V4_HEADS = (16, 64)  # DeepSeek-V4's one 512-wide head, K = V (absorbed at v_head_dim 512)
 SPARSE_GQA_DIMS = ((192, 128), (128, 128), (64, 64))
 
 
 def sparse_problems(quick: bool = False) -> list[SparseProblem]:
-    """bf16 absorbed 576/512 at each head count and GQA 4 at each dim; fp16 absorbed at 128 heads and
+    """bf16 absorbed 576/512 at each head count, DeepSeek-V4's 512/512 (K = V) at 16 and 64, and GQA 4 at each dim; fp16 absorbed at 128 heads and
     GQA at 128; one fp32 row. quick: absorbed 576/512 at 128 heads and GQA 4 at 128, bf16."""
     if quick:
         return [SparseProblem(576, 512, 128, 1, True), SparseProblem(128, 128, 16, 4)]
     cases = [SparseProblem(576, 512, heads, 1, True) for heads in SPARSE_HEADS]
     cases += [SparseProblem(qk, v, 16, 4) for qk, v in SPARSE_GQA_DIMS]
+    cases += [SparseProblem(512, 512, heads, 1, True) for heads in SPARSE_V4_HEADS]  # DeepSeek-V4: K = V
     cases += [SparseProblem(576, 512, 128, 1, True, "fp16"), SparseProblem(128, 128, 16, 4, dtype="fp16"),
               SparseProblem(128, 128, 16, 4, dtype="fp32")]
     return cases

@@ -8,8 +8,8 @@ from pathlib import Path
 
 NOT_PERF = "NOT PERFORMANCE DATA (CPU run: it checks the suite, not the kernels)"
 CPU_PERF = "the CPU attention section is performance data for the torch backend (python -m bench --what cpu)"
-SPARSE_PERF = ("the sparse section is performance data for the torch backend, Megatron's own DSA path and dense "
-               "attention on this CPU (python -m bench --what sparse)")
+SPARSE_PERF = ("the sparse section is performance data for the torch backend, Megatron's own DSA path, dense "
+               "attention and transformers' eager DeepSeek-V4 attention on this CPU (python -m bench --what sparse)")
 KERNELS_NOTE = ("the compile report is static compiler output for emulated CUDA and AMD CDNA targets "
                 "(python -m bench --what kernels)")
 MEMORY_LIMIT_GIB = 8  # the CPU section's 32k-token memory check
@@ -97,10 +97,11 @@ def format_table(rows: list[dict], meta: dict, primary: str = "coreattn") -> str
         parts.append("sparse (top-k) attention, one sequence, causal (regime: full = every token names its whole "
                      "causal range, sparse = not; time: every provider of a (config, mode) in one subprocess, calls "
                      f"interleaved, default allocator, {'/'.join(map(str, threads)) or '?'} torch threads; "
-                     "x megatron / x dense = this time over Megatron's / dense attention's from that process; extra = "
+                     "x megatron / x dense / x eager = this time over Megatron's / dense attention's / transformers' eager "
+                     "DeepSeek-V4 attention's (v4-csa rows) from that process; extra = "
                      "the call's peak memory on top of its inputs, from its own subprocess under the memory "
                      "allocator settings; growth = this row / the same provider at T/2: x2 linear, x4 quadratic):\n" +
-                     _table(["config", "regime", "mode", "provider", "ms", "x megatron", "x dense", "GFLOP/s",
+                     _table(["config", "regime", "mode", "provider", "ms", "x megatron", "x dense", "x eager", "GFLOP/s",
                              "extra MiB", "time growth", "memory growth", "note"], sparse))
     if any(r["kind"] == "kernels" for r in rows):
         from bench.kernels import format_tables
@@ -167,7 +168,8 @@ def _sparse_lines(rows: list[dict]) -> list[list[str]]:
         if r.get("memory_error"):
             note = (note + "; " if note else "") + f"memory: {r['memory_error']}"
         lines.append([r["config"], r.get("regime", "-"), r["mode"], r["provider"], _fmt(r.get("ms"), ".1f"),
-                      _fmt(r.get("x_megatron"), ".2f"), _fmt(r.get("x_dense"), ".2f"), _fmt(r.get("gflops"), ".1f"),
+                      _fmt(r.get("x_megatron"), ".2f"), _fmt(r.get("x_dense"), ".2f"), _fmt(r.get("x_eager"), ".2f"),
+                      _fmt(r.get("gflops"), ".1f"),
                       _fmt(r.get("extra_mib"), ".0f"), _fmt(r.get("time_growth"), ".2f"),
                       _fmt(r.get("memory_growth"), ".2f"), note])
     return lines

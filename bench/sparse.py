@@ -10,6 +10,12 @@ One sequence of T tokens in DeepSeek-V3.2's absorbed MLA form: q ``[T, H, 576]``
 - ``overlap``: token i names its K/2 most recent keys and the K/2 latest, below them, of one fixed
   set of K/2 keys (seeded) shared by every token: neighbouring tokens' sets overlap almost entirely,
   as a real indexer's do (local keys and heavy hitters), and spread over a range much wider than K.
+- ``v4-csa``: DeepSeek-V4's compressed sparse attention layer, its own form: q ``[T, H, 512]``, one
+  512-wide head that is K and V, over the T raw keys followed by T/4 compressed entries
+  (``[T + T/4, 1, 512]``); token i sees its last ``V4_WINDOW`` raw keys (the sliding window, as
+  ``key_window``) and K compressed entries (the indexer's top-k, spread evenly over the entries
+  complete at i, ``w < (i + 1) // 4``), plus a learnable sink per head (``softmax_offset``), scale
+  1/sqrt(512).
 
 Providers:
 
@@ -25,7 +31,13 @@ Providers:
   where its estimated S x S buffers pass ``MEGATRON_BUDGET``;
 - ``dense``: ``coreattn.varlen_attn`` (causal; torch backend on CPU, Triton on CUDA) over the same
   tokens at the head dims the same model's attention has without DSA (MLA's 192 / 128, H heads):
-  what dense attention costs at that T.
+  what dense attention costs at that T;
+- ``hf-eager`` (``v4-csa`` only): transformers' DeepSeek-V4 eager attention
+  (``models.deepseek_v4.modeling_deepseek_v4.eager_attention_forward``) on the mask its layer
+  builds: the sliding-window causal mask over the raw keys with the compressor's block bias over
+  the entries appended, ``[1, 1, T, T + T/4]``, what ``attn_implementation="eager"`` runs;
+  skipped where transformers has no DeepSeek-V4 and where its estimated ``[H, T, T + T/4]``
+  buffers pass ``MEGATRON_BUDGET``. (Megatron-Core has no DeepSeek-V4 attention in a release.)
 
 ``fwd`` is a training forward (inputs require grad); ``fwdbwd`` adds the backward of a fixed output
 gradient. fp32 on CPU, bf16 on CUDA. Two kinds of subprocess (``python -m bench.sparse SPEC``):
@@ -60,12 +72,13 @@ from bench.cpu_attention import _reset_peak, _status_kib, worker_json
 from bench.env import REPO_ROOT
 from bench.flops import attention_flops
 
-PROVIDERS = ("coreattn-torch", "coreattn-triton", "megatron", "dense")
+PROVIDERS = ("coreattn-torch", "coreattn-triton", "megatron", "dense", "hf-eager")
 MODES = ("fwd", "fwdbwd")
-PATTERNS = ("spread", "overlap")
+PATTERNS = ("spread", "overlap", "v4-csa")
 DQK, DV, ROPE = 576, 512, 64  # DeepSeek-V3.2: kv_lora_rank 512 + rope 64; qk_head_dim 128 + rope 64 = 192
 SCALE = 1.0 / math.sqrt(128 + ROPE)
 DENSE_DQK, DENSE_DV = 192, 128
+V4_DIM, V4_WINDOW, V4_RATE = 512, 128, 4  # DeepSeek-V4: K = V head dim, sliding window, CSA compression
 MEGATRON_BUDGET = 10 << 30  # skip Megatron rows whose estimated S x S buffers pass this (the machine must survive)
 TIME_BUDGET_S = 60.0  # per provider: the rounds stop once the slowest passes it
 MORE_REPS_S = 10.0
@@ -83,8 +96,24 @@ class SparseBenchCase(NamedTuple):
     @property
     def id(self) -> str:
         t = f"{self.tokens // 1024}k" if self.tokens % 1024 == 0 else str(self.tokens)
+        if self.v4:
+            return f"v4-csa-kv{V4_DIM}-h{self.heads}-win{V4_WINDOW}-topk{self.topk}-T{t}"
         tail = "" if self.pattern == "spread" else f"-{self.pattern}"
         return f"dsa-absorbed{DQK}x{DV}-h{self.heads}-topk{self.topk}-T{t}{tail}"
+
+    @property
+    def v4(self) -> bool:
+        return self.pattern == "v4-csa"
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """(Dqk, Dv) of the sparse providers."""
+        return (V4_DIM, V4_DIM) if self.v4 else (DQK, DV)
+
+    @property
+    def key_rows(self) -> int:
+        """Key rows of the sparse providers: v4-csa's raw keys and compressed entries."""
+        return self.tokens + self.tokens // V4_RATE if self.v4 else self.tokens
 
     @property
     def regime(self) -> str:
@@ -98,12 +127,15 @@ def sparse_cases(quick: bool, on_gpu: bool = False) -> list[SparseBenchCase]:
     overlap pattern at T 8k (one gather serving many tokens); GPU: 16 heads, T up to 32k; quick: tiny
     shapes that check the section."""
     if quick:
-        return [SparseBenchCase(t, 64, 2) for t in (256, 512)] + [SparseBenchCase(64, 64, 2)]
+        return [SparseBenchCase(t, 64, 2) for t in (256, 512)] + [SparseBenchCase(64, 64, 2),
+                                                                   SparseBenchCase(256, 16, 2, "v4-csa")]
     if on_gpu:
-        return [SparseBenchCase(t, 2048, 16) for t in (4096, 8192, 16384, 32768)]
+        return [SparseBenchCase(t, 2048, 16) for t in (4096, 8192, 16384, 32768)] + \
+            [SparseBenchCase(t, 512, 16, "v4-csa") for t in (8192, 16384, 32768)]
     regimes = [SparseBenchCase(1024, 2048, 16), SparseBenchCase(2048, 256, 16)]
     sweep = [SparseBenchCase(t, k, 4) for k in (2048, 512) for t in (1024, 2048, 4096, 8192)]
-    return regimes + sweep + [SparseBenchCase(8192, 1024, 4, "overlap")]
+    v4 = [SparseBenchCase(t, 512, 4, "v4-csa") for t in (4096, 8192, 16384, 32768)]
+    return regimes + sweep + [SparseBenchCase(8192, 1024, 4, "overlap")] + v4
 
 
 def visible_pairs(case: SparseBenchCase) -> int:
@@ -112,6 +144,8 @@ def visible_pairs(case: SparseBenchCase) -> int:
     if case.pattern == "spread":
         full = min(t, k)
         return full * (full + 1) // 2 + (t - full) * k
+    if case.v4:
+        return sum(min(i + 1, V4_WINDOW) + min(k, (i + 1) // V4_RATE) for i in range(t))
     return int((topk_rows(t, k, "cpu", case.pattern) >= 0).sum())
 
 
@@ -123,7 +157,26 @@ def megatron_bytes(case: SparseBenchCase, mode: str) -> int:
     return (7 * case.heads + 2) * case.tokens ** 2 * 4
 
 
+def eager_v4_bytes(case: SparseBenchCase, mode: str) -> int:
+    """Estimated extra memory of transformers' V4 eager attention: float32 ``[H, T, T + T/4]`` scores, their
+    masked, sink-extended, shifted and softmaxed copies (autograd keeps them; the backward as many
+    gradients), plus the ``[T, T + T/4]`` mask."""
+    copies = 6 if mode == "fwd" else 9
+    return (copies * case.heads + 1) * case.tokens * case.key_rows * 4
+
+
 def skip_reason(case: SparseBenchCase, provider: str, mode: str, device: torch.device) -> str | None:
+    if provider == "hf-eager":
+        if not case.v4:
+            return "transformers' DeepSeek-V4 eager attention runs the v4-csa cases only"
+        try:
+            from transformers.models.deepseek_v4.modeling_deepseek_v4 import eager_attention_forward  # noqa: F401
+        except ImportError as exc:
+            return f"transformers with DeepSeek-V4 is not importable ({type(exc).__name__}: {exc})"
+        need = eager_v4_bytes(case, mode)
+        if need > MEGATRON_BUDGET:
+            return f"its [H, T, T + T/4] buffers need about {need / 2**30:.0f} GiB (budget {MEGATRON_BUDGET >> 30} GiB)"
+        return None
     if provider == "coreattn-triton":
         if device.type != "cuda":
             return "the sparse Triton kernels are timed on a GPU only (the interpreter is not timed)"
@@ -132,6 +185,8 @@ def skip_reason(case: SparseBenchCase, provider: str, mode: str, device: torch.d
         except ImportError as exc:
             return f"the sparse Triton kernels are not in this build ({exc})"
     if provider == "megatron":
+        if case.v4:
+            return "Megatron-Core has no DeepSeek-V4 attention in a release"
         try:
             from megatron.core.transformer.experimental_attention_variant.dsa import _unfused_absorbed_dsa_fn  # noqa
         except ImportError as exc:
@@ -177,6 +232,8 @@ def build(case: SparseBenchCase, provider: str, device: torch.device, dtype: tor
         q, k, v = randn(t, h, DENSE_DQK), randn(t, h, DENSE_DQK), randn(t, h, DENSE_DV)
         backend = "triton" if device.type == "cuda" else "torch"
         return (lambda: coreattn.varlen_attn(q, k, v, cu, cu, t, t, causal=True, backend=backend)), [q, k, v]
+    if case.v4:
+        return _build_v4(case, provider, device, randn)
     q, k = randn(t, h, DQK), randn(t, 1, DQK)
     topk = topk_rows(t, case.topk, device, case.pattern)
     if provider == "megatron":
@@ -187,6 +244,48 @@ def build(case: SparseBenchCase, provider: str, device: torch.device, dtype: tor
     backend = "triton" if provider == "coreattn-triton" else "torch"
     return (lambda: coreattn.sparse_varlen_attn(q, k, None, topk, cu, cu, softmax_scale=SCALE, v_head_dim=DV,
                                                 backend=backend)), [q, k]
+
+
+def v4_entries(tokens: int, topk: int, device) -> torch.Tensor:
+    """int64 ``[T, K]``: the compressed entries token i sees, K spread evenly over the ``(i + 1) // 4``
+    complete at i (all of them while fewer than K), the rest -1; entry numbers, not key rows."""
+    i = torch.arange(tokens, device=device)[:, None]
+    j = torch.arange(topk, device=device)[None, :]
+    n = (i + 1) // V4_RATE
+    return torch.where(n >= topk, (j * n) // topk, torch.where(j < n, j, -1))
+
+
+def _build_v4(case: SparseBenchCase, provider: str, device: torch.device, randn):
+    import coreattn
+
+    t, h = case.tokens, case.heads
+    q, kv, sinks = randn(t, h, V4_DIM), randn(case.key_rows, 1, V4_DIM), randn(h)
+    entries = v4_entries(t, case.topk, device)
+    scale = V4_DIM ** -0.5
+    if provider == "hf-eager":
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import eager_attention_forward
+
+        module = torch.nn.Module()
+        module.num_key_value_groups, module.sinks = h, sinks
+        pos, key = torch.arange(t, device=device)[:, None], torch.arange(t, device=device)[None, :]
+        window = (key <= pos) & (key > pos - V4_WINDOW)
+        chosen = torch.zeros(t, t // V4_RATE + 1, dtype=torch.bool, device=device)
+        chosen.scatter_(1, torch.where(entries >= 0, entries, t // V4_RATE), True)
+        visible = torch.cat([window, chosen[:, :-1]], 1)
+        mask = torch.zeros(visible.shape, device=device, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
+
+        def eager():
+            q4, kv4 = q.transpose(0, 1)[None], kv.transpose(0, 1)[None]  # [1, H, T, D], [1, 1, T + T/4, D]
+            return eager_attention_forward(module, q4, kv4, kv4, mask[None, None], scale)[0][0]
+
+        return eager, [q, kv, sinks]
+    cu_q = torch.tensor([0, t], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, case.key_rows], dtype=torch.int32, device=device)
+    rows = torch.where(entries >= 0, entries + t, -1)  # the entries' key rows, after the raw keys
+    backend = "triton" if provider == "coreattn-triton" else "torch"
+    return (lambda: coreattn.sparse_varlen_attn(
+        q, kv, None, rows, cu_q, cu_k, softmax_scale=scale, causal=False, causal_alignment="top_left",
+        v_head_dim=V4_DIM, key_window=(V4_WINDOW - 1, 0), softmax_offset=sinks, backend=backend)), [q, kv, sinks]
 
 
 def _call(fn, leaves, mode: str, dout):
@@ -205,7 +304,7 @@ class _Prepared(NamedTuple):
 
 def _prepare(case: SparseBenchCase, provider: str, mode: str, device: torch.device, dtype) -> _Prepared:
     """A provider warmed up on a small T (imports, first-call dispatch, kernel compiles), then built at T."""
-    dv = DENSE_DV if provider == "dense" else DV
+    dv = DENSE_DV if provider == "dense" else case.dims[1]
     small = case._replace(tokens=WARMUP_TOKENS, topk=min(case.topk, WARMUP_TOKENS))
     fn, leaves = build(small, provider, device, dtype)
     _call(fn, leaves, mode, torch.randn(small.tokens * small.heads * dv, device=device, dtype=dtype))
@@ -280,7 +379,7 @@ def _run_child(spec: dict, memory: bool) -> dict:
 
 def _base_row(case: SparseBenchCase, mode: str, provider: str, device: torch.device) -> dict:
     dense = provider == "dense"
-    dims = (DENSE_DQK, DENSE_DV) if dense else (DQK, DV)
+    dims = (DENSE_DQK, DENSE_DV) if dense else case.dims
     pairs = case.tokens * (case.tokens + 1) // 2 if dense else visible_pairs(case)
     return {"kind": "sparse", "config": case.id, "tokens": case.tokens, "topk": case.topk, "heads": case.heads,
             "pattern": case.pattern, "regime": case.regime, "head_dim_qk": dims[0], "head_dim_v": dims[1],
@@ -334,11 +433,11 @@ def count(cases: Iterable[SparseBenchCase], providers: list[str], device: torch.
 
 
 def add_ratios(group: list[dict]) -> None:
-    """On each row of one (case, mode), timed in one process: its time over Megatron's and over dense
-    attention's (``x_megatron``, ``x_dense``)."""
+    """On each row of one (case, mode), timed in one process: its time over Megatron's, dense attention's
+    and transformers' eager V4 attention's (``x_megatron``, ``x_dense``, ``x_eager``)."""
     ok = {r["provider"]: r for r in group if r["status"] == "ok"}
     for r in ok.values():
-        for name, other in (("x_megatron", "megatron"), ("x_dense", "dense")):
+        for name, other in (("x_megatron", "megatron"), ("x_dense", "dense"), ("x_eager", "hf-eager")):
             if other in ok and other != r["provider"]:
                 r[name] = r["ms"] / ok[other]["ms"]
 

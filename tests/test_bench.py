@@ -401,7 +401,8 @@ def test_sparse_section_smoke(tmp_path, capsys):
     """``--what sparse`` alone: performance data, the providers of a case timed in one subprocess (the
     ratios to dense attention from it), each row's peak memory from its own, the FLOPs of the useful
     pairs; Megatron's row runs where megatron-core >= 0.19 imports, else is skipped with the reason."""
-    argv = ["--what", "sparse", "--quick", "--configs", "T256", "--sparse-providers", "coreattn-torch", "megatron",
+    argv = ["--what", "sparse", "--quick", "--configs", "dsa-absorbed", "T256", "--sparse-providers", "coreattn-torch",
+            "megatron",
             "dense", "--modes", "fwdbwd", "--out", str(tmp_path), "--no-plots"]
     assert cli.main(argv) == 0
     doc, out = json.loads((tmp_path / "results.json").read_text()), capsys.readouterr().out
@@ -430,10 +431,37 @@ def test_sparse_section_indices_and_pairs():
         assert len(set(named)) == len(named) and all(0 <= j <= i for j in named)
         assert set(range(max(0, i - 3), i + 1)) <= set(named)  # its K/2 most recent keys
     assert sparse_bench.visible_pairs(sparse_bench.SparseBenchCase(40, 8, 2, "overlap")) == int((overlap >= 0).sum())
-    cases = sparse_bench.sparse_cases(quick=False)
+    cases = [c for c in sparse_bench.sparse_cases(quick=False) if not c.v4]
     assert {c.tokens for c in cases} == {1024, 2048, 4096, 8192} and {c.topk for c in cases} == {2048, 1024, 512, 256}
     assert {(c.heads, c.tokens, c.topk, c.regime) for c in cases} >= {(16, 1024, 2048, "full"), (4, 1024, 2048, "full"),
                                                                      (4, 2048, 2048, "full"), (16, 2048, 256, "sparse")}
+    assert {c.tokens for c in sparse_bench.sparse_cases(quick=False) if c.v4} == {4096, 8192, 16384, 32768}
+
+
+def test_sparse_section_v4_rows_compute_what_transformers_eager_computes():
+    """The v4-csa case: coreattn's call (window as key_window, compressed entries as indices after the raw
+    keys, sinks as softmax_offset) and transformers' DeepSeek-V4 eager attention on its layer's mask give
+    the same output and gradients (float64); its pairs count the window and the complete entries."""
+    pytest.importorskip("transformers.models.deepseek_v4")
+    from bench import sparse as sparse_bench
+
+    case = sparse_bench.SparseBenchCase(300, 16, 2, "v4-csa")
+    assert sparse_bench.visible_pairs(case) == sum(min(i + 1, 128) + min(16, (i + 1) // 4) for i in range(300))
+    assert sparse_bench.skip_reason(case, "hf-eager", "fwdbwd", torch.device("cpu")) is None
+    assert "no DeepSeek-V4" in sparse_bench.skip_reason(case, "megatron", "fwdbwd", torch.device("cpu"))
+    assert "v4-csa" in sparse_bench.skip_reason(case._replace(pattern="spread"), "hf-eager", "fwd", torch.device("cpu"))
+    entries = sparse_bench.v4_entries(300, 16, "cpu")
+    for i, row in enumerate(entries.tolist()):
+        named = [w for w in row if w >= 0]
+        assert len(set(named)) == len(named) == min(16, (i + 1) // 4) and all(w < (i + 1) // 4 for w in named)
+    results = []
+    for provider in ("coreattn-torch", "hf-eager"):
+        fn, leaves = sparse_bench.build(case, provider, torch.device("cpu"), torch.float64)
+        out = fn()
+        out.backward(torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view(out.shape))
+        results.append([out.detach()] + [x.grad for x in leaves])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 def test_cpu_timing_warms_up_before_timing():

@@ -27,7 +27,7 @@ BAD = [
     ("kv-tokens", dict(v=torch.randn(T - 1, HKV, DV)), ValueError, "k .* and v .* must agree"),
     ("gqa-not-divisible", dict(k=torch.randn(T, 3, D), v=torch.randn(T, 3, DV)), ValueError, "multiple of k/v heads"),
     ("head-dim-300", dict(q=torch.randn(T, H, 300), k=torch.randn(T, HKV, 300)), ValueError,
-     "q/k head dim is 300; supported head dims are 1..256 or 576"),
+     "q/k head dim is 300; supported head dims are 1..256, 512 or 576"),
     ("v-head-dim-513", dict(v=torch.randn(T, HKV, 513)), ValueError, "v head dim is 513; supported head dims are 1..512"),
     ("last-stride", dict(q=torch.randn(T, H, D * 2)[:, :, ::2]), ValueError, "q must have stride 1"),
     ("absorbed-no-v-head-dim", dict(v=None), ValueError, "v is None .* v_head_dim must be given"),

@@ -15,9 +15,10 @@ ENV_VALIDATE = "COREATTN_VALIDATE"
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ALIGNMENTS = ("bottom_right", "top_left")
-# sparse attention (coreattn.sparse_varlen_attn): the dense dims plus DeepSeek's absorbed MLA 576 / 512
-SPARSE_EXTRA_HEAD_DIMS_QK = (576,)
-SPARSE_HEAD_DIMS_QK = "1..256 or 576"
+# sparse attention (coreattn.sparse_varlen_attn): the dense dims plus DeepSeek-V4's 512 (one head that is K and V)
+# and DeepSeek-V3.2's absorbed MLA 576 / 512
+SPARSE_EXTRA_HEAD_DIMS_QK = (512, 576)
+SPARSE_HEAD_DIMS_QK = "1..256, 512 or 576"
 SPARSE_MAX_HEAD_DIM_V = 512
 
 

@@ -50,7 +50,7 @@ _SEMANTICS = """
 
     v may be None (absorbed MLA, DeepSeek-V3.2's 576 / 512): V is then the first ``v_head_dim``
     columns of k, and its gradient flows into k. GQA/MQA (``Hq`` a multiple of ``Hkv``); head dims
-    1..256 or 576 for q/k, 1..512 for v; fp16, bf16, fp32 (float64 on the torch backend). Views
+    1..256, 512 or 576 for q/k, 1..512 for v; fp16, bf16, fp32 (float64 on the torch backend). Views
     with last stride 1 are used in place.
 
     The backward is deterministic (two runs are bitwise equal) and saves q, k, v, out, lse, the
