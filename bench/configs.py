@@ -70,7 +70,7 @@ def attention_configs(on_gpu: bool, quick: bool) -> list[AttnConfig]:
         many_short_configs(on_gpu)
 
 
-# many short sequences (issue 21): about 1M tokens as 4,096 x 256, 16,384 x 64 and 65,536 x 16
+# many short sequences: about 1M tokens as 4,096 x 256, 16,384 x 64 and 65,536 x 16
 MANY_SHORT_DISTS = ("docs256", "docs64", "docs16")
 MANY_SHORT_DIMS = ((128, 128), (192, 128))
 

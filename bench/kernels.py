@@ -59,7 +59,7 @@ def problems(quick: bool = False) -> list:
     return cases + sparse_problems()
 
 
-# The DSA indexer's kernels (issue 38): the fused scores + top-k as (indexer heads, head dim, top-k, dtype,
+# The DSA indexer's kernels: the fused scores + top-k as (indexer heads, head dim, top-k, dtype,
 # ReLU) — DeepSeek-V3.2's 64 x 128 with top-k 2048 and ReLU first, a GLM-5-like 32 x 128 without —
 # and the Hadamard rotation as (dim, dtype). Lengths do not change the compiled kernels.
 INDEXER_TOPK = ((64, 128, 2048, "bf16", True), (32, 128, 2048, "bf16", False), (64, 128, 512, "fp16", True),

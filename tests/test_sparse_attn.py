@@ -45,6 +45,9 @@ CASES = [
      (BF16, F32, F64)),
     (SparseCase(layout="bshd", hq=4, hkv=2, topk=5, key_window=(2, 1), causal=False, topk_length=True, sinks=True,
                 lens_q=(6, 0, 9)), (F32,)),
+    # DeepSeek-V4's own width: one 512-wide head that is K and V
+    (SparseCase(dqk=512, dv=512, hq=4, hkv=1, absorbed=True, topk=8, key_window=(4, 0), sinks=True, lens_q=(5, 0, 11)),
+     (BF16, F32)),
     # runs of rows of one kind (whole causal ranges, windows, subsets, a key or two): blocks and units
     (SparseCase(hq=8, hkv=1, topk=16, lens_q=(9, 0, 14), rows="mixed"), (BF16, F32)),
 ]
@@ -68,6 +71,8 @@ TRITON_CASES = [
     (SparseCase(dqk=576, dv=512, hq=16, hkv=1, absorbed=True, topk=6, lens_q=(4, 8), full_rows=0.7), (BF16,)),
     (SparseCase(dqk=32, dv=32, hq=4, hkv=1, absorbed=True, topk=4, key_window=(3, 0), sinks=True, lens_q=(6, 0, 3)),
      (F32,)),
+    (SparseCase(dqk=512, dv=512, hq=16, hkv=1, absorbed=True, topk=6, key_window=(2, 0), sinks=True, lens_q=(4, 7),
+                full_rows=0.5), (BF16,)),
 ]
 
 

@@ -108,6 +108,10 @@ _CDNA = {
     "dq": ((256, 1 << 30, _W(16, 32, 2, 1)), (1024, 1 << 30, _W(16, 16, 2, 1))),
     "dkv": ((256, 1 << 30, _W(16, 32, 2, 1)), (1024, 1 << 30, _W(16, 16, 2, 1))),
 }
+_CDNA_RANGE_DKV = _CDNA["dkv"]
+# DeepSeek-V4's 512/512 (K = V): the slot-mode dK/dV on 2 waves spilled 1 VGPR (256 VGPRs, AGPRs to spare) on
+# gfx942 under Triton 3.6.0 and on gfx90a under 3.7.1; 4 waves
+_CDNA["dkv"] = _CDNA["dkv"][:1] + ((512, 1 << 30, _W(16, 16, 4, 1)),) + _CDNA["dkv"][1:]
 for _kernel, _rows in _CDNA.items():
     for _target in CDNA_TARGETS:
         _TABLES[_kernel][_target] = _rows
@@ -126,7 +130,7 @@ _CUDA_RANGE = {
 _CDNA_RANGE = {
     "range_fwd": ((256, 1 << 30, _W(16, 64, 1, 1)), (1024, 1 << 30, _W(64, 16, 8, 1))),
     "range_dq": _CDNA["dq"],
-    "range_dkv": _CDNA["dkv"],
+    "range_dkv": _CDNA_RANGE_DKV,
 }
 for _kernel in RANGE_KERNELS:
     for _target in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120"):
