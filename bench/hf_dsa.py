@@ -1,8 +1,10 @@
 """transformers' DeepSeek-V3.2 attention layer (MLA + its lightning indexer + top-k sparse attention)
-under ``attn_implementation="coreattn"`` and "eager": peak memory growth of one layer's forward +
-backward over the token count, each (implementation, T) in its own process.
+or a one-layer DeepSeek-V4 (``--model v4``: a CSA layer) under ``attn_implementation="coreattn"`` and
+"eager": peak memory growth of one forward + backward over the token count, each (implementation, T)
+in its own process.
 
-``python -m bench.hf_dsa [--tokens 2048 4096 8192] [--eager-tokens 1024 2048 4096] [--dtype bf16]``
+``python -m bench.hf_dsa [--model v32|v4] [--tokens 2048 4096 8192] [--eager-tokens 1024 2048 4096]
+[--dtype bfloat16]``
 
 The layer is DeepSeek-V3.2's with its real indexer (64 heads of 128, top-k 2,048) and attention head
 dims (q/k 192 = 128 + 64 rope, v 128, kv_lora_rank 512), scaled down in width (hidden 1,024, 16
@@ -11,6 +13,13 @@ heads, q_lora_rank 768) so that it runs on a CPU; one sequence, no padding, the 
 (glibc's allocator told to return large blocks, as the other memory benches do). Eager's indexer
 scores alone are ``[1, T, 64, T]`` float32: 1 GiB at 2,048 tokens, 16 GiB at 8,192 (not run: the
 row gives that estimate). Prints one JSON line per row; no timing (bench/sparse.py times the op).
+
+``--model v4``: ``DeepseekV4ForCausalLM`` with one compressed sparse attention layer at DeepSeek-V4's
+attention widths (one 512-wide head that is K and V, a window of 128 raw keys, compression rate 4, an
+indexer of 64 heads of 128 choosing 512 entries, partial RoPE on 64 dims), scaled down elsewhere
+(hidden 1,024, 4 query heads, a small MoE, vocabulary 256), the model's loss-free ``logits.sum()``
+backward; ``eager_mask_mib`` is eager's ``[1, 1, T, T + T/4]`` float32 mask alone, and eager's
+scores are ``[1, 4, T, T + T/4]`` float32 per copy.
 """
 
 from __future__ import annotations
@@ -34,6 +43,35 @@ def _config(tokens: int):
                              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_topk=TOPK,
                              index_head_dim=INDEX_DIM, index_n_heads=INDEX_HEADS, first_k_dense_replace=1,
                              max_position_embeddings=max(tokens, 64))
+
+
+def _v4_config(tokens: int):
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(vocab_size=256, hidden_size=1024, num_hidden_layers=1, num_attention_heads=4,
+                            head_dim=512, q_lora_rank=256, o_groups=2, o_lora_rank=256, moe_intermediate_size=256,
+                            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, hc_mult=2,
+                            layer_types=["compressed_sparse_attention"], mlp_layer_types=["moe"],
+                            max_position_embeddings=max(tokens, 64))
+
+
+def run_v4_worker(impl: str, tokens: int, dtype: str) -> dict:
+    import coreattn.adapters.transformers as coreattn_hf
+    from transformers import AutoModelForCausalLM
+
+    coreattn_hf.register("coreattn_torch", backend="torch")
+    torch.manual_seed(0)
+    config = _v4_config(tokens)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="coreattn_torch" if impl == "coreattn"
+                                             else "eager", experts_implementation="eager").to(getattr(torch, dtype))
+    ids = torch.randint(0, config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
+    _reset_peak()
+    before = _status_kib("VmRSS")
+    model(input_ids=ids, use_cache=False).logits.float().sum().backward()
+    peak = _status_kib("VmHWM")
+    keys = tokens + tokens // 4
+    return dict(model="v4", impl=impl, tokens=tokens, dtype=dtype, grown_mib=round((peak - before) / 1024, 1),
+                eager_mask_mib=tokens * keys * 4 / 2**20)
 
 
 def run_worker(impl: str, tokens: int, dtype: str) -> dict:
@@ -64,6 +102,7 @@ def run_worker(impl: str, tokens: int, dtype: str) -> dict:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.hf_dsa", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="v32", choices=["v32", "v4"])
     p.add_argument("--tokens", nargs="+", type=int, default=[2048, 4096, 8192])
     p.add_argument("--eager-tokens", nargs="+", type=int, default=[1024, 2048, 4096])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -71,12 +110,14 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.worker:
         torch.set_num_threads(1)
-        print(json.dumps(run_worker(args.worker[0], int(args.worker[1]), args.dtype)))
+        worker = run_v4_worker if args.model == "v4" else run_worker
+        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.dtype)))
         return 0
     for impl, counts in (("coreattn", args.tokens), ("eager", args.eager_tokens)):
         for tokens in counts:
-            row = dict(impl=impl, tokens=tokens)
-            print(json.dumps(worker_row(["-m", "bench.hf_dsa", "--dtype", args.dtype, "--worker", impl, str(tokens)],
+            row = dict(model=args.model, impl=impl, tokens=tokens)
+            print(json.dumps(worker_row(["-m", "bench.hf_dsa", "--model", args.model, "--dtype", args.dtype,
+                                         "--worker", impl, str(tokens)],
                                         row)), flush=True)
     return 0
 

@@ -164,13 +164,14 @@ def test_deepseek_v4_layer_at_16k_tokens_grows_less_than_a_quarter_of_eager_mask
 
 
 def test_bench_hf_dsa_worker_runs():
-    """``python -m bench.hf_dsa`` (docs/transformers.md's memory table): one worker row of each kind,
-    tiny."""
+    """``python -m bench.hf_dsa`` (docs/transformers.md's memory tables): one worker row of each kind and
+    model, tiny."""
     from bench import hf_dsa
 
     for impl in ("coreattn", "eager"):
-        row = hf_dsa.run_worker(impl, 32, "float32")
-        assert row["impl"] == impl and isinstance(row["grown_mib"], float)  # tiny: RSS counters lag by pages
+        for worker in (hf_dsa.run_worker, hf_dsa.run_v4_worker):
+            row = worker(impl, 32, "float32")
+            assert row["impl"] == impl and isinstance(row["grown_mib"], float)  # tiny: RSS counters lag by pages
 
 
 def test_padding_with_holes_raises_for_dsa_models():
