@@ -103,8 +103,8 @@ def run_worker(impl: str, tokens: int, dtype: str) -> dict:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.hf_dsa", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="v32", choices=["v32", "v4"])
-    p.add_argument("--tokens", nargs="+", type=int, default=[2048, 4096, 8192])
-    p.add_argument("--eager-tokens", nargs="+", type=int, default=[1024, 2048, 4096])
+    p.add_argument("--tokens", nargs="*", type=int, default=[2048, 4096, 8192])
+    p.add_argument("--eager-tokens", nargs="*", type=int, default=[1024, 2048, 4096])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--worker", nargs=2, metavar=("IMPL", "TOKENS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
