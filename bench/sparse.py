@@ -165,18 +165,36 @@ def eager_v4_bytes(case: SparseBenchCase, mode: str) -> int:
     return (copies * case.heads + 1) * case.tokens * case.key_rows * 4
 
 
+def _baseline_reason(importer, what: str, need: int, buffers: str) -> str | None:
+    """Why a baseline cannot run: ``importer`` fails (``what`` is missing), or its estimated ``need``
+    bytes pass ``MEGATRON_BUDGET``."""
+    try:
+        importer()
+    except ImportError as exc:
+        return f"{what} is not importable in this interpreter ({type(exc).__name__}: {exc})"
+    if need > MEGATRON_BUDGET:
+        return f"its {buffers} buffers need about {need / 2**30:.0f} GiB (budget {MEGATRON_BUDGET >> 30} GiB)"
+    return None
+
+
+def _import_v4_eager():
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import eager_attention_forward  # noqa: F401
+
+
+def _import_megatron_dsa():
+    from megatron.core.transformer.experimental_attention_variant.dsa import _unfused_absorbed_dsa_fn  # noqa: F401
+
+
 def skip_reason(case: SparseBenchCase, provider: str, mode: str, device: torch.device) -> str | None:
     if provider == "hf-eager":
         if not case.v4:
             return "transformers' DeepSeek-V4 eager attention runs the v4-csa cases only"
-        try:
-            from transformers.models.deepseek_v4.modeling_deepseek_v4 import eager_attention_forward  # noqa: F401
-        except ImportError as exc:
-            return f"transformers with DeepSeek-V4 is not importable ({type(exc).__name__}: {exc})"
-        need = eager_v4_bytes(case, mode)
-        if need > MEGATRON_BUDGET:
-            return f"its [H, T, T + T/4] buffers need about {need / 2**30:.0f} GiB (budget {MEGATRON_BUDGET >> 30} GiB)"
-        return None
+        return _baseline_reason(_import_v4_eager, "transformers with DeepSeek-V4", eager_v4_bytes(case, mode),
+                                "[H, T, T + T/4]")
+    if provider == "megatron":
+        if case.v4:
+            return "Megatron-Core has no DeepSeek-V4 attention in a release"
+        return _baseline_reason(_import_megatron_dsa, "megatron-core >= 0.19", megatron_bytes(case, mode), "S x S")
     if provider == "coreattn-triton":
         if device.type != "cuda":
             return "the sparse Triton kernels are timed on a GPU only (the interpreter is not timed)"
@@ -184,16 +202,6 @@ def skip_reason(case: SparseBenchCase, provider: str, mode: str, device: torch.d
             import coreattn.kernels.sparse_fwd  # noqa: F401
         except ImportError as exc:
             return f"the sparse Triton kernels are not in this build ({exc})"
-    if provider == "megatron":
-        if case.v4:
-            return "Megatron-Core has no DeepSeek-V4 attention in a release"
-        try:
-            from megatron.core.transformer.experimental_attention_variant.dsa import _unfused_absorbed_dsa_fn  # noqa
-        except ImportError as exc:
-            return f"megatron-core >= 0.19 is not importable in this interpreter ({type(exc).__name__}: {exc})"
-        need = megatron_bytes(case, mode)
-        if need > MEGATRON_BUDGET:
-            return f"its S x S buffers need about {need / 2**30:.0f} GiB (budget {MEGATRON_BUDGET >> 30} GiB)"
     if provider == "coreattn-torch" and device.type == "cuda":
         return "the torch backend is timed on CPU"
     return None

@@ -179,38 +179,38 @@ def _indexer_topk(indexer, hidden_states, q_residual, position_ids, cache, layer
                         backend=backend).indices
 
 
-def _csa_forward(forward):
+def _compressor_forward(forward, select):
+    """A compressor's forward that, inside a coreattn call (``_CALL`` set), returns the model's compressed
+    entries without a ``block_bias`` and leaves the queries' selection (``select``) on the call; outside
+    one, transformers' own."""
     @functools.wraps(forward)
-    def csa_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx):
+    def compressor_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx):
         call = _CALL.get()
         if call is None:
-            return csa_forward.coreattn_wrapped(self, hidden_states, q_residual, position_ids, cache, layer_idx)
-        entries = _compress(self, hidden_states, cache, layer_idx, "compressor", True, self.head_dim)
-        indices = _indexer_topk(self.indexer, hidden_states, q_residual, call.position_ids, cache, layer_idx,
-                                call.backend)
-        call.selection = Selection(entries.shape[1], indices, None)
+            return compressor_forward.coreattn_wrapped(self, hidden_states, q_residual, position_ids, cache, layer_idx)
+        entries, call.selection = select(self, call, hidden_states, q_residual, cache, layer_idx)
         return entries.unsqueeze(1), None
 
-    csa_forward.coreattn_wrapped = forward
-    return csa_forward
+    compressor_forward.coreattn_wrapped = forward
+    return compressor_forward
 
 
-def _hca_forward(forward):
-    @functools.wraps(forward)
-    def hca_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx):
-        call = _CALL.get()
-        if call is None:
-            return hca_forward.coreattn_wrapped(self, hidden_states, q_residual, position_ids, cache, layer_idx)
-        entries = _compress(self, hidden_states, cache, layer_idx, "compressor", False, self.head_dim)
-        positions = _positions(call.position_ids, hidden_states.shape[0])
-        complete = (positions + 1) // self.compress_rate
-        if positions.shape[1] == 1:  # one query (decoding): transformers shows it every entry
-            complete = torch.full_like(complete, entries.shape[1])
-        call.selection = Selection(entries.shape[1], None, complete)
-        return entries.unsqueeze(1), None
+def _csa_select(self, call, hidden_states, q_residual, cache, layer_idx):
+    """CSA: the entries and the indexer's top-k of them per query."""
+    entries = _compress(self, hidden_states, cache, layer_idx, "compressor", True, self.head_dim)
+    indices = _indexer_topk(self.indexer, hidden_states, q_residual, call.position_ids, cache, layer_idx,
+                            call.backend)
+    return entries, Selection(entries.shape[1], indices, None)
 
-    hca_forward.coreattn_wrapped = forward
-    return hca_forward
+
+def _hca_select(self, call, hidden_states, q_residual, cache, layer_idx):
+    """HCA: the entries and how many of them each query sees (those complete before it)."""
+    entries = _compress(self, hidden_states, cache, layer_idx, "compressor", False, self.head_dim)
+    positions = _positions(call.position_ids, hidden_states.shape[0])
+    complete = (positions + 1) // self.compress_rate
+    if positions.shape[1] == 1:  # one query (decoding): transformers shows it every entry
+        complete = torch.full_like(complete, entries.shape[1])
+    return entries, Selection(entries.shape[1], None, complete)
 
 
 def _attention_forward(forward):
@@ -239,8 +239,9 @@ def install() -> bool:
         module = importlib.import_module(MODULE)
     except ImportError:
         return False
-    for cls_name, wrap in (("DeepseekV4Attention", _attention_forward), ("DeepseekV4CSACompressor", _csa_forward),
-                           ("DeepseekV4HCACompressor", _hca_forward)):
+    for cls_name, wrap in (("DeepseekV4Attention", _attention_forward),
+                           ("DeepseekV4CSACompressor", lambda f: _compressor_forward(f, _csa_select)),
+                           ("DeepseekV4HCACompressor", lambda f: _compressor_forward(f, _hca_select))):
         cls = getattr(module, cls_name)
         if not hasattr(cls.forward, "coreattn_wrapped"):
             cls.forward = wrap(cls.forward)
