@@ -45,6 +45,8 @@ CASES = [
      (BF16, F32, F64)),
     (SparseCase(layout="bshd", hq=4, hkv=2, topk=5, key_window=(2, 1), causal=False, topk_length=True, sinks=True,
                 lens_q=(6, 0, 9)), (F32,)),
+    # sinks alone: rows that see no key (every seventh) output zeros, their lse the sink, d_sink from the others
+    (SparseCase(hq=4, hkv=2, topk=6, sinks=True, bounds=True, lens_q=(5, 0, 9)), (F32, F64)),
     # DeepSeek-V4's own width: one 512-wide head that is K and V
     (SparseCase(dqk=512, dv=512, hq=4, hkv=1, absorbed=True, topk=8, key_window=(4, 0), sinks=True, lens_q=(5, 0, 11)),
      (BF16, F32)),
@@ -73,6 +75,7 @@ TRITON_CASES = [
      (F32,)),
     (SparseCase(dqk=512, dv=512, hq=16, hkv=1, absorbed=True, topk=6, key_window=(2, 0), sinks=True, lens_q=(4, 7),
                 full_rows=0.5), (BF16,)),
+    (SparseCase(hq=4, hkv=1, topk=4, sinks=True, lens_q=(8, 3)), (F32,)),
 ]
 
 
