@@ -44,6 +44,33 @@ def sparse_problems(quick: bool = False) -> list[SparseProblem]:
     return cases
 
 
+# The sparse sweep (bench/compile_sweep.py, ``python -m bench.compile_sweep``): every configuration class of the
+# supported set, compiled under each Triton CI tests. What selects a sparse kernel's config and its register
+# pressure: the padded widths, whether V is the gathered key block (absorbed, V_IS_K) or a second tile, the dtype
+# and the q heads per tile (the group rounded up to a power of two, at least 16, capped by the table's rows;
+# the range mode splits the rows into tokens x heads by the group). Lengths, top-k and the head count beyond the
+# group change only the grid.
+SWEEP_DTYPES = ("bf16", "fp16", "fp32")
+SWEEP_ABSORBED = ((576, 512), (512, 512))  # DeepSeek-V3.2 / GLM-5's absorbed MLA, DeepSeek-V4's K = V
+SWEEP_HEADS = (8, 16, 32, 64, 128)  # q heads on the one latent kv head (128 heads at TP 1 to 16)
+SWEEP_PERHEAD = ((576, 512), (512, 512), (256, 256), (192, 128))  # K/V per q head, separate V (group 1)
+SWEEP_GQA = tuple((qk, v, group) for qk, v in ((256, 256), (192, 128)) for group in (4, 16))  # 4 kv heads
+SWEEP_MQA = tuple((512, 512, heads) for heads in (16, 32, 128))  # one kv head with a separate V (K passed as V)
+
+
+def sweep_problems(dtypes=SWEEP_DTYPES) -> list[SparseProblem]:
+    """The sparse sweep's problems per dtype: absorbed 576/512 and 512/512 at 8-128 q heads, per-head K/V
+    at 576/512, 512/512, 256/256 and 192/128, GQA 4 and 16 at 256/256 and 192/128 (groups of 16 and more
+    compile the same kernels there) and one kv head with a separate 512-wide V at 16, 32 and 128 q heads."""
+    cases = []
+    for dtype in dtypes:
+        cases += [SparseProblem(qk, v, heads, 1, True, dtype) for qk, v in SWEEP_ABSORBED for heads in SWEEP_HEADS]
+        cases += [SparseProblem(qk, v, 16, 16, False, dtype) for qk, v in SWEEP_PERHEAD]
+        cases += [SparseProblem(qk, v, 4 * group, 4, False, dtype) for qk, v, group in SWEEP_GQA]
+        cases += [SparseProblem(qk, v, heads, 1, False, dtype) for qk, v, heads in SWEEP_MQA]
+    return cases
+
+
 def problems(quick: bool = False) -> list:
     """bf16 MHA and fp16 GQA-4 at every main head dim, causal and not; one fp32 row; dropout,
     softmax offset (with the sink-gradient dQ), max logit and a padded batch with keep masks (causal bf16) at every main head dim;
@@ -67,8 +94,18 @@ INDEXER_TOPK = ((64, 128, 2048, "bf16", True), (32, 128, 2048, "bf16", False), (
 HADAMARD = ((128, "bf16"), (256, "bf16"), (64, "fp16"), (128, "fp32"))
 
 
-def indexer_rows(arch: str, quick: bool = False) -> list[dict]:
-    """Compile-report rows of the indexer kernels on ``arch`` (quick: the first problem of each)."""
+# The sweep's: every dtype at DeepSeek-V3.2's shape, the kernel's limits (128 heads of 256, top-k 4096: configs/
+# indexer.py), a top-k of 256 (the smallest table row) and the scores' output (RETURN_SCORES); the Hadamard at
+# each padded width (64-256, and 192: a dim below its power of two) in every dtype.
+INDEXER_SWEEP = (*((64, 128, 2048, dtype, True) for dtype in SWEEP_DTYPES), (32, 128, 2048, "bf16", False),
+                 *((128, 256, 4096, dtype, True) for dtype in SWEEP_DTYPES), (64, 128, 256, "bf16", True),
+                 (64, 128, 2048, "bf16", True, True))
+HADAMARD_SWEEP = tuple((dim, dtype) for dim in (64, 128, 192, 256) for dtype in SWEEP_DTYPES)
+
+
+def indexer_rows(arch: str, quick: bool = False, topk_cases=INDEXER_TOPK, hadamard_cases=HADAMARD) -> list[dict]:
+    """Compile-report rows of the indexer kernels on ``arch`` (quick: the first problem of each):
+    ``topk_cases`` (heads, dim, top-k, dtype, ReLU[, scores]), ``hadamard_cases`` (dim, dtype)."""
     import torch
 
     from coreattn.kernels.hadamard import hadamard_fwd
@@ -77,21 +114,22 @@ def indexer_rows(arch: str, quick: bool = False) -> list[dict]:
 
     tokens, rows = 4096, []
     with emulate(arch) as launches:
-        for heads, dim, topk, dtype, relu in INDEXER_TOPK[:1] if quick else INDEXER_TOPK:
+        for heads, dim, topk, dtype, relu, *scores in topk_cases[:1] if quick else topk_cases:
             q = torch.empty(tokens, heads, dim, dtype=DTYPES[dtype])  # [T, H, D]
             k = torch.empty(tokens, dim, dtype=DTYPES[dtype])  # [T, D]
             bounds = torch.zeros(tokens, dtype=torch.int32)
             start = len(launches)
             indexer_topk_fwd(q, k, torch.empty(tokens, heads, dtype=DTYPES[dtype]), bounds, bounds, topk, "thd",
-                             relu=relu)
-            rows += [dict(describe(launch, arch), kernel="indexer_topk", block_m=1,
-                          problem=f"indexer-h{heads}xd{dim}-topk{topk}-{dtype}" + ("-relu" if relu else ""))
+                             relu=relu, return_scores=bool(scores and scores[0]))
+            rows += [dict(describe(launch, arch), kernel="indexer_topk", block_m=1, dtype=dtype,
+                          problem=f"indexer-h{heads}xd{dim}-topk{topk}-{dtype}" + ("-relu" if relu else "")
+                          + ("-scores" if scores and scores[0] else ""))
                      for launch in launches[start:]]
-        for dim, dtype in HADAMARD[:1] if quick else HADAMARD:
+        for dim, dtype in hadamard_cases[:1] if quick else hadamard_cases:
             start = len(launches)
             hadamard_fwd(torch.empty(tokens, dim, dtype=DTYPES[dtype]), dim ** -0.5)
             rows += [dict(describe(launch, arch), kernel="hadamard", block_m=launch["constants"]["BLOCK_R"],
-                          block_n=None, problem=f"hadamard-d{dim}-{dtype}") for launch in launches[start:]]
+                          block_n=None, dtype=dtype, problem=f"hadamard-d{dim}-{dtype}") for launch in launches[start:]]
     return rows
 
 

@@ -502,7 +502,8 @@ def launch_mask_kernels() -> None:
 
 class SparseProblem(NamedTuple):
     """A sparse (top-k) attention problem (kernels/sparse_fwd.py, sparse_bwd.py): head dims, q heads
-    over kv heads (absorbed MLA: one kv head whose first dim_v columns are V), dtype."""
+    over kv heads (absorbed MLA: one kv head whose first dim_v columns are V; otherwise a separate V,
+    per-head when heads_kv == heads_q), dtype."""
 
     dim_qk: int
     dim_v: int
@@ -512,19 +513,32 @@ class SparseProblem(NamedTuple):
     dtype: str = "bf16"
 
     @property
+    def kind(self) -> str:
+        """absorbed, perhead (K/V per q head: group 1) or gqa<group> (separate V)."""
+        if self.absorbed:
+            return "absorbed"
+        return "perhead" if self.heads_kv == self.heads_q else f"gqa{self.heads_q // self.heads_kv}"
+
+    @property
     def id(self) -> str:
-        kind = "absorbed" if self.absorbed else f"gqa{self.heads_q // self.heads_kv}"
-        return f"sparse-hdim{self.dim_qk}x{self.dim_v}-{self.dtype}-{kind}-h{self.heads_q}"
+        return f"sparse-hdim{self.dim_qk}x{self.dim_v}-{self.dtype}-{self.kind}-h{self.heads_q}"
 
 
 def sparse_problem_of(text: str, dtype: str = "bf16") -> SparseProblem:
-    """A SparseProblem from ``576/512a128`` (absorbed: q/k dim, v dim, q heads on one kv head) or
-    ``192/128g4`` (GQA: 4 kv heads, group 4)."""
-    dims, absorbed, count = text.partition("a") if "a" in text else text.partition("g")
-    qk, _, v = dims.partition("/")
-    if absorbed == "a":
-        return SparseProblem(int(qk), int(v or qk), int(count), 1, True, dtype)
-    return SparseProblem(int(qk), int(v or qk), 4 * int(count), 4, False, dtype)
+    """A SparseProblem from ``576/512a128`` (absorbed: q/k dim, v dim, q heads on one kv head),
+    ``192/128g4`` (GQA: 4 kv heads, group 4), ``512/512g16k1`` (group 16 on 1 kv head, separate V)
+    or ``576/512p16`` (per-head K/V: 16 q heads, 16 kv heads)."""
+    m = re.fullmatch(r"(\d+)(?:/(\d+))?(?:a(\d+)|g(\d+)(?:k(\d+))?|p(\d+))", text)
+    if m is None:
+        raise ValueError(f"{text!r}: expected QK/Va<heads>, QK/Vg<group>[k<kv heads>] or QK/Vp<heads>")
+    qk, v, absorbed, group, heads_kv, perhead = m.groups()
+    qk, v = int(qk), int(v or qk)
+    if absorbed:
+        return SparseProblem(qk, v, int(absorbed), 1, True, dtype)
+    if perhead:
+        return SparseProblem(qk, v, int(perhead), int(perhead), False, dtype)
+    heads_kv = int(heads_kv or 4)
+    return SparseProblem(qk, v, int(group) * heads_kv, heads_kv, False, dtype)
 
 
 SPARSE_TOKENS = 64  # only the grids follow the token count and top-k; the kernels do not
