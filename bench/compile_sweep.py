@@ -50,8 +50,8 @@ FIELDS = ("arch", "triton", "kernel", "block_m", "block_n", "atomic", "range", "
 SPARSE_KERNELS = ("_sparse_attn_fwd_kernel", "_sparse_attn_dq_kernel", "_sparse_attn_dkv_kernel",
                   "_sparse_attn_reduce_kernel")
 MMA_KERNELS = ("sparse_fwd", "sparse_dq", "sparse_dkv", "indexer_topk")
-# the mnemonic fragment of a 16-bit MMA of each input type: PTX operand types (compiler.mma_inputs) and CDNA's MFMAs
-MMA_TYPE = {"bf16": ("bf16", "kind::f16", "bf16"), "fp16": ("f16", "kind::f16", "f16")}
+# a 16-bit MMA of each input type: its PTX operand types (compiler.mma_inputs) and CDNA's MFMA input (mfma_input)
+MMA_TYPE = {"bf16": ({"bf16", "kind::f16"}, "bf16"), "fp16": ({"f16", "kind::f16"}, "f16")}
 
 
 def _kernel_functions():
@@ -85,8 +85,8 @@ def _launch_configs(archs) -> list:
     """Every launch config the sweep's problems take on each arch (configs/sparse.py, configs/indexer.py)."""
     from bench.kernels import HADAMARD_SWEEP, INDEXER_SWEEP, sweep_problems
     from coreattn.kernels.configs.base import head_blocks
-    from coreattn.kernels.configs.indexer import hadamard_config, topk_config
-    from coreattn.kernels.configs.sparse import KERNELS, sparse_config
+    from coreattn.kernels.configs.indexer import hadamard_config, topk_config, topk_refusal
+    from coreattn.kernels.configs.sparse import KERNELS, SparseRefused, sparse_config
     from coreattn.kernels.indexer_topk import topk_blocks
     from coreattn.tune.compiler import DTYPES, arch_target
 
@@ -96,9 +96,17 @@ def _launch_configs(archs) -> list:
         for p in sweep_problems():
             block_dqk, block_dqk2, block_dv = head_blocks(p.dim_qk, p.dim_v)
             elem = DTYPES[p.dtype].itemsize
-            out += [(arch, p.id, kernel, list(sparse_config(target, kernel, block_dqk + block_dqk2, block_dv, elem,
-                                                            p.heads_q // p.heads_kv))) for kernel in KERNELS]
-        out += [(arch, "topk", case, list(topk_config(target, topk_blocks(case[2], 16)))) for case in INDEXER_SWEEP]
+            v_is_k = p.absorbed and block_dv == block_dqk
+            try:
+                out += [(arch, p.id, kernel, list(sparse_config(target, kernel, block_dqk + block_dqk2, block_dv, elem,
+                                                                p.heads_q // p.heads_kv, v_is_k))) for kernel in KERNELS]
+            except SparseRefused as exc:
+                out.append((arch, p.id, str(exc)))
+        for heads, dim, topk, dtype, *_ in INDEXER_SWEEP:
+            elem = DTYPES[dtype].itemsize
+            refused = topk_refusal(target, heads, dim, elem)
+            out.append((arch, "topk", heads, dim, topk, dtype, refused or list(
+                topk_config(target, topk_blocks(topk, 16), heads, dim, elem))))
         out += [(arch, "hadamard", list(hadamard_config(target)))]
     return out
 
@@ -117,6 +125,8 @@ def fingerprint(archs=ARCHS) -> dict:
 
 def violations(row: dict) -> list[str]:
     """What a compiled kernel of the sweep must not show, one phrase each (empty: clean)."""
+    from coreattn.tune.compiler import mfma_input
+
     found = []
     if row["arch"].startswith("gfx"):
         if row["vgpr_spills"] or row["spill_stores"] or row["spill_loads"] or row["scratch"]:
@@ -126,6 +136,8 @@ def violations(row: dict) -> list[str]:
         found.append(f"spill {row['spill_stores']}/{row['spill_loads']} B at {row['regs']} registers")
     if not row["smem_fits"]:
         found.append(f"{row['smem']} B of shared memory over the limit")
+    elif (row["waves_per_simd"] if row["arch"].startswith("gfx") else row["ctas_per_sm"]) == 0:
+        found.append(f"cannot launch: {row['regs']} registers x {row['num_warps']} warps")
     if row["pipeline_hazards"]:
         found.append(f"{row['pipeline_hazards']} pipelined-load hazards")
     if row["i32_offsets"] and row["kernel"] != "sparse_pre":
@@ -134,19 +146,23 @@ def violations(row: dict) -> list[str]:
     if row["kernel"] in MMA_KERNELS and dtypes & set(MMA_TYPE):
         dtype, = dtypes  # a kernel compiles for one input type
         if row["arch"].startswith("gfx"):
-            ok = row["mma"] and not row["fma_dots"] and all(MMA_TYPE[dtype][2] in k for k in row["mma"])
+            ok = row["mma"] and not row["fma_dots"] and all(mfma_input(k) == MMA_TYPE[dtype][1] for k in row["mma"])
         else:
-            ok = row["mma"] and not row["fma_dots"] and row["mma_inputs"] and all(
-                t in MMA_TYPE[dtype][:2] for t in row["mma_inputs"])
+            ok = row["mma"] and not row["fma_dots"] and row["mma_inputs"] and set(row["mma_inputs"]) <= MMA_TYPE[dtype][0]
         if not ok:
             found.append(f"16-bit dots not all MMAs of {dtype}: {row['mma']} {row.get('mma_inputs')}")
     return found
 
 
-def compile_arch(arch: str, problems, topk_cases, hadamard_cases, log) -> list[dict]:
-    """The sweep's rows of one arch: one per distinct compiled kernel, with the problems that compiled it."""
+def compile_arch(arch: str, problems, topk_cases, hadamard_cases, log, refused: list) -> list[dict]:
+    """The sweep's rows of one arch: one per distinct compiled kernel, with the problems that compiled it; a
+    problem the launch tables refuse (configs/sparse.py ``SparseRefused``) is appended to ``refused``."""
     from bench.kernels import indexer_rows
-    from coreattn.tune.compiler import compile_problem, emulate
+    from coreattn.kernels.configs.indexer import topk_refusal
+    from coreattn.kernels.configs.sparse import SparseRefused
+    from coreattn.tune.compiler import DTYPES, arch_target, compile_problem, emulate, topk_problem_name
+
+    refused_cases = refused
 
     rows: dict = {}
 
@@ -161,11 +177,23 @@ def compile_arch(arch: str, problems, topk_cases, hadamard_cases, log) -> list[d
     with emulate(arch) as launches:
         for i, problem in enumerate(problems):
             start = time.time()
-            for r in compile_problem(problem, launches, arch):
-                add(r, problem.dtype)
+            try:
+                for r in compile_problem(problem, launches, arch):
+                    add(r, problem.dtype)
+            except SparseRefused as exc:  # the tables refuse it: recorded with the reason, nothing compiled
+                refused.append(dict(problem=problem.id, arch=arch, reason=str(exc)))
             log(f"{arch} [{i + 1}/{len(problems)}] {problem.id}: {time.time() - start:.0f} s")
     start = time.time()
-    for r in indexer_rows(arch, topk_cases=topk_cases, hadamard_cases=hadamard_cases):
+    target = arch_target(arch)
+    for case in topk_cases:
+        heads, dim, topk, dtype, *_ = case
+        refused = topk_refusal(target, heads, dim, DTYPES[dtype].itemsize)
+        if refused:  # the launcher would raise: recorded with the reason, nothing compiled
+            refused_cases.append(dict(problem=topk_problem_name(*case), arch=arch, reason=refused))
+        else:
+            for r in indexer_rows(arch, topk_cases=[case], hadamard_cases=[]):
+                add(r, r["dtype"])
+    for r in indexer_rows(arch, topk_cases=[], hadamard_cases=hadamard_cases):
         add(r, r["dtype"])
     log(f"{arch} indexer and Hadamard: {time.time() - start:.0f} s")
     out = list(rows.values())
@@ -203,25 +231,30 @@ def run(archs, dtypes, out: Path, match=None) -> Path:
     def log(line: str) -> None:
         print(f"[{time.time() - started:6.0f} s] {line}", file=sys.stderr, flush=True)
 
-    arch_seconds = {}
-    for arch in archs:
-        t0 = time.time()
-        rows += compile_arch(arch, problems, topk_cases, hadamard_cases, log)
-        arch_seconds[arch] = round(time.time() - t0)
-    meta = dict(date=datetime.date.today().isoformat(), git_commit=_git("rev-parse", "--short", "HEAD"),
-                git_dirty=bool(_git("status", "--porcelain", "--untracked-files=no")), triton=triton.__version__,
-                torch=torch.__version__, python=platform.python_version(), archs=list(archs), dtypes=list(dtypes),
-                problems=[p.id for p in problems], indexer=[list(c) for c in topk_cases],
-                hadamard=[list(c) for c in hadamard_cases], fingerprint=fingerprint(),
-                seconds=round(time.time() - started), arch_seconds=arch_seconds, cpus=os.cpu_count(),
-                triton_cache=os.environ.get("TRITON_CACHE_DIR", "default"),
-                command=f"python -m bench.compile_sweep --arch {' '.join(archs)} --dtype {' '.join(dtypes)}"
-                        + (f" --match {' '.join(match)}" if match else ""))
+    arch_seconds, refused = {}, []
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"triton-{triton.__version__}.json"
-    doc = dict(meta=meta, note="static compiler output, one row per distinct compiled kernel per arch; nothing here "
-                               "ran on a GPU", rows=rows)
-    path.write_text(json.dumps(doc, indent=0, default=str) + "\n")
+    path, partial = out / f"triton-{triton.__version__}.json", out / f"partial-triton-{triton.__version__}.json"
+    load_before = os.getloadavg()
+    for i, arch in enumerate(archs):
+        t0 = time.time()
+        rows += compile_arch(arch, problems, topk_cases, hadamard_cases, log, refused)
+        arch_seconds[arch] = round(time.time() - t0)
+        done = i + 1 == len(archs)
+        meta = dict(date=datetime.date.today().isoformat(), git_commit=_git("rev-parse", "--short", "HEAD"),
+                    git_dirty=bool(_git("status", "--porcelain", "--untracked-files=no")), triton=triton.__version__,
+                    torch=torch.__version__, python=platform.python_version(), archs=list(archs[:i + 1]),
+                    dtypes=list(dtypes), problems=[p.id for p in problems], indexer=[list(c) for c in topk_cases],
+                    hadamard=[list(c) for c in hadamard_cases], fingerprint=fingerprint(),
+                    seconds=round(time.time() - started), arch_seconds=arch_seconds, cpus=os.cpu_count(),
+                    load_average=[round(x, 1) for x in (*load_before, *os.getloadavg())],
+                    triton_cache=os.environ.get("TRITON_CACHE_DIR", "default"),
+                    command=f"python -m bench.compile_sweep --arch {' '.join(archs)} --dtype {' '.join(dtypes)}"
+                            + (f" --match {' '.join(match)}" if match else ""))
+        doc = dict(meta=meta, note="static compiler output, one row per distinct compiled kernel per arch; nothing "
+                                   "here ran on a GPU", rows=rows, refused=refused)
+        # after each arch a partial file (not read as a release's: see load), the release file at the end
+        (path if done else partial).write_text(json.dumps(doc, indent=0, default=str) + "\n")
+    partial.unlink(missing_ok=True)
     return path
 
 
@@ -258,16 +291,24 @@ def problem_cells(doc: dict) -> dict:
             lines = lines + [f"{row['kernel']} {row['block_m']}x{row['block_n']} w{row['num_warps']}"
                              f"/s{row['num_stages']}: {v}" for v in row["violations"]]
             cells[(problem, row["arch"])] = (max(spill, _spill(row)), lines)
+    for r in doc.get("refused", []):
+        cells[(r["problem"], r["arch"])] = ("refused", [])
     return cells
 
 
-def _cell(after, before) -> str:
-    if after is None:
+def _text(cell) -> str:
+    if cell is None:
         return "-"
-    text = f"{after[0]} B" if after[0] else ("0" if not after[1] else "X")
-    if before is None:
+    if cell[0] == "refused":
+        return "refused"
+    return f"{cell[0]} B" if cell[0] else ("0" if not cell[1] else "X")
+
+
+def _cell(after, before, with_baseline: bool) -> str:
+    text = _text(after)
+    if not with_baseline:
         return text
-    was = f"{before[0]} B" if before[0] else ("0" if not before[1] else "X")
+    was = _text(before)
     return text if was == text else f"{was} -> {text}"
 
 
@@ -304,12 +345,21 @@ def format_table(docs: dict, baseline: dict | None = None) -> str:
               + ("; `a -> b`: the baseline sweep's figure, then this one's" if baseline else "") + ".", "",
               "| problem | " + " | ".join(archs) + " |", "| --- |" + " --- |" * len(archs)]
     for problem in problems:
-        row = [" / ".join(_cell(cells[v].get((problem, a)), before.get(v, {}).get((problem, a))) for v in versions)
-               for a in archs]
+        row = [" / ".join(_cell(cells[v].get((problem, a)), before.get(v, {}).get((problem, a)), v in before)
+                          for v in versions) for a in archs]
         lines.append(f"| {problem} | " + " | ".join(row) + " |")
     details = [f"- Triton {v}, {a}, {p}: {line}" for v in versions for (p, a), (_, found) in cells[v].items()
                for line in found]
     lines += ["", "Violations:" if details else "No violations.", ""] + details
+    reasons: dict = {}
+    for v in versions:
+        for r in docs[v].get("refused", []):
+            reasons.setdefault(r["reason"].replace(f" on {r['arch']}", ""), set()).add((r["problem"], r["arch"]))
+    if reasons:
+        lines += ["", "Refused by the launch tables (coreattn/kernels/configs/sparse.py, indexer.py; the ops run these "
+                  "on the torch backend, `backend=\"triton\"` raises):", ""]
+        lines += [f"- {', '.join(sorted({p for p, _ in where}))} on {', '.join(sorted({a for _, a in where}))}: {reason}"
+                  for reason, where in reasons.items()]
     if baseline:
         old = [f"- Triton {v}, {a}, {p}: {line}" for v in sorted(baseline, key=_version_key)
                for (p, a), (_, found) in before[v].items() for line in found]
@@ -317,12 +367,22 @@ def format_table(docs: dict, baseline: dict | None = None) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def baseline_of(out: Path) -> dict | None:
+    """The release files of the baseline a sweep directory names in its baseline.json (None: none)."""
+    named = out / "baseline.json"
+    return load(out / json.loads(named.read_text())["dir"]) if named.exists() else None
+
+
 def write_table(out: Path, baseline: Path | None) -> Path:
+    """DIR/table.md from DIR's release files; ``baseline`` (a sweep directory) is recorded in DIR/baseline.json,
+    which later rewrites keep showing."""
     docs = load(out)
     if not docs:
         raise SystemExit(f"no triton-*.json in {out}")
+    if baseline is not None:
+        (out / "baseline.json").write_text(json.dumps(dict(dir=os.path.relpath(baseline, out))) + "\n")
     path = out / "table.md"
-    path.write_text(format_table(docs, load(baseline) if baseline else None))
+    path.write_text(format_table(docs, baseline_of(out)))
     return path
 
 

@@ -94,10 +94,13 @@ INDEXER_TOPK = ((64, 128, 2048, "bf16", True), (32, 128, 2048, "bf16", False), (
 HADAMARD = ((128, "bf16"), (256, "bf16"), (64, "fp16"), (128, "fp32"))
 
 
-# The sweep's: every dtype at DeepSeek-V3.2's shape, the kernel's limits (128 heads of 256, top-k 4096: configs/
-# indexer.py), a top-k of 256 (the smallest table row) and the scores' output (RETURN_SCORES); the Hadamard at
-# each padded width (64-256, and 192: a dim below its power of two) in every dtype.
+# The sweep's: every dtype at DeepSeek-V3.2's shape (64 heads x 128, top-k 2048) and GLM-5's (32 heads, no ReLU),
+# the largest q tile each dtype runs (32 KB: 128 x 128 and 64 x 256 in 16 bits, 64 x 128 in fp32) at the largest
+# top-k (4096), the kernel's limits (128 heads of 256), which configs/indexer.py refuses, a top-k of 256 (the
+# smallest table row) and the scores' output (RETURN_SCORES); the Hadamard at each padded width (64-256, and 192: a
+# dim below its power of two) in every dtype.
 INDEXER_SWEEP = (*((64, 128, 2048, dtype, True) for dtype in SWEEP_DTYPES), (32, 128, 2048, "bf16", False),
+                 (128, 128, 4096, "bf16", True), (64, 256, 4096, "fp16", True), (64, 128, 4096, "fp32", True),
                  *((128, 256, 4096, dtype, True) for dtype in SWEEP_DTYPES), (64, 128, 256, "bf16", True),
                  (64, 128, 2048, "bf16", True, True))
 HADAMARD_SWEEP = tuple((dim, dtype) for dim in (64, 128, 192, 256) for dtype in SWEEP_DTYPES)
@@ -106,30 +109,20 @@ HADAMARD_SWEEP = tuple((dim, dtype) for dim in (64, 128, 192, 256) for dtype in 
 def indexer_rows(arch: str, quick: bool = False, topk_cases=INDEXER_TOPK, hadamard_cases=HADAMARD) -> list[dict]:
     """Compile-report rows of the indexer kernels on ``arch`` (quick: the first problem of each):
     ``topk_cases`` (heads, dim, top-k, dtype, ReLU[, scores]), ``hadamard_cases`` (dim, dtype)."""
-    import torch
+    from coreattn.tune.compiler import describe, emulate, launch_hadamard, launch_indexer_topk
 
-    from coreattn.kernels.hadamard import hadamard_fwd
-    from coreattn.kernels.indexer_topk import indexer_topk_fwd
-    from coreattn.tune.compiler import DTYPES, describe, emulate
-
-    tokens, rows = 4096, []
+    rows = []
     with emulate(arch) as launches:
-        for heads, dim, topk, dtype, relu, *scores in topk_cases[:1] if quick else topk_cases:
-            q = torch.empty(tokens, heads, dim, dtype=DTYPES[dtype])  # [T, H, D]
-            k = torch.empty(tokens, dim, dtype=DTYPES[dtype])  # [T, D]
-            bounds = torch.zeros(tokens, dtype=torch.int32)
+        for case in topk_cases[:1] if quick else topk_cases:
             start = len(launches)
-            indexer_topk_fwd(q, k, torch.empty(tokens, heads, dtype=DTYPES[dtype]), bounds, bounds, topk, "thd",
-                             relu=relu, return_scores=bool(scores and scores[0]))
-            rows += [dict(describe(launch, arch), kernel="indexer_topk", block_m=1, dtype=dtype,
-                          problem=f"indexer-h{heads}xd{dim}-topk{topk}-{dtype}" + ("-relu" if relu else "")
-                          + ("-scores" if scores and scores[0] else ""))
+            problem = launch_indexer_topk(*case)
+            rows += [dict(describe(launch, arch), kernel="indexer_topk", block_m=1, dtype=case[3], problem=problem)
                      for launch in launches[start:]]
         for dim, dtype in hadamard_cases[:1] if quick else hadamard_cases:
             start = len(launches)
-            hadamard_fwd(torch.empty(tokens, dim, dtype=DTYPES[dtype]), dim ** -0.5)
+            problem = launch_hadamard(dim, dtype)
             rows += [dict(describe(launch, arch), kernel="hadamard", block_m=launch["constants"]["BLOCK_R"],
-                          block_n=None, dtype=dtype, problem=f"hadamard-d{dim}-{dtype}") for launch in launches[start:]]
+                          block_n=None, dtype=dtype, problem=problem) for launch in launches[start:]]
     return rows
 
 

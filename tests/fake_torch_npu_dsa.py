@@ -338,7 +338,8 @@ def install(monkeypatch, ops=OPS) -> FakeDsaOps:
     monkeypatch.delenv(backends.ENV_BACKEND, raising=False)
     npu.cache_clear()
     monkeypatch.setattr(sparse_function, "select_sparse_backend",
-                        lambda device, override=None, unfit=None: backends.select_sparse_backend(NPU, override, unfit))
+                        lambda device, override=None, unfit=None, triton_unfit=None:
+                        backends.select_sparse_backend(NPU, override, unfit, triton_unfit))
     monkeypatch.setattr(indexer_ops, "indexer_backend",
                         lambda device, override=None, **kw: function.indexer_backend(NPU, override, **kw))
     return dsa

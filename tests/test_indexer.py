@@ -380,3 +380,23 @@ def test_bad_arguments(case):
     with pytest.raises(error, match=message.replace("[", r"\[").replace("]", r"\]")):
         call()
 
+
+
+@pytest.mark.interpreter_only("the Triton indexer kernel as the CPU default")
+def test_a_topk_call_the_kernel_refuses_runs_on_the_torch_backend(monkeypatch, caplog):
+    """Where the Triton top-k kernel refuses a call (configs/indexer.py ``topk_refusal``: past 128 heads or dim 256,
+    or on CUDA and CDNA a q tile past 32 KB, which spills), the default is the torch backend with the reason
+    logged, and backend="triton" raises naming it."""
+    from coreattn.layers.dsa.indexer import ops
+
+    reason = "128 heads x 256 of 2-byte inputs on sm90: (stand-in)"
+    monkeypatch.setattr(ops, "triton_topk_refusal", lambda *args: reason)
+    q, k, w = integer_inputs(1, 9, 9)
+    args = (q[0], k[0], w[0], 4)
+    cu = dict(cu_seqlens=torch.tensor([0, 9], dtype=torch.int32))
+    with caplog.at_level("INFO", logger="coreattn"):
+        got = ix.indexer_topk(*args, **cu)
+    assert torch.equal(got.indices, ix.indexer_topk(*args, **cu, backend="torch").indices)
+    assert any("torch backend" in r.message and reason in r.message for r in caplog.records)
+    with pytest.raises(RuntimeError, match=r"backend='triton' cannot run this indexer top-k call: 128 heads"):
+        ix.indexer_topk(*args, **cu, backend="triton")

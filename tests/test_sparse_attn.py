@@ -291,3 +291,24 @@ def test_backend_resolved_when_the_compiled_graph_runs(monkeypatch):
             compiled(q, k, v)
     monkeypatch.setenv("COREATTN_BACKEND", "torch")
     torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), rtol=0, atol=0)
+
+
+def test_a_call_the_launch_tables_refuse_runs_on_the_torch_backend(monkeypatch, caplog):
+    """Where the Triton kernels' tables refuse a call (configs/sparse.py ``refusal``: float32 past 256 columns on
+    CUDA and CDNA, which spills), the default is the torch backend with the reason logged, and an explicit
+    backend="triton" (argument or COREATTN_BACKEND) raises naming it."""
+    from coreattn.layers.dsa import sparse_function
+
+    reason = "float32 with head blocks 576/512 on sm90: (stand-in)"
+    monkeypatch.setattr(sparse_function, "triton_refusal", lambda *args: reason)
+    q, k, v, cu = (t.detach().to(KERNEL_DEVICE) for t in _one_sequence())
+    topk = torch.tensor([[0, 1, 2, 3]] * 6, device=KERNEL_DEVICE)
+    with caplog.at_level("INFO", logger="coreattn"):
+        out = coreattn.sparse_varlen_attn(q, k, v, topk, cu, cu)
+    torch.testing.assert_close(out, coreattn.sparse_varlen_attn(q, k, v, topk, cu, cu, backend="torch"), rtol=0, atol=0)
+    assert any("torch backend" in r.message and reason in r.message for r in caplog.records)
+    with pytest.raises(RuntimeError, match=r"backend='triton' cannot run this sparse attention call: float32"):
+        coreattn.sparse_varlen_attn(q, k, v, topk, cu, cu, backend="triton")
+    monkeypatch.setenv("COREATTN_BACKEND", "triton")
+    with pytest.raises(RuntimeError, match=r"COREATTN_BACKEND='triton' cannot run this sparse attention call"):
+        coreattn.sparse_varlen_attn(q, k, v, topk, cu, cu)

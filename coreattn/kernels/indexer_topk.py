@@ -51,7 +51,7 @@ import triton.language as tl
 
 from coreattn.kernels.attn_fwd import dot_precision
 from coreattn.kernels.configs.targets import target_of
-from coreattn.kernels.configs.indexer import MAX_TOPK_DIM, MAX_TOPK_HEADS, topk_config
+from coreattn.kernels.configs.indexer import topk_config, topk_refusal
 from coreattn.kernels.device import on_device
 
 MIN_KEY = tl.constexpr(-(2**63))  # below every packed key: a lane with no key
@@ -195,11 +195,12 @@ def indexer_topk_fwd(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ke
     scores = torch.empty(n_rows, width, dtype=torch.float32, device=q.device) if return_scores else None
     if n_rows == 0 or width == 0:
         return idx, scores
-    if heads > MAX_TOPK_HEADS or dim > MAX_TOPK_DIM:
-        raise ValueError(f"the Triton top-k kernel takes up to {MAX_TOPK_HEADS} heads of dim up to {MAX_TOPK_DIM}, "
-                         f"got {heads} x {dim}; use backend='torch'")
     target = target_of(q.device)
-    cfg = topk_config(target, topk_blocks(topk, 16))  # the requested top-k: short samples do not recompile
+    refused = topk_refusal(target, heads, dim, q.element_size())
+    if refused:
+        raise ValueError(f"{refused}; use backend='torch'")
+    # the requested top-k: short samples do not recompile
+    cfg = topk_config(target, topk_blocks(topk, 16), heads, dim, q.element_size())
     block_k = topk_blocks(topk, cfg.block)
     _indexer_topk_kernel[(n_rows,)](
         q, k, weights, key_lo, key_hi, idx, scores if return_scores else idx,

@@ -492,7 +492,7 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         return dq, dk_out, dv_out
     target = target_of(q.device)
     block_dqk, block_dqk2, block_dv = prob.blocks
-    widths = (block_dqk + block_dqk2, block_dv, q.element_size(), prob.group)
+    widths = (block_dqk + block_dqk2, block_dv, q.element_size(), prob.group, prob.v_is_k)
     cfg_dq, cfg_rdq, cfg_dkv, cfg_rdkv, cfg_reduce, cfg_pre = (
         sparse_config(target, kernel, *widths) for kernel in ("dq", "range_dq", "dkv", "range_dkv", "reduce", "pre"))
     k, v = key_side(k, v, prob)

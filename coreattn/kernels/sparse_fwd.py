@@ -469,7 +469,7 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, to
     classes = row_classes(topk, key_lo, key_hi, prob.seqlen_k)
     for range_mode in (False, True):
         cfg = sparse_config(target, "range_fwd" if range_mode else "fwd", block_dqk + block_dqk2, block_dv,
-                            q.element_size(), prob.group)
+                            q.element_size(), prob.group, prob.v_is_k)
         tiles = mode_tiles(prob, cfg.block_m, range_mode)
         grid, persistent, tasks = token_grid(q.device, target, prob.batch * tiles.n_tblocks,
                                              prob.heads_kv * tiles.n_hblocks)

@@ -204,29 +204,43 @@ def _log_choice(device: torch.device, what: str, backend: Backend, why: str) -> 
         logger.info("coreattn: %s tensors run %s on the %s backend (%s)", device.type, what, backend.value, why)
 
 
+def _forced(device: torch.device, backend: Backend, source: str, what: str,
+            triton_unfit: Callable[[], str | None] | None) -> Backend:
+    """A backend named by ``source`` (the argument or COREATTN_BACKEND): checked and logged by
+    ``select_backend``; Triton also raises when the Triton kernels refuse this call (the reason named)."""
+    chosen = select_backend(device, backend if source == "backend" else None)
+    limit = triton_unfit() if chosen is Backend.TRITON and triton_unfit is not None else None
+    if limit:
+        raise RuntimeError(f"{source}='triton' cannot run this {what} call: {limit}")
+    return chosen
+
+
 def select_dsa_backend(device: torch.device, override: str | Backend | None = None, *, what: str,
-                       ops: tuple[str, ...] = (), unfit: Callable[[], str | None] | None = None) -> Backend:
+                       ops: tuple[str, ...] = (), unfit: Callable[[], str | None] | None = None,
+                       triton_unfit: Callable[[], str | None] | None = None) -> Backend:
     """The backend of a DSA op (``what``: "sparse attention", "the indexer top-k", ...) on ``device``.
 
     ``ops``: the torch_npu operators its ``npu_fused`` mapping calls (none: it has no npu_fused
     mapping); ``unfit()``: None when this call fits those operators' documented limits, else the
-    limit it breaks (asked only where npu_fused could run). Rule:
+    limit it breaks (asked only where npu_fused could run); ``triton_unfit()``: likewise for the
+    Triton kernels on this device (a configuration their launch tables refuse). Rule:
     1. ``override`` (else ``COREATTN_BACKEND``) names the backend; one that cannot run raises
-       ``RuntimeError`` with the reason, ``npu_fused`` also when the call is outside its limits
-       (the limit named). ``COREATTN_BACKEND=npu_fused`` (set for dense attention) is no override
-       here: the device default, which prefers npu_fused on an NPU;
+       ``RuntimeError`` with the reason, ``npu_fused`` and ``triton`` also when the call is outside
+       their limits (the limit named). ``COREATTN_BACKEND=npu_fused`` (set for dense attention) is
+       no override here: the device default, which prefers npu_fused on an NPU;
     2. npu tensors: ``npu_fused`` where torch_npu has the operators and the call fits, else Triton
-       (triton-ascend), else torch; other devices: Triton where it runs, else torch. Never raises:
-       the choice and the reasons the preferred ones were passed over are logged once."""
+       (triton-ascend) where the call fits, else torch; other devices: Triton where it runs and the
+       call fits, else torch. Never raises: the choice and the reasons the preferred ones were
+       passed over are logged once."""
     source = "backend"
     if override is None and os.environ.get(ENV_BACKEND):
         env = parse_backend(os.environ[ENV_BACKEND], ENV_BACKEND)
         if env is not Backend.NPU_FUSED:
-            return select_backend(device)  # COREATTN_BACKEND, checked and logged there
+            return _forced(device, env, ENV_BACKEND, what, triton_unfit)  # checked and logged there
     if override is not None:
         backend = parse_backend(override, source)
         if backend is not Backend.NPU_FUSED:
-            return select_backend(device, backend)
+            return _forced(device, backend, source, what, triton_unfit)
         avail = npu_ops_available(device, ops, what)
         if not avail.ok:
             raise RuntimeError(f"{source}='npu_fused' cannot run {what} on {device.type}: {avail.reason}")
@@ -244,6 +258,9 @@ def select_dsa_backend(device: torch.device, override: str | Backend | None = No
                 avail = Availability(False, limit)
         else:
             avail = is_available(backend, device)
+            limit = triton_unfit() if avail.ok and backend is Backend.TRITON and triton_unfit is not None else None
+            if limit:
+                avail = Availability(False, limit)
         if avail.ok:
             _log_choice(device, what, backend, avail.reason + "".join(f"; not {b.value}: {r}" for b, r in passed))
             return backend
@@ -252,9 +269,12 @@ def select_dsa_backend(device: torch.device, override: str | Backend | None = No
 
 
 def select_sparse_backend(device: torch.device, override: str | Backend | None = None,
-                          unfit: Callable[[], str | None] | None = None) -> Backend:
+                          unfit: Callable[[], str | None] | None = None,
+                          triton_unfit: Callable[[], str | None] | None = None) -> Backend:
     """The backend of sparse (top-k) attention (``coreattn.sparse_varlen_attn``): ``select_dsa_backend``
     with torch_npu's ``npu_sparse_flash_attention`` (+ ``_grad``) as its npu_fused mapping. The
     default: npu_fused on npu tensors where the call fits (``unfit``), else Triton where it can run
-    (CUDA, ROCm, CPU under the interpreter, Ascend through triton-ascend), else torch."""
-    return select_dsa_backend(device, override, what="sparse attention", ops=NPU_SPARSE_OPS, unfit=unfit)
+    (CUDA, ROCm, CPU under the interpreter, Ascend through triton-ascend) and the call fits its launch
+    tables (``triton_unfit``: coreattn/kernels/configs/sparse.py ``refusal``), else torch."""
+    return select_dsa_backend(device, override, what="sparse attention", ops=NPU_SPARSE_OPS, unfit=unfit,
+                              triton_unfit=triton_unfit)

@@ -27,6 +27,7 @@ import contextlib
 import importlib
 import io
 import math
+import os
 import pkgutil
 import re
 import subprocess
@@ -87,7 +88,8 @@ KERNEL_NAMES = {"_varlen_attn_fwd_kernel": "fwd", "_attn_bwd_preprocess_kernel":
                 "_attn_bwd_dkdv_kernel": "dkdv", "_attn_bwd_dq_kernel": "dq", "_tile_scan_kernel": "tile_scan",
                 "_tile_map_kernel": "tile_map", "_copy_rows_kernel": "copy_rows", "_token_ids_kernel": "token_ids",
                 "_sparse_attn_fwd_kernel": "sparse_fwd", "_sparse_attn_dq_kernel": "sparse_dq",
-                "_sparse_attn_dkv_kernel": "sparse_dkv", "_sparse_attn_reduce_kernel": "sparse_reduce"}
+                "_sparse_attn_dkv_kernel": "sparse_dkv", "_sparse_attn_reduce_kernel": "sparse_reduce",
+                "_indexer_topk_kernel": "indexer_topk", "_hadamard_kernel": "hadamard"}
 ATTENTION_KERNELS = ("fwd", "dkdv", "dq")  # the kernels with tl.dot (the others: preprocess and the tile map)
 SPARSE_MMA_KERNELS = ("sparse_fwd", "sparse_dq", "sparse_dkv")  # the sparse kernels with tl.dot
 # sink: softmax_offset, with the dQ kernel's SINK_GRAD; window: a 256-token left window (with causal's right
@@ -248,19 +250,42 @@ def captured_launches():
 # Reading a compiled kernel
 
 
+def _ptxas_log_file(kernel) -> Path:
+    """Where the ptxas -v log of a compiled kernel is kept: beside Triton's disk cache (the kernel's hash
+    names its PTX, target and options; the cache belongs to one Triton, whose ptxas made the log)."""
+    from triton import knobs
+
+    return Path(knobs.cache.dir) / "coreattn-ptxas-v" / f"{kernel.hash}.log"
+
+
 def ptxas_stats(log: str, kernel, capability: int) -> dict:
     """Registers and spill bytes from ptxas -v. A kernel that came from Triton's disk cache ran
-    no ptxas here: its PTX goes through the same ptxas, for the same target, once more."""
+    no ptxas here: its log is read from beside that cache, else its PTX goes through the same
+    ptxas, for the same target, once more (and the log is kept there)."""
     if "Used" not in log:
         from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
-        with tempfile.TemporaryDirectory() as tmp:
-            src = Path(tmp, "k.ptx")
-            src.write_text(kernel.asm["ptx"])
-            fmad = [] if kernel.metadata.enable_fp_fusion else ["--fmad=false"]
-            log = subprocess.run([get_ptxas(capability).path, "-v", *fmad, "--regAllocOptLevel=2",
-                                  f"--gpu-name={sm_arch_from_capability(capability)}", str(src), "-o",
-                                  str(Path(tmp, "k.o"))], capture_output=True, text=True).stderr
+        kept = _ptxas_log_file(kernel)
+        if kept.exists():
+            log = kept.read_text()
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                src = Path(tmp, "k.ptx")
+                src.write_text(kernel.asm["ptx"])
+                fmad = [] if kernel.metadata.enable_fp_fusion else ["--fmad=false"]
+                log = subprocess.run([get_ptxas(capability).path, "-v", *fmad, "--regAllocOptLevel=2",
+                                      f"--gpu-name={sm_arch_from_capability(capability)}", str(src), "-o",
+                                      str(Path(tmp, "k.o"))], capture_output=True, text=True).stderr
+    if "Used" in log:
+        kept = _ptxas_log_file(kernel)
+        if not kept.exists():
+            try:
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                tmp = kept.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(log)
+                tmp.replace(kept)  # atomic: another process may read it at once
+            except OSError:
+                pass  # a read-only cache: ptxas runs again next time
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return dict(regs=int(regs.group(1)) if regs else None,
@@ -358,6 +383,12 @@ def mfma_counts(asm: str) -> dict:
     """MFMA instructions in the AMDGCN, by mnemonic (kind, shape and input type: v_mfma_f32_32x32x8_bf16)."""
     found = re.findall(r"^\s*(v_mfma_\w+)", asm, re.M)
     return {kind: found.count(kind) for kind in sorted(set(found))}
+
+
+def mfma_input(mnemonic: str) -> str | None:
+    """The input type of an MFMA mnemonic ("bf16", "f16", "f32"; v_mfma_f32_16x16x16bf16_1k: "bf16"), or None."""
+    m = re.fullmatch(r"v_mfma_f32_\d+x\d+x\d+_?(bf16|f16|f32)(?:_1k)?", mnemonic)
+    return m.group(1) if m else None
 
 
 def cdna_occupancy(regs: int, num_warps: int, lds: int, limits: CdnaLimits) -> dict:
@@ -565,6 +596,35 @@ def launch_sparse_problem(problem: SparseProblem) -> None:
     out, lse = sparse_attn_fwd(q, k, v, *args, **v_dim)
     for atomic in (False, True):
         sparse_attn_bwd(torch.empty_like(out), q, k, v, out, lse, *args, **v_dim, atomic=atomic)
+
+
+INDEXER_TOKENS = 4096  # only the grid follows it
+
+
+def launch_indexer_topk(heads: int, dim: int, topk: int, dtype: str, relu: bool = True, scores: bool = False) -> str:
+    """The DSA indexer's fused scores + top-k (kernels/indexer_topk.py) for ``heads`` x ``dim`` and ``topk`` on
+    CPU tensors laid out as thd (inside ``emulate``: a compile-only launch); returns the problem's name."""
+    from coreattn.kernels.indexer_topk import indexer_topk_fwd
+
+    q = torch.empty(INDEXER_TOKENS, heads, dim, dtype=DTYPES[dtype])  # [T, H, D]
+    k = torch.empty(INDEXER_TOKENS, dim, dtype=DTYPES[dtype])  # [T, D]
+    bounds = torch.zeros(INDEXER_TOKENS, dtype=torch.int32)
+    indexer_topk_fwd(q, k, torch.empty(INDEXER_TOKENS, heads, dtype=DTYPES[dtype]), bounds, bounds, topk, "thd",
+                     relu=relu, return_scores=scores)
+    return topk_problem_name(heads, dim, topk, dtype, relu, scores)
+
+
+def topk_problem_name(heads: int, dim: int, topk: int, dtype: str, relu: bool = True, scores: bool = False) -> str:
+    return f"indexer-h{heads}xd{dim}-topk{topk}-{dtype}" + ("-relu" if relu else "") + ("-scores" if scores else "")
+
+
+def launch_hadamard(dim: int, dtype: str) -> str:
+    """The Hadamard rotation (kernels/hadamard.py) of ``dim`` columns (inside ``emulate``: compile-only); returns
+    the problem's name."""
+    from coreattn.kernels.hadamard import hadamard_fwd
+
+    hadamard_fwd(torch.empty(INDEXER_TOKENS, dim, dtype=DTYPES[dtype]), dim ** -0.5)
+    return f"hadamard-d{dim}-{dtype}"
 
 
 def compile_report(archs, problems, int64_lanes: bool | None = None) -> list[dict]:

@@ -7,7 +7,9 @@ TRITON_INTERPRET must be unset.
 arch, then cases: head dims (q/k[/v]), ``+`` features (compiler.FEATURES, ``gqa``: 4 q heads per kv
 head, ``full``: not causal) and ``@tma`` / ``@ws`` for the tuner's TMA or warp-specialized TMA loop
 variant of each attention kernel (kernels/configs/space.py ``candidates``), compiled through the real
-launchers in bf16; each arch also compiles the mask utilities' kernels. A launch that does not
+launchers in bf16; ``s576/512a128[@fp32]``: the sparse kernels (compiler.sparse_problem_of);
+``indexer``: the DSA indexer's top-k and Hadamard kernels (``INDEXER_CASES``, ``HADAMARD_CASES``); each
+arch also compiles the mask utilities' kernels. A launch that does not
 compile is listed under ``errors``, not fatal. ``canary``: a small kernel
 with the dK/dV loop's shape, its divisor unclamped and clamped with ``tl.maximum(n, 1)``, compiled
 for sm90 with 3 stages: what the scanner must and must not find in this Triton's output; and one
@@ -38,14 +40,15 @@ from coreattn.tune import compiler, hazards, offsets  # noqa: E402
 
 FLAGS = ("DK", "DV", "TMA", "WARP_SPEC", "HAS_LEFT", "HAS_RIGHT", "PACKED", "SPANS", "HAS_Q_KEEP", "HAS_K_KEEP",
          "DROPOUT", "HAS_SINK", "RETURN_MAX", "SINK_GRAD", "GATHER", "WRITE_POS", "WRITE_SEQ", "ATOMIC", "V_IS_K",
-         "RANGE", "INT64_LANES", "BLOCK_M", "BLOCK_N")
+         "RANGE", "INT64_LANES", "RELU", "RETURN_SCORES", "BLOCK_M", "BLOCK_N", "BLOCK_T", "BLOCK_H")
 
 
 def parse_case(case: str) -> tuple:
-    """A dense case (compiler.Problem and its loop variant) or a sparse one, ``s576/512a128``
-    (compiler.sparse_problem_of; no variant)."""
+    """A dense case (compiler.Problem and its loop variant) or a sparse one, ``s576/512a128[@fp32]``
+    (compiler.sparse_problem_of, bf16 unless told; no variant)."""
     if case.startswith("s"):
-        return compiler.sparse_problem_of(case[1:]), ""
+        spec, _, dtype = case[1:].partition("@")
+        return compiler.sparse_problem_of(spec, dtype or "bf16"), ""
     case, _, variant = case.partition("@")
     dims, *features = case.split("+")
     qk, _, v = dims.partition("/")
@@ -73,6 +76,19 @@ def variant_configs(arch: str, problem: compiler.Problem, variant: str) -> dict:
     return forced
 
 
+# the DSA indexer's kernels the ``indexer`` case compiles: the top-k in each dtype (DeepSeek-V3.2's 64 x 128 at
+# top-k 2048; fp32 at 16 x 64, top-k 64) with and without ReLU and scores, the Hadamard rotation in each dtype
+INDEXER_CASES = ((64, 128, 2048, "bf16", True), (32, 128, 2048, "fp16", False, True), (16, 64, 64, "fp32", True))
+HADAMARD_CASES = ((128, "bf16"), (256, "fp16"), (64, "fp32"))
+
+
+def launch_indexer() -> None:
+    for case in INDEXER_CASES:
+        compiler.launch_indexer_topk(*case)
+    for case in HADAMARD_CASES:
+        compiler.launch_hadamard(*case)
+
+
 def rows_for(arch: str, cases: list[str], errors: list[dict], spills: bool = False) -> list[dict]:
     """One row per distinct compiled kernel of ``cases`` on ``arch``; a launch that fails to compile
     appends (arch, case, kernel, error) to ``errors`` (a loop variant is compiled kernel by kernel,
@@ -81,13 +97,15 @@ def rows_for(arch: str, cases: list[str], errors: list[dict], spills: bool = Fal
     with compiler.emulate(arch) as launches:
         labels = []
         for case in cases:
-            problem, variant = parse_case(case)
+            problem, variant = ("indexer", "") if case == "indexer" else parse_case(case)
             forced = variant_configs(arch, problem, variant)
             for kernels in ([{k} for k in forced] if forced else [None]):
                 start = len(launches)
                 try:
                     with forced_configs(**{k: forced[k] for k in kernels or ()}):
-                        if isinstance(problem, compiler.SparseProblem):
+                        if problem == "indexer":
+                            launch_indexer()
+                        elif isinstance(problem, compiler.SparseProblem):
                             compiler.launch_sparse_problem(problem)
                         else:
                             compiler.launch_problem(problem, kernels)

@@ -2,19 +2,22 @@
 
 The top-k kernel runs one program per query token: a [heads, dim] x [dim, BLOCK_N] dot per key step
 and a running top-k of BLOCK_K packed 64-bit keys in registers (kernels/indexer_topk.py). Its tile is
-the key step and the warps; the register load is dominated by the candidate sets (2 x BLOCK_K int64,
-the sort's temporaries on top), so wide top-k takes more warps, which spread those registers over
-more threads. The Hadamard kernel runs BLOCK_R rows per program, one [BLOCK_R, D] x [D, D] dot with
-the +-1 matrix generated in registers (two at D = 256).
+the key step and the warps; the register load is the q tile (heads x dim, held for the whole row) and
+the candidate sets (2 x BLOCK_K int64, the sort's temporaries on top), so the tables are keyed by
+BLOCK_K and the q tile's bytes, and a q tile past ``MAX_TOPK_TILE_BYTES`` is refused on CUDA and CDNA
+(``topk_refusal``: the ops run it on the torch backend). The Hadamard kernel runs BLOCK_R rows per
+program, a butterfly over each row's values in float32 registers.
 
-Every table is static compiler output (``python -m bench --what kernels``: registers, spills, shared
-memory, MMA kind), not a timing: no GPU was available. Lengths never enter a key: only head count,
-head dim, top-k, dtype and the target do.
+Every table is static compiler output (``python -m bench.compile_sweep``, ``python -m bench --what
+kernels``: registers, spills, shared memory, MMA kind), not a timing: no GPU was available. Lengths
+never enter a key: only head count, head dim, top-k, dtype and the target do.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+import triton
 
 from coreattn.kernels.configs.targets import CDNA_TARGETS, launch_options
 
@@ -39,11 +42,21 @@ class IndexerConfig(NamedTuple):
 _INTERPRETER_TOPK = IndexerConfig(16, 1, 1)
 _INTERPRETER_HADAMARD = IndexerConfig(8, 1)
 
-# Top-k, by BLOCK_K (the top-k rounded up to a power of two): first entry whose BLOCK_K bound holds
-# wins. CUDA: a 64-key step (the [64 heads, 128] x [128, 64] wgmma on sm90, mma.sync elsewhere).
-_TOPK_CUDA = ((256, IndexerConfig(64, 4, 2)), (1024, IndexerConfig(64, 8, 2)), (4096, IndexerConfig(64, 8, 2)))
-_TOPK_CDNA = ((256, IndexerConfig(64, 4, 1, 16)), (1024, IndexerConfig(64, 8, 1, 16)), (4096, IndexerConfig(64, 8, 1, 16)))
-_TOPK_ASCEND = ((4096, IndexerConfig(64, 1, 1)),)
+# Top-k, by BLOCK_K (the top-k rounded up to a power of two) and the q tile's bytes (BLOCK_H x BLOCK_D x the
+# input's element size, held in registers beside the candidate sets): the first entry whose bounds hold wins.
+# CUDA: a 64-key step on 8 warps up to 16 KB of q (DeepSeek-V3.2's 64 heads x 128 in 16 bits: the [64, 128] x
+# [128, 64] wgmma on sm90, mma.sync elsewhere; 4 warps at top-k 256 took 255 registers on sm100 under Triton
+# 3.9.0); a 32-key step up to 32 KB (128 heads x 128 at top-k 4096 took 255
+# registers and spilled 144 B on the 64-key step under Triton 3.9.0, 238 and none on 32); fp32's FMA dot on
+# 16 keys and one stage (64 x 128 at top-k 2048 spilled 596 B on 64 keys, 0 on 16-32).
+_TOPK_CUDA = ((4096, 16 << 10, IndexerConfig(64, 8, 2)), (4096, 32 << 10, IndexerConfig(32, 8, 2)))
+_TOPK_CUDA_FP32 = ((4096, 32 << 10, IndexerConfig(16, 8, 1)),)
+_TOPK_CDNA = ((256, 32 << 10, IndexerConfig(64, 4, 1, 16)), (4096, 32 << 10, IndexerConfig(64, 8, 1, 16)))
+_TOPK_ASCEND = ((4096, 1 << 30, IndexerConfig(64, 1, 1)),)
+# q tiles past this on CUDA and CDNA are refused (``topk_refusal``): 128 heads x 256 in 16 bits (64 KB) took 255
+# registers and spilled 4-212 B on sm90 under Triton 3.9.0 at every step (16-64 keys), warp count (8; 16 with 128
+# registers a thread) and stage count tried; fp32 128 x 256 (128 KB) 8 B to 17 KB
+MAX_TOPK_TILE_BYTES = 32 << 10
 _HADAMARD = {"cuda": IndexerConfig(16, 4), "cdna": IndexerConfig(16, 4), "ascend": IndexerConfig(16, 1)}
 MAX_BLOCK_K = 4096  # top-k up to 4096 in the kernel (DeepSeek-V3.2 and GLM-5 use 2048)
 MAX_TOPK_HEADS = 128
@@ -57,13 +70,48 @@ def _family(target: str) -> str:
     return target if target in ("interpreter", "ascend") else "cuda"
 
 
-def topk_config(target: str, block_k: int) -> IndexerConfig:
+def topk_tile_bytes(heads: int, dim: int, elem: int) -> int:
+    """Bytes of the top-k kernel's q tile: heads and dim padded to powers of two (at least 16)."""
+    return max(16, triton.next_power_of_2(heads)) * max(16, triton.next_power_of_2(dim)) * elem
+
+
+def topk_refusal(target: str, heads: int, dim: int, elem: int) -> str | None:
+    """Why the Triton top-k kernel does not run ``heads`` x ``dim`` of ``elem``-byte inputs on ``target``, or
+    None: past its heads or dim, or (CUDA, CDNA) past the q tile it runs without spilling registers."""
+    if heads > MAX_TOPK_HEADS or dim > MAX_TOPK_DIM:
+        return f"the Triton top-k kernel takes up to {MAX_TOPK_HEADS} heads of dim up to {MAX_TOPK_DIM}, got {heads} x {dim}"
+    tile = topk_tile_bytes(heads, dim, elem)
+    if _family(target) in ("cuda", "cdna") and tile > MAX_TOPK_TILE_BYTES:
+        return (f"{heads} heads x {dim} of {elem}-byte inputs on {target}: a {tile >> 10} KB q tile, past the "
+                f"{MAX_TOPK_TILE_BYTES >> 10} KB the Triton top-k kernel holds in registers without spilling "
+                f"(coreattn/kernels/configs/indexer.py); the torch backend runs it")
+    return None
+
+
+def triton_topk_refusal(device, dtype, heads: int, dim: int) -> str | None:
+    """``topk_refusal`` for an indexer call's tensors (float64 never reaches the kernel: None)."""
+    import torch
+
+    from coreattn.kernels.configs.targets import target_of
+
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None
+    return topk_refusal(target_of(device), heads, dim, dtype.itemsize)
+
+
+def topk_config(target: str, block_k: int, heads: int = 64, dim: int = 128, elem: int = 2) -> IndexerConfig:
+    """The top-k kernel's config for BLOCK_K ``block_k`` and a q tile of ``heads`` x ``dim`` of ``elem`` bytes
+    (``topk_refusal`` first: a refused one raises ValueError naming why)."""
     family = _family(target)
     if family == "interpreter":
         return _INTERPRETER_TOPK
-    table = {"cuda": _TOPK_CUDA, "cdna": _TOPK_CDNA, "ascend": _TOPK_ASCEND}[family]
-    for bound, cfg in table:
-        if block_k <= bound:
+    refused = topk_refusal(target, heads, dim, elem)
+    if refused:
+        raise ValueError(refused)
+    table = {"cuda": _TOPK_CUDA_FP32 if elem == 4 else _TOPK_CUDA, "cdna": _TOPK_CDNA, "ascend": _TOPK_ASCEND}[family]
+    tile = topk_tile_bytes(heads, dim, elem)
+    for bound, tile_bound, cfg in table:
+        if block_k <= bound and tile <= tile_bound:
             return cfg
     raise ValueError(f"top-k blocks up to {MAX_BLOCK_K} are supported by the Triton kernel, got {block_k}")
 

@@ -37,6 +37,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from coreattn.layers.backends import Backend, select_sparse_backend
+from coreattn.kernels.configs.sparse import triton_refusal
 from coreattn.kernels.sparse_bwd import sparse_attn_bwd as launch_sparse_bwd
 from coreattn.kernels.sparse_fwd import sparse_attn_fwd as launch_sparse_fwd
 from coreattn.kernels.sparse_index import prepare_topk
@@ -59,8 +60,10 @@ NPU_FUSED = SparseImpl("npu_fused", sparse_attn_npu_fwd, sparse_attn_npu_bwd)
 def _impl(q: torch.Tensor, backend: str, k: torch.Tensor, v: torch.Tensor | None, topk: torch.Tensor,
           v_dim: int) -> SparseImpl:
     """The backend for q's device (``backend``: an override name, "" for the default), chosen when the
-    op runs (npu_fused where the call fits torch_npu's operator: the same answer forward and backward)."""
-    chosen = select_sparse_backend(q.device, backend or None, unfit=lambda: sparse_unfit(q, k, v, topk, v_dim))
+    op runs (npu_fused where the call fits torch_npu's operator, Triton where it fits the launch tables:
+    the same answer forward and backward)."""
+    chosen = select_sparse_backend(q.device, backend or None, unfit=lambda: sparse_unfit(q, k, v, topk, v_dim),
+                                   triton_unfit=lambda: triton_refusal(q.device, q.dtype, q.shape[-1], v_dim))
     if chosen is Backend.NPU_FUSED:
         return NPU_FUSED
     if chosen is Backend.TORCH:

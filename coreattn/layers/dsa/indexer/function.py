@@ -31,11 +31,11 @@ from coreattn.layers.torch_backend.indexer_loss import LossResult, loss_torch
 
 
 def indexer_backend(device: torch.device, override=None, *, what: str = "Hadamard transform", ops: tuple = (),
-                    unfit=None) -> Backend:
+                    unfit=None, triton_unfit=None) -> Backend:
     """The backend of one indexer step on ``device`` (see the module docstring and
     ``coreattn.layers.backends.select_dsa_backend``); ``ops``: torch_npu's operators for it, none
-    for the Hadamard transform."""
-    return select_dsa_backend(device, override, what=what, ops=ops, unfit=unfit)
+    for the Hadamard transform; ``triton_unfit``: why the Triton kernel refuses this call, or None."""
+    return select_dsa_backend(device, override, what=what, ops=ops, unfit=unfit, triton_unfit=triton_unfit)
 
 
 def loss_npu(q, k, weights, query, key, key_lo, key_hi, fmt: str, *, softmax_scale: float, loss_coeff: float,

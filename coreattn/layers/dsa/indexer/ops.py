@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from coreattn.kernels.configs.indexer import triton_topk_refusal
 from coreattn.layers.backends import NPU_LOSS_OPS, NPU_TOPK_OPS, Backend
 from coreattn.layers.dsa.indexer import checks
 from coreattn.layers.dsa.indexer.function import HadamardFunction, IndexerLossFunction, indexer_backend, loss_npu
@@ -52,7 +53,8 @@ def _mask_mode(tokens, cu_seqlens, causal, causal_alignment, key_bounds):
 
 def _topk_backend(q, k, weights, topk, relu, return_scores, mode, backend) -> Backend:
     return indexer_backend(q.device, backend, what="indexer top-k", ops=NPU_TOPK_OPS,
-                           unfit=lambda: topk_unfit(q, k, weights, topk, relu, return_scores, mode))
+                           unfit=lambda: topk_unfit(q, k, weights, topk, relu, return_scores, mode),
+                           triton_unfit=lambda: triton_topk_refusal(q.device, q.dtype, q.shape[-2], q.shape[-1]))
 
 
 def indexer_topk(q, k, weights, topk: int, *, layout: str = "thd", cu_seqlens=None, causal: bool = True,
