@@ -140,7 +140,10 @@ for _kernel, _rows in _CDNA.items():
 # query tokens x BLOCK_H q heads (``range_tile``), so a GQA group smaller than 16 fills the rows with tokens
 # instead of masked heads, and at 576/512 16 heads take two tokens per 32-row tile: one key block serves both.
 _CUDA_RANGE = {
-    "range_fwd": ((192, 1 << 30, _C(16, 64, 4, 2)), (256, 1 << 30, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(32, 32, 8, 2))),
+    # with a separate V tile past 256 columns 16 rows (32 x 32 spilled 4-8 B per-head at 576/512 on sm90 and sm100
+    # under Triton 3.7.1; 16 x 32: 183-199 registers)
+    "range_fwd": ((192, 1 << 30, _C(16, 64, 4, 2)), (256, 1 << 30, _C(16, 32, 4, 2)),
+                  (1024, 1 << 30, _C(16, 32, 8, 2), False), (1024, 1 << 30, _C(32, 32, 8, 2))),
     "range_dq": ((256, 1 << 30, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(16, 32, 8, 2))),
     # keys x rows as the slot-mode dK/dV's slots x heads, but 16 rows at 576/512: its 32 spilled 40 B on sm90 under
     # Triton 3.7.1 (the range program holds its key block across two loops; one stage: 118 KB, unpipelined), and
