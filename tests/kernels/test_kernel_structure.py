@@ -41,7 +41,7 @@ import pytest
 import triton
 
 from coreattn.kernels.versions import TESTED_TRITON
-from coreattn.tune.compiler import ARCHS, ATTENTION_KERNELS, CDNA_ARCHS, SPARSE_MMA_KERNELS
+from coreattn.tune.compiler import ARCHS, ATTENTION_KERNELS, CDNA_ARCHS, SPARSE_MMA_KERNELS, mfma_input
 
 SCRIPT = Path(__file__).with_name("kernel_structure.py")
 SM90_DIMS = ("64/64", "128/128", "192/128", "256/256")
@@ -55,9 +55,15 @@ DIMS["sm86"] += ("128/128@fp32",)
 SPILL_FREE = {(arch, dims) for arch in ARCHS for dims in DIMS[arch]}
 CDNA_DIMS = {arch: ("64/64", "128/128", "192/128", "256/256") for arch in ("gfx942", "gfx950")}
 CDNA_DIMS["gfx90a"] = ("64/64", "64/64+max_logit", "128/128", "256/256")
-# the sparse kernels (tests/kernels/kernel_structure.py's ``s`` specs: compiler.sparse_problem_of)
-SPARSE_DIMS = {"sm90": ("s576/512a16", "s576/512a128", "s128/128g4")}
-SPARSE_CDNA_DIMS = {arch: ("s576/512a128", "s128/128g4") for arch in ("gfx942", "gfx950")}
+# the sparse kernels (tests/kernels/kernel_structure.py's ``s`` specs: compiler.sparse_problem_of), a subset of the
+# sweep's configuration classes (bench/compile_sweep.py: every class under every release, committed and checked by
+# tests/kernels/test_sparse_sweep.py): absorbed 576/512 with 8 q heads (16-row slot tiles, range tiles of 4 tokens x
+# 8 heads) and 128 (32- and 64-row tiles), per-head K/V at 576/512 (a separate 512-wide V), GQA 4 at 256/256 in
+# fp16 and per-head 256/256 in fp32 (the widest fp32 the tables run: configs/sparse.py FP32_MAX_WIDTH)
+SPARSE_DIMS = {"sm90": ("s576/512a8", "s576/512a128", "s576/512p16", "s256/256g4@fp16", "s256/256p16@fp32"),
+               "sm100": ("s576/512a128", "s576/512p16")}
+SPARSE_CDNA_DIMS = {arch: ("s576/512a128", "s576/512p16", "s256/256p16@fp32") for arch in ("gfx942", "gfx950")}
+MMA_INPUTS = {"bf16": {"bf16", "kind::f16"}, "fp16": {"f16", "kind::f16"}}  # PTX operand types of a 16-bit MMA
 SPARSE_KERNELS = {"sparse_fwd", "sparse_pre", "sparse_dq", "sparse_dkv", "sparse_dkv[atomic]", "sparse_reduce",
                   "sparse_fwd[range]", "sparse_dq[range]", "sparse_dkv[range]"}
 
@@ -210,21 +216,28 @@ def test_cdna_every_dot_is_an_unduplicated_bf16_mfma(cdna_rows, arch):
 
 
 @needs_nvidia
-def test_sm90_sparse_kernels_spill_free_pipelined_mmas_of_the_input_type(sparse_rows):
-    mine = sparse_rows("sm90")
-    for problem in {r["problem"] for r in mine}:
+@pytest.mark.parametrize("arch", list(SPARSE_DIMS))
+def test_sparse_kernels_spill_free_pipelined_mmas_of_the_input_type(sparse_rows, arch):
+    mine = sparse_rows(arch)
+    problems = {r["problem"] for r in mine}
+    assert len(problems) == len(SPARSE_DIMS[arch])
+    for problem in problems:
         assert SPARSE_KERNELS <= {_sparse_kernel(r) for r in mine if r["problem"] == problem}, problem
-    assert {r["problem"] for r in mine} >= {"sparse-hdim576x512-bf16-absorbed-h16", "sparse-hdim576x512-bf16-absorbed-h128",
-                                            "sparse-hdim128x128-bf16-gqa4-h16"}
     spills = [(_label(r), r["spill_stores"], r["spill_loads"]) for r in mine if r["spill_stores"] or r["spill_loads"]]
     assert not spills, "spills" + _where()
-    limit = ARCHS["sm90"].smem_per_block
+    limit = ARCHS[arch].smem_per_block
     assert not [(_label(r), r["smem"]) for r in mine if r["smem"] > limit], f"over {limit} bytes" + _where()
-    mma = [r for r in mine if r["kernel"] in SPARSE_MMA_KERNELS]
+    assert all(r["ctas_per_sm"] >= 1 for r in mine)
+    mma = [r for r in mine if r["kernel"] in SPARSE_MMA_KERNELS and r["dtype"] != "fp32"]  # fp32: FMA loops
     assert not [(_label(r), r["mma"], r["fma_dots"]) for r in mma
-                if not r["mma"] or set(r["mma"]) - {"wgmma", "mma.sync"} or r["fma_dots"]], "dots not MMAs" + _where()
-    assert not [(_label(r), r["mma_inputs"]) for r in mma if r["mma_inputs"] != ["bf16"]], "MMA inputs" + _where()
-    assert not [(_label(r), r["num_stages"]) for r in mma if r["num_stages"] < 2], "not pipelined" + _where()
+                if not r["mma"] or set(r["mma"]) - {"wgmma", "mma.sync", "tcgen05"} or r["fma_dots"]], \
+        "dots not MMAs" + _where()
+    assert not [(_label(r), r["mma_inputs"]) for r in mma if not r["mma_inputs"]
+                or set(r["mma_inputs"]) - MMA_INPUTS[r["dtype"]]], "MMA inputs" + _where()
+    # pipelined, but absorbed MLA's range dK/dV at 576/512 with under 16 heads (configs/sparse.py: one stage)
+    single = [r for r in mma if r["num_stages"] < 2 and not (r["kernel"] == "sparse_dkv" and r["range"]
+                                                            and r["absorbed"] and r["heads_q"] < 16)]
+    assert not [(_label(r), r["num_stages"]) for r in single], "not pipelined" + _where()
     _assert_sparse_addresses(mine)
 
 
@@ -240,7 +253,7 @@ def _assert_sparse_addresses(mine: list[dict]) -> None:
 @needs_amd
 @cdna_triton
 @pytest.mark.parametrize("arch", list(SPARSE_CDNA_DIMS))
-def test_cdna_sparse_kernels_fit_without_spills_and_use_bf16_mfma(sparse_rows, arch):
+def test_cdna_sparse_kernels_fit_without_spills_and_use_mfma_of_the_input_type(sparse_rows, arch):
     mine = sparse_rows(arch)
     assert SPARSE_KERNELS <= {_sparse_kernel(r) for r in mine}
     limit = CDNA_ARCHS[arch].lds_per_workgroup
@@ -248,8 +261,10 @@ def test_cdna_sparse_kernels_fit_without_spills_and_use_bf16_mfma(sparse_rows, a
     spilled = [(_label(r), r["vgpr_spills"], r["spill_stores"], r["scratch"]) for r in mine
                if r["vgpr_spills"] or r["spill_stores"] or r["spill_loads"] or r["scratch"]]
     assert not spilled, "VGPR spills or scratch" + _where()
+    assert all(r["waves_per_simd"] >= 1 for r in mine)
     mma = [r for r in mine if r["kernel"] in SPARSE_MMA_KERNELS]
     assert mma and not [(_label(r), r["fma_dots"]) for r in mma if r["fma_dots"]], "dots without MFMA" + _where()
     _assert_sparse_addresses(mine)
-    assert not [(_label(r), r["mma"]) for r in mma if not r["mma"] or not all(k.startswith("v_mfma_f32_") and
-                                                                               "bf16" in k for k in r["mma"])]
+    kind = {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}  # fp32: CDNA's fp32 MFMA (IEEE)
+    assert not [(_label(r), r["mma"]) for r in mma if not r["mma"] or any(
+        mfma_input(k) != kind[r["dtype"]] for k in r["mma"])], "MFMAs not of the input type" + _where()

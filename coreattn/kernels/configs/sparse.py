@@ -147,9 +147,10 @@ _CUDA_RANGE = {
     "range_dq": ((256, 1 << 30, _C(16, 32, 4, 2)), (1024, 1 << 30, _C(16, 32, 8, 2))),
     # keys x rows as the slot-mode dK/dV's slots x heads, but 16 rows at 576/512: its 32 spilled 40 B on sm90 under
     # Triton 3.7.1 (the range program holds its key block across two loops; one stage: 118 KB, unpipelined), and
-    # on 4 warps 16 x 16 spilled 244 B. A group under 16 (rows of 2-16 tokens) at 576/512 spilled 8 B on 2 stages
-    # under Triton 3.9.0 (each row's own bounds beside the pipelined loads): one stage, 206 registers
-    "range_dkv": ((256, 1 << 30, _C(16, 16, 4, 2)), (512, 1 << 30, _C(16, 16, 8, 2)), (1024, 8, _C(16, 16, 8, 1)),
+    # on 4 warps 16 x 16 spilled 244 B. Absorbed MLA with a group under 16 (rows of 2-8 tokens) at 576/512 spilled
+    # 8 B on 2 stages on sm90 and sm100 under Triton 3.9.0 (each row's own bounds beside the pipelined loads): one
+    # stage, 206 registers (the key block is loaded once per program; its q and dO loads go unpipelined)
+    "range_dkv": ((256, 1 << 30, _C(16, 16, 4, 2)), (512, 1 << 30, _C(16, 16, 8, 2)), (1024, 8, _C(16, 16, 8, 1), True),
                   (1024, 1 << 30, _C(16, 16, 8, 2))),
 }
 _CDNA_RANGE = {
