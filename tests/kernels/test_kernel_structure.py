@@ -13,13 +13,18 @@ this module under 3.7.1, the Triton lanes its sm90 tests (``-k sm90``) under the
 names the Triton that compiled. The CDNA checks hold for Triton 3.9.0 only (``CDNA_CHECKED_TRITON``)
 and run in the Triton 3.9.0 lane.
 
-The sparse (top-k) kernels (kernels/sparse_fwd.py, sparse_bwd.py; configs/sparse.py), on sm90 for
-absorbed MLA at 576/512 with 16 and 128 q heads and GQA 4 at 128 (and, under 3.9.0, on gfx942 and
-gfx950): every kernel of the forward and both backward variants compiled in both modes (slot, and
-range for full rows), no spills, shared memory (LDS) within the limit, every dot an MMA (wgmma or
-mma.sync; MFMA) of the input type, the loops pipelined on sm90, no pipelined-load hazard and no i32
-stride product on a pointer offset. Their 512-column tiles duplicate the score dots across warps
-(configs/sparse.py says why), which is shown in the compile report, not asserted here.
+The sparse (top-k) kernels (kernels/sparse_fwd.py, sparse_bwd.py; configs/sparse.py), a subset of the
+configuration classes the sparse sweep compiles (bench/compile_sweep.py: every class on sm90, sm100 and
+CDNA, run by hand per release, docs/compile-report.md): on sm90
+absorbed MLA at 576/512 with 8 and 128 q heads, per-head K/V at 576/512, GQA 4 at 256/256 in fp16 and
+per-head 256/256 in fp32; on sm100 the 128-head and per-head 576/512 problems (the main lane only); under
+3.9.0 on gfx942 and gfx950 those two and fp32: every kernel of the forward and both backward variants
+compiled in both modes (slot, and range for full rows), no spills, shared memory (LDS) within the limit,
+every 16-bit dot an MMA (wgmma, mma.sync or tcgen05; MFMA) of the input type (fp32: FMA loops on CUDA,
+fp32 MFMAs on CDNA), the loops pipelined on sm90 and sm100 (but the one-stage range dK/dV of configs/
+sparse.py), no pipelined-load hazard and no i32 stride product on a pointer offset. Their 16- to 64-row
+tiles duplicate the score dots across warps (configs/sparse.py says why), which is shown in the compile
+report, not asserted here.
 
 Compiling happens in subprocesses (TRITON_INTERPRET unset), once per module for every arch a
 selected test needs (``-k sm90`` compiles sm90 alone); the tests read the rows. The CUDA archs are
@@ -56,8 +61,7 @@ SPILL_FREE = {(arch, dims) for arch in ARCHS for dims in DIMS[arch]}
 CDNA_DIMS = {arch: ("64/64", "128/128", "192/128", "256/256") for arch in ("gfx942", "gfx950")}
 CDNA_DIMS["gfx90a"] = ("64/64", "64/64+max_logit", "128/128", "256/256")
 # the sparse kernels (tests/kernels/kernel_structure.py's ``s`` specs: compiler.sparse_problem_of), a subset of the
-# sweep's configuration classes (bench/compile_sweep.py: every class under every release, committed and checked by
-# tests/kernels/test_sparse_sweep.py): absorbed 576/512 with 8 q heads (16-row slot tiles, range tiles of 4 tokens x
+# sweep's configuration classes (bench/compile_sweep.py: every class, run by hand per release): absorbed 576/512 with 8 q heads (16-row slot tiles, range tiles of 4 tokens x
 # 8 heads) and 128 (32- and 64-row tiles), per-head K/V at 576/512 (a separate 512-wide V), GQA 4 at 256/256 in
 # fp16 and per-head 256/256 in fp32 (the widest fp32 the tables run: configs/sparse.py FP32_MAX_WIDTH)
 SPARSE_DIMS = {"sm90": ("s576/512a8", "s576/512a128", "s576/512p16", "s256/256g4@fp16", "s256/256p16@fp32"),

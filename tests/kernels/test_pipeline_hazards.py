@@ -19,8 +19,13 @@ with each arch's configs:
   (CDNA's tables use num_stages 1: no loop is pipelined there today, the check holds if one is);
 - the sparse (top-k) kernels (kernels/sparse_fwd.py, sparse_bwd.py: forward, dQ, both dK/dV variants,
   each of the three also in its range mode for full rows, the CSR reduce, the delta preprocess) on
-  sm90 and sm80: absorbed MLA at 576/512 with 128 heads (V
-  read from the gathered key block) and GQA 4 at 192/128 (separate V, a split q/k block);
+  sm90, sm100 and gfx950 over the problems test_kernel_structure.py compiles there (absorbed MLA at
+  576/512, V read from the gathered key block, with 8 heads, whose range tiles hold 2-4 tokens, and 128;
+  per-head K/V at 576/512, a separate V; GQA 4 at 256/256 in fp16; per-head 256/256 in fp32) and
+  DeepSeek-V4's 512/512 with K = V (one q/k block); on sm80 absorbed 576/512 with 128 heads and GQA 4
+  at 192/128; and the DSA indexer's top-k (each dtype, ReLU or not, with its scores output) and
+  Hadamard kernels on sm90, sm100 and gfx950 (the sweep, bench/compile_sweep.py, scans every
+  configuration class for the same hazard);
 - per arch the tile scan and map kernels of both layouts and the mask utilities' kernels;
 - a canary: a small kernel with the dK/dV loop's shape, unclamped and clamped, which the scanner must
   flag and pass in this Triton's own output (the TTGIR text format differs between versions).
@@ -47,15 +52,19 @@ from pathlib import Path
 
 import pytest
 
+from test_kernel_structure import SPARSE_CDNA_DIMS, SPARSE_DIMS
+
 SCRIPT = Path(__file__).with_name("pipeline_hazards.py")
 SPARSE_CASES = ("s576/512a128", "s192/128g4")  # compiler.sparse_problem_of
+# sm90, sm100 and CDNA: the sparse problems test_kernel_structure.py compiles there (the same compiled kernels,
+# from Triton's cache when both modules run), 512/512 with K = V, and the indexer's kernels
 CASES = {
     "sm90": ("128", "256+gqa+window+dropout+sink+max_logit", "96/80+full+keep+window", "192/128+gqa+window@tma",
-             *SPARSE_CASES),
-    "sm100": ("128", "192/128+gqa+window+dropout@ws"),
+             *SPARSE_DIMS["sm90"], "s512/512a16", "indexer"),
+    "sm100": ("128", "192/128+gqa+window+dropout@ws", *SPARSE_DIMS["sm100"], "s512/512a16@fp16", "indexer"),
     "sm80": ("128+gqa+window+dropout+sink+max_logit", "96/80+full+keep+window", *SPARSE_CASES),
     "sm120": ("64+gqa+window+dropout+sink+max_logit",),
-    "gfx950": ("128+gqa+window+dropout+sink+max_logit",),
+    "gfx950": ("128+gqa+window+dropout+sink+max_logit", *SPARSE_CDNA_DIMS["gfx950"], "indexer"),
 }
 ATTENTION = ("fwd", "dkdv", "dq")
 EVERY_KERNEL = {"fwd", "bwd_pre", "dkdv", "dq", "tile_scan", "tile_map", "copy_rows", "token_ids"}
@@ -63,16 +72,21 @@ FEATURES = {f"{k}:{f}" for k in ATTENTION for f in ("DROPOUT", "HAS_LEFT", "HAS_
 PADDED = {f"{k}:{f}" for k in ATTENTION for f in ("HAS_Q_KEEP", "HAS_K_KEEP", "padded", "left-only")}
 SPARSE = {"sparse_fwd", "sparse_fwd:V_IS_K", "sparse_dq", "sparse_dq:V_IS_K", "sparse_dkv", "sparse_dkv:V_IS_K",
           "sparse_dkv:ATOMIC", "sparse_reduce", "sparse_fwd:RANGE", "sparse_dq:RANGE", "sparse_dkv:RANGE"}
+# the sweep's classes these cases add: a separate V per head, fp16 and fp32, the range mode's token rows
+SPARSE_CLASSES = {f"{k}:{c}" for k in ("sparse_fwd", "sparse_dq", "sparse_dkv") for c in ("separate-v", "fp16", "fp32")}
+INDEXER = {"indexer_topk", "indexer_topk:RELU", "indexer_topk:RETURN_SCORES", "hadamard"}
 # the classes each arch must have compiled: every kernel, and each variant that changes a loop body
 REQUIRED = {
     "sm90": EVERY_KERNEL | FEATURES | PADDED | {f"{k}:TMA" for k in ATTENTION} | {
         "fwd:HAS_SINK", "fwd:RETURN_MAX", "dq:SINK_GRAD", "dkdv:dK-pass", "dkdv:dV-pass", "tile_scan:SPANS",
         "tile_map:SPANS", "copy_rows:GATHER", "copy_rows:scatter", "token_ids:WRITE_POS", "token_ids:WRITE_SEQ"}
-    | SPARSE,
-    "sm100": EVERY_KERNEL | {f"{k}:{f}" for k in ATTENTION for f in ("WARP_SPEC", "TMA", "gqa", "mha", "DROPOUT")},
+    | SPARSE | SPARSE_CLASSES | {f"{k}:token-rows" for k in ("sparse_fwd", "sparse_dq", "sparse_dkv")} | INDEXER,
+    "sm100": EVERY_KERNEL | {f"{k}:{f}" for k in ATTENTION for f in ("WARP_SPEC", "TMA", "gqa", "mha", "DROPOUT")}
+    | SPARSE | {c for c in SPARSE_CLASSES if not c.endswith("fp32")} | INDEXER,
     "sm80": EVERY_KERNEL | FEATURES - {f"{k}:mha" for k in ATTENTION} | PADDED | {"dq:SINK_GRAD"} | SPARSE,
     "sm120": EVERY_KERNEL | FEATURES - {f"{k}:mha" for k in ATTENTION} | {"dq:SINK_GRAD", "fwd:RETURN_MAX"},
-    "gfx950": {"fwd", "dkdv", "dq", "dkdv:gqa", "dq:SINK_GRAD"},
+    "gfx950": {"fwd", "dkdv", "dq", "dkdv:gqa", "dq:SINK_GRAD"} | SPARSE
+    | {c for c in SPARSE_CLASSES if not c.endswith("fp16")} | INDEXER,
 }
 
 
@@ -113,6 +127,11 @@ def _classes(row: dict) -> set:
         labels |= {f"{kernel}:left-only"} if flags["HAS_LEFT"] and not flags["HAS_RIGHT"] else set()
     if kernel == "copy_rows" and not flags["GATHER"]:
         labels.add("copy_rows:scatter")
+    if kernel in ("sparse_fwd", "sparse_dq", "sparse_dkv"):
+        cases = row["cases"]
+        labels |= {f"{kernel}:separate-v"} if any(re.search(r"[gp]\d", c) for c in cases) else set()
+        labels |= {f"{kernel}:{d}" for d in ("fp16", "fp32") if any(c.endswith("@" + d) for c in cases)}
+        labels |= {f"{kernel}:token-rows"} if flags.get("BLOCK_T", 1) > 1 else set()
     return labels
 
 
@@ -176,10 +195,11 @@ def test_loops_are_pipelined_into_asynchronous_loads(compiled, arch):
     assert not [_label(r) for r in mine if r["async_loads"] == 0], "pipelined loops without asynchronous loads"
 
 
-@pytest.mark.parametrize("arch", [a for a in CASES if any(c in SPARSE_CASES for c in CASES[a])])
+@pytest.mark.parametrize("arch", [a for a in CASES if not a.startswith("gfx") and any(c.startswith("s") for c in CASES[a])])
 def test_the_sparse_loops_are_pipelined_into_asynchronous_loads(compiled, arch):
-    """The sparse kernels' slot and head loops (and the reduce's entry loop) issue asynchronous loads
-    wherever their config pipelines them: the scan below checks their gathers' addresses."""
+    """The sparse kernels' slot and key loops (and the reduce's entry loop) issue asynchronous loads
+    wherever their config pipelines them: the scan below checks their gathers' addresses. (The slot-mode
+    dK/dV of per-head K/V, whose head loop has one step, is configured with one stage: configs/sparse.py.)"""
     mine = [r for r in compiled["rows"] if r["arch"] == arch and r["kernel"].startswith("sparse_")
             and r["num_stages"] >= 2]
     assert {r["kernel"] for r in mine} >= {"sparse_fwd", "sparse_dq", "sparse_dkv"}
