@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from attn_cases import assert_flash_criterion
 import indexer_oracle as oracle
 from coreattn.layers.dsa import indexer as ix
 from coreattn.layers.torch_backend import indexer_topk as topk_backend
@@ -221,9 +222,9 @@ def loss_case(layout, batch, sparse, relu, backend, *, seed=0, kv_heads=1, rows=
 
 
 def assert_flash(name, got, ref, naive, eps=1e-6):
-    err = (got.double() - ref).abs().max().item()
-    err_naive = (naive.double() - ref).abs().max().item()
-    assert err <= 2 * err_naive + eps, f"{name}: error {err:.3e}, naive float32 {err_naive:.3e}"
+    """The flash criterion against the float64 ``ref`` and the float32 ``naive`` (the loss is a scalar
+    of magnitude ~30: the rounding term at its magnitude, not eps, bounds a correct float32 result)."""
+    assert_flash_criterion(name, got, naive, ref, eps)
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
