@@ -147,6 +147,26 @@ def test_topk_float_scores(backend, layout, relu):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("relu", [True, False], ids=["relu", "identity"])
+def test_topk_nan_scores_rank_first(backend, relu):
+    """NaN in a key (every score of that key NaN) and in a query head (the row's scores NaN, of the
+    sign x86 makes for 0 * inf): the same rule on both backends, torch.topk's: NaN ranks above every
+    number, the lower position first among NaNs, its score NaN; the ReLU keeps NaN."""
+    q, k, w = integer_inputs(1, 12, 12, seed=6)
+    k[0, 3] = float("nan")
+    k[0, 7, 0] = float("nan")
+    q[0, 9, 1] = 0.0 * float("inf")  # row 9: every key NaN
+    lo, hi, kw = bounds_for("bshd", 1, 12, 12)
+    got = ix.indexer_topk(q, k, w, 4, layout="bshd", relu=relu, return_scores=True, backend=backend, **kw)
+    idx, scores = got.indices[0], got.scores[0]
+    for s in range(12):
+        nan_keys = [j for j in (3, 7) if j <= s] if s != 9 else list(range(10))
+        expect = nan_keys[:4]
+        assert idx[s, :len(expect)].tolist() == expect, (s, idx[s])
+        assert scores[s, :len(expect)].isnan().all() and not scores[s, len(expect):].isnan().any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_int32_indices_are_the_int64_ones(backend):
     """``index_dtype=torch.int32`` (what coreattn's DSAttention keeps: half the memory) gives the same
     selection as the default int64, from indexer_topk and from indexer_topk_and_loss, whose loss it

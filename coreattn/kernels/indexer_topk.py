@@ -12,9 +12,12 @@ each program holds one query's heads and streams its keys.
 mapped to a signed integer of the same order (``bits ^ ((bits >> 31) & 0x7FFFFFFF)``; -0.0 is made
 +0.0 first, so equal scores compare equal) in the high word, ``0xFFFFFFFF - j`` in the low word. All
 keys of a row are distinct, so "the ``topk`` largest keys" is one set with no ties left: larger
-score first, **the lower key position first among equal scores**. A key whose score is -inf (or a
-negative NaN, which sorts below it) is never selected; positive NaN sorts above +inf (as
-``torch.topk`` puts NaN first). Rows are written in that order (score descending, then position
+score first, **the lower key position first among equal scores**. A key whose score is -inf is
+never selected. **NaN**: the ReLU keeps a NaN product NaN (``where(x < 0, 0, x)``; a max would
+turn it into 0 on a GPU while torch's ``clamp_min`` keeps it), and every NaN score, of either sign
+(x86 makes negative ones), ranks as one word above +inf: selected first, lower position first among
+NaNs, its score returned as NaN — ``torch.topk``'s order, which Megatron's indexer uses, on both
+backends. Rows are written in that order (score descending, then position
 ascending), then -1 for the slots left when fewer than ``topk`` keys are selectable. The torch
 backend (coreattn/layers/torch_backend/indexer_topk.py) ranks the same 64-bit keys with
 ``torch.topk``: the same set and order for the same float32 scores. The two backends sum the heads
@@ -55,6 +58,7 @@ from coreattn.kernels.configs.indexer import MAX_TOPK_DIM, MAX_TOPK_HEADS, topk_
 from coreattn.kernels.device import on_device
 
 MIN_KEY = tl.constexpr(-(2**63))  # below every packed key: a lane with no key
+NAN_WORD = tl.constexpr(0x7FC00000)  # the ordered word of every NaN score: the positive quiet NaN's
 RUNTIME_INTS = ("n_rows", "seqlen_q", "seqlen_k", "topk", "stride_qb", "stride_kb", "stride_wb", "stride_qs",
                 "stride_ks", "stride_ws")
 
@@ -128,12 +132,13 @@ def _indexer_topk_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, score_ptr
             rows = tl.minimum(cols, last).to(tl.int64)  # cols >= lo already
             kt = tl.load(k_base + rows[:, None] * stride_ks + d_cols[None, :], mask=d_ok[None, :], other=0.0)
             x = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION)  # [H, N] float32
-            if RELU:
-                x = tl.maximum(x, 0.0)
+            if RELU:  # NaN stays NaN (tl.maximum would return 0 for it, as the GPU's max does)
+                x = tl.where(x < 0.0, 0.0, x)
             scores = tl.sum(x * w[:, None], axis=0)  # [N]
             scores = tl.where(scores == 0.0, 0.0, scores)  # -0.0 -> +0.0: equal scores, equal keys
             bits = scores.to(tl.int32, bitcast=True)
             okey = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # a signed int of the float's order
+            okey = tl.where(scores != scores, NAN_WORD, okey)  # any NaN: above +inf (torch.topk's order)
             keys = (okey.to(tl.int64) << 32) | (4294967295 - cols.to(tl.int64))  # ties: lower position first
             keys = tl.where(cols < hi, keys, MIN_KEY)
             staged = tl.where(slots[:, None] == i, keys[None, :], staged)
