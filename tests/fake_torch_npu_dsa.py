@@ -370,8 +370,8 @@ class FakeDsaOps:
 def install(monkeypatch, ops=OPS, **options) -> FakeDsaOps:
     """A stand-in torch_npu (tests/fake_torch_npu.py's, with ``ops`` and FakeDsaOps' ``options``) as
     ``torch_npu``, and the DSA ops' backend choice (sparse attention, the indexer's steps) asked for an
-    npu device, so CPU tensors stand in for npu ones; the choices are logged afresh. Callers clear ``coreattn.kernels.npu``'s cache
-    when done."""
+    npu device, so CPU tensors stand in for npu ones; the choices are logged afresh. Callers clear
+    ``coreattn.kernels.npu``'s cache when done."""
     from coreattn.kernels import npu
     from coreattn.layers import backends
     from coreattn.layers.dsa import sparse_function

@@ -127,9 +127,9 @@ def indexer_topk_npu(q, k, weights, key_lo, key_hi, topk: int, fmt: str, mode: i
     if batch * seqlen_q == 0 or width == 0:
         return torch.full((batch * seqlen_q, width), -1, dtype=index_dtype, device=q.device)
     idx, values = npu.run_npu_op(
-        "npu_lightning_indexer", query.device, query, key, w, actual_seq_lengths_query=None, actual_seq_lengths_key=None, block_table=None,
-        layout_query="BSND", layout_key="BSND", sparse_count=width, sparse_mode=mode, pre_tokens=UNLIMITED,
-        next_tokens=UNLIMITED, return_value=True)
+        "npu_lightning_indexer", query.device, query, key, w, actual_seq_lengths_query=None,
+        actual_seq_lengths_key=None, block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=width,
+        sparse_mode=mode, pre_tokens=UNLIMITED, next_tokens=UNLIMITED, return_value=True)
     idx = idx.reshape(batch * seqlen_q, width).to(torch.int64)
     values = values.reshape(batch * seqlen_q, width).to(torch.float32)
     kept = (idx >= key_lo.to(torch.int64)[:, None]) & (idx < key_hi.to(torch.int64)[:, None])
@@ -215,9 +215,9 @@ def indexer_loss_npu(q, k, weights, query, key, key_lo, key_hi, fmt: str, *, sof
     halves = split_rope(query, fmt) + split_rope(key, fmt)  # query, query_rope, key, key_rope
     _, smax, ssum = sfa_forward(*halves, idx, softmax_scale)
     dq, dk, dw, loss = npu.run_npu_op(
-        "npu_sparse_lightning_indexer_grad_kl_loss", q.device, halves[0], halves[2], query_index, key_index, w, idx, smax, ssum, softmax_scale, query_rope=halves[1],
-        key_rope=halves[3], actual_seq_qlen=None, actual_seq_klen=None, layout="BSND", sparse_mode=CAUSAL,
-        pre_tokens=UNLIMITED, next_tokens=UNLIMITED)
+        "npu_sparse_lightning_indexer_grad_kl_loss", q.device, halves[0], halves[2], query_index, key_index, w, idx,
+        smax, ssum, softmax_scale, query_rope=halves[1], key_rope=halves[3], actual_seq_qlen=None,
+        actual_seq_klen=None, layout="BSND", sparse_mode=CAUSAL, pre_tokens=UNLIMITED, next_tokens=UNLIMITED)
     scale = float(loss_coeff) / (1.0 if per_token else max(batch * seqlen_q, 1))
     loss = loss.reshape(()).to(torch.float32) * scale
     if not grads:

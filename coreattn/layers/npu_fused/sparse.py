@@ -155,10 +155,10 @@ def sfa_forward(query: torch.Tensor, query_rope: torch.Tensor, key: torch.Tensor
     """One ``npu_sparse_flash_attention`` call on ``split_rope``'s halves: (out ``[B, S, Hq, 512]``,
     softmax_max, softmax_sum ``[B, 1, S, Hq]`` float32)."""
     out, smax, ssum = npu.run_npu_op(
-        "npu_sparse_flash_attention", query.device, query, key, key, idx, softmax_scale, block_table=None, actual_seq_lengths_query=None,
-        actual_seq_lengths_kv=None, query_rope=query_rope, key_rope=key_rope, sparse_block_size=1,
-        layout_query="BSND", layout_kv="BSND", sparse_mode=NO_MASK, pre_tokens=UNLIMITED, next_tokens=UNLIMITED,
-        attention_mode=ABSORBED, return_softmax_lse=True)
+        "npu_sparse_flash_attention", query.device, query, key, key, idx, softmax_scale, block_table=None,
+        actual_seq_lengths_query=None, actual_seq_lengths_kv=None, query_rope=query_rope, key_rope=key_rope,
+        sparse_block_size=1, layout_query="BSND", layout_kv="BSND", sparse_mode=NO_MASK, pre_tokens=UNLIMITED,
+        next_tokens=UNLIMITED, attention_mode=ABSORBED, return_softmax_lse=True)
     return out, smax, ssum
 
 
