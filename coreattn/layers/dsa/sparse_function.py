@@ -36,12 +36,13 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from coreattn.kernels import npu
 from coreattn.layers.backends import Backend, select_sparse_backend
 from coreattn.kernels.sparse_bwd import sparse_attn_bwd as launch_sparse_bwd
 from coreattn.kernels.sparse_fwd import sparse_attn_fwd as launch_sparse_fwd
 from coreattn.kernels.sparse_index import prepare_topk
 from coreattn.layers.checks import KERNEL_DTYPES, check_layout_values
-from coreattn.layers.npu_fused.sparse import sparse_attn_npu_bwd, sparse_attn_npu_fwd, sparse_unfit
+from coreattn.layers.npu_fused.sparse import sparse_attn_npu_bwd, sparse_attn_npu_fwd, sparse_grad_unfit, sparse_unfit
 from coreattn.layers.torch_backend.sparse import new_lse, sparse_attn_torch_bwd, sparse_attn_torch_fwd
 
 
@@ -57,10 +58,15 @@ NPU_FUSED = SparseImpl("npu_fused", sparse_attn_npu_fwd, sparse_attn_npu_bwd)
 
 
 def _impl(q: torch.Tensor, backend: str, k: torch.Tensor, v: torch.Tensor | None, topk: torch.Tensor,
-          v_dim: int) -> SparseImpl:
+          v_dim: int, fmt: str, backward: bool = False) -> SparseImpl:
     """The backend for q's device (``backend``: an override name, "" for the default), chosen when the
-    op runs (npu_fused where the call fits torch_npu's operator: the same answer forward and backward)."""
-    chosen = select_sparse_backend(q.device, backend or None, unfit=lambda: sparse_unfit(q, k, v, topk, v_dim))
+    op runs, forward and ``backward`` each (npu_fused where the call fits torch_npu's operator for that
+    direction: ``npu_sparse_flash_attention`` or its grad; either direction takes the other's lse)."""
+    if backward:
+        unfit = lambda: sparse_grad_unfit(q, k, v, topk, v_dim, fmt)  # noqa: E731
+    else:
+        unfit = lambda: sparse_unfit(q, k, v, topk, v_dim)  # noqa: E731
+    chosen = select_sparse_backend(q.device, backend or None, unfit=unfit, backward=backward)
     if chosen is Backend.NPU_FUSED:
         return NPU_FUSED
     if chosen is Backend.TORCH:
@@ -68,6 +74,20 @@ def _impl(q: torch.Tensor, backend: str, k: torch.Tensor, v: torch.Tensor | None
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; the Triton backend supports float16, bfloat16, float32")
     return TRITON
+
+
+def _run(impl: SparseImpl, choose: Callable[[], SparseImpl], backward: bool, *args, **kwargs):
+    """``impl``'s forward (or backward); where torch_npu's operator turns out to have no kernel on this
+    device (its first call says so: remembered, coreattn.kernels.npu.run_npu_op), the backend chosen
+    again (``choose``: the operator now passed over, the reason logged) runs it, unless the caller
+    named npu_fused (then the error stands)."""
+    try:
+        return (impl.bwd if backward else impl.fwd)(*args, **kwargs)
+    except npu.NpuOpUnavailable:
+        again = choose()
+        if again is impl:
+            raise
+        return (again.bwd if backward else again.fwd)(*args, **kwargs)
 
 
 class _Positions(NamedTuple):
@@ -197,11 +217,12 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
         check_layout_values(fmt, seq_q, len_q, None, seq_k, len_k, None, seqlen_q, seqlen_k, seqlen_q, seqlen_k)
     indices, length = _with_window(topk_indices, topk_length, fmt, seq_q, len_q, seq_k, len_k, seqlen_q,
                                    window_left, window_right, bottom_right)
-    impl = _impl(q, backend, k, v, indices, v_dim)
+    impl = _impl(q, backend, k, v, indices, v_dim, fmt)
     topk = prepare_topk(indices, "thd", length)  # [N, Hidx, K] is thd's form of the token dims
     key_lo, key_hi = key_bounds(fmt, seq_q, len_q, seq_k, len_k, topk.shape[0], seqlen_q, causal, bottom_right,
                                 bound_lo, bound_hi)
-    out, lse = impl.fwd(q, k, v, topk, key_lo, key_hi, fmt, softmax_scale, v_dim=v_dim)
+    out, lse = _run(impl, lambda: _impl(q, backend, k, v, indices, v_dim, fmt), False, q, k, v, topk, key_lo, key_hi,
+                    fmt, softmax_scale, v_dim=v_dim)
     if softmax_offset is not None:
         out, lse = _fold_sink(out, lse, softmax_offset, fmt)
     return out, lse, topk, key_lo, key_hi
@@ -225,8 +246,9 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: Opt
                     v_dim: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, d_offset) in q, k, v's and the offset's shapes and dtypes (contiguous); dv is an empty
     [0] tensor when v is None, d_offset when there is no offset."""
-    impl = _impl(q, backend, k, v, topk, v_dim)
-    dq, dk, dv = impl.bwd(dout, q, k, v, out, lse, topk, key_lo, key_hi, fmt, softmax_scale, v_dim=v_dim)
+    impl = _impl(q, backend, k, v, topk, v_dim, fmt, backward=True)
+    dq, dk, dv = _run(impl, lambda: _impl(q, backend, k, v, topk, v_dim, fmt, backward=True), True, dout, q, k, v, out,
+                      lse, topk, key_lo, key_hi, fmt, softmax_scale, v_dim=v_dim)
     if dv is None:
         dv = q.new_empty((0,))
     d_offset = q.new_empty((0,)) if softmax_offset is None else _offset_grad(dout, out, lse, softmax_offset, fmt)

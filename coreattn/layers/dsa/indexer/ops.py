@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from coreattn.kernels import npu
 from coreattn.layers.backends import NPU_LOSS_OPS, NPU_TOPK_OPS, Backend
 from coreattn.layers.dsa.indexer import checks
 from coreattn.layers.dsa.indexer.function import HadamardFunction, IndexerLossFunction, indexer_backend, loss_npu
@@ -50,9 +51,23 @@ def _mask_mode(tokens, cu_seqlens, causal, causal_alignment, key_bounds):
                      cu_seqlens is not None, key_bounds is not None)
 
 
-def _topk_backend(q, k, weights, topk, relu, return_scores, mode, backend) -> Backend:
+def _topk_backend(tokens, q, k, weights, topk, relu, return_scores, mode, backend) -> Backend:
+    width = min(topk, tokens.seqlen_k)
     return indexer_backend(q.device, backend, what="indexer top-k", ops=NPU_TOPK_OPS,
-                           unfit=lambda: topk_unfit(q, k, weights, topk, relu, return_scores, mode))
+                           unfit=lambda: topk_unfit(q, k, weights, width, relu, return_scores, mode))
+
+
+def _select(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, chosen: Backend, index_dtype, mode,
+            backend):
+    """``_topk`` on ``chosen``; where torch_npu's indexer turns out to have no kernel on this device
+    (its first call says so, remembered), on the backend chosen again (unless the caller named npu_fused)."""
+    try:
+        return _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, chosen, index_dtype, mode)
+    except npu.NpuOpUnavailable:
+        again = _topk_backend(tokens, q, k, weights, topk, relu, return_scores, mode, backend)
+        if again is Backend.NPU_FUSED:
+            raise
+        return _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, again, index_dtype, mode)
 
 
 def indexer_topk(q, k, weights, topk: int, *, layout: str = "thd", cu_seqlens=None, causal: bool = True,
@@ -85,10 +100,10 @@ def indexer_topk(q, k, weights, topk: int, *, layout: str = "thd", cu_seqlens=No
                                           causal_alignment=causal_alignment, bounds=key_bounds,
                                           max_seqlen=checks.check_span(max_seqlen, tokens))
     mode = _mask_mode(tokens, cu_seqlens, causal, causal_alignment, key_bounds)
-    chosen = _topk_backend(q, k, weights, topk, relu, return_scores, mode, backend)
+    chosen = _topk_backend(tokens, q, k, weights, topk, relu, return_scores, mode, backend)
     with torch.no_grad():
-        idx, scores = _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, chosen, index_dtype,
-                            mode)
+        idx, scores = _select(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, chosen, index_dtype,
+                              mode, backend)
     return IndexerTopk(tokens.unflat(idx), None if scores is None else tokens.unflat(scores))
 
 
@@ -104,21 +119,28 @@ def _loss(q, k, weights, query, key, softmax_scale, loss_coeff, topk_indices, to
     rows = checks.check_query_valid_rows(query_valid_rows, tokens, q.device)
     given = isinstance(topk_indices, torch.Tensor) and topk_indices.dim() > 0
     width = min(topk, tokens.seqlen_k) if topk is not None else (topk_indices.shape[-1] if given else 0)
-    loss_backend = indexer_backend(
-        q.device, backend, what="indexer loss", ops=NPU_LOSS_OPS,
-        unfit=lambda: loss_unfit(q, k, weights, query, key, sparse=sparse, relu=relu, query_valid_rows=rows,
-                                 tp_group=tp_group, fmt=layout, causal=causal,
-                                 bottom_right=causal_alignment == "bottom_right", key_bounds=key_bounds is not None,
-                                 width=width))
+    selects = topk is not None  # the rows are coreattn's top-k of this call (loss_unfit)
+
+    def choose_loss():
+        return indexer_backend(
+            q.device, backend, what="indexer loss", ops=NPU_LOSS_OPS,
+            unfit=lambda: loss_unfit(q, k, weights, query, key, sparse=sparse, relu=relu, query_valid_rows=rows,
+                                     tp_group=tp_group, fmt=layout, causal=causal,
+                                     bottom_right=causal_alignment == "bottom_right",
+                                     key_bounds=key_bounds is not None, width=width, selected=selects,
+                                     packed=cu_seqlens is not None))
+
+    loss_backend = choose_loss()
     selected = None
     chosen = None
     if topk is not None:
         mode = _mask_mode(tokens, cu_seqlens, causal, causal_alignment, key_bounds)
-        chosen = _topk_backend(q, k, weights, topk, relu, False, mode, backend)
+        chosen = _topk_backend(tokens, q, k, weights, topk, relu, False, mode, backend)
     if chosen is not None and (chosen is Backend.NPU_FUSED or loss_backend is Backend.NPU_FUSED
                                or (chosen is Backend.TRITON and q.dtype != torch.float64)):
         with torch.no_grad():  # the kernel (or operator) selects; the loss takes its indices
-            selected, _ = _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, False, chosen, index_dtype, mode)
+            selected, _ = _select(tokens, q, k, weights, lo, hi, key_range, topk, relu, False, chosen, index_dtype,
+                                  mode, backend)
         topk_indices, topk = selected, None
     elif topk_indices is not None:
         topk_indices = checks.check_topk_indices(topk_indices, tokens, q.device)
@@ -128,8 +150,14 @@ def _loss(q, k, weights, query, key, softmax_scale, loss_coeff, topk_indices, to
                    topk=topk, relu=relu, query_valid_rows=rows, per_token=bool(calculate_per_token_loss),
                    tp_group=tp_group, key_range=key_range, index_dtype=index_dtype)
     impl = loss_npu if loss_backend is Backend.NPU_FUSED else loss_torch
-    loss, computed = IndexerLossFunction.apply(q, k, weights, query, key, lo, hi, topk_indices,
-                                               torch.is_grad_enabled(), options, impl)
+    try:
+        loss, computed = IndexerLossFunction.apply(q, k, weights, query, key, lo, hi, topk_indices,
+                                                   torch.is_grad_enabled(), options, impl)
+    except npu.NpuOpUnavailable:  # its first call found no kernel on this device (remembered): the fallback
+        if choose_loss() is Backend.NPU_FUSED:
+            raise
+        loss, computed = IndexerLossFunction.apply(q, k, weights, query, key, lo, hi, topk_indices,
+                                                   torch.is_grad_enabled(), options, loss_torch)
     if topk is not None:  # the torch chunks selected them
         selected = computed
     return loss, None if selected is None else tokens.unflat(selected)
