@@ -170,6 +170,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     default. Returns ``(attn_output [B, Sq, Hq, Dv], None)``."""
     if isinstance(attention_mask, minimax_m3.BlockMask):
         block_indices = kwargs.pop("block_indices", None)
+        if block_indices is None and attention_mask.dense is minimax_m3.BOUNDS:  # dense layers, a static cache
+            check_kwargs(module, softcap, kwargs, False)
+            return minimax_m3.dense_attention(module, query, key, value, attention_mask, scaling, dropout), None
         if block_indices is None:  # MiniMax-M3's dense layers: the padding mask, as any model's
             return attention_forward(module, query, key, value, attention_mask.dense, dropout, scaling, sliding_window,
                                      softcap, is_causal, s_aux, backend, **kwargs)

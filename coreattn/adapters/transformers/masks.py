@@ -140,8 +140,10 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         # padding mask (as any model's) for its dense ones
         bounds = _bounds_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                               config, _sparse_backend(backend), kwargs.get("device") or torch.device("cpu"))
-        dense = padding_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
-                             use_vmap, None, backend, **kwargs)
+        dense = minimax_m3.BOUNDS  # a static cache (a mask narrower than its keys): the bounds serve them too
+        if attention_mask is None or attention_mask.shape[-1] >= kv_length:
+            dense = padding_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                                 use_vmap, None, backend, **kwargs)
         return minimax_m3.BlockMask(bounds.lo, bounds.hi, dense, bounds.backend)
     if getattr(config, "model_type", None) in dsa.SERVED + (v4.MODEL_TYPE,):
         return _bounds_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, config,

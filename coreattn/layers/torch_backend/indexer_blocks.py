@@ -30,14 +30,21 @@ def block_count(seqlen_k: int, block_size: int) -> int:
 def _block_scores(x: torch.Tensor, ch: Chunk, lo: torch.Tensor, hi: torch.Tensor, origin: torch.Tensor,
                   block_size: int, n_blocks: int) -> torch.Tensor:
     """``[C, H, n_blocks]``: the largest visible score of each block (-inf without one) from the chunk's
-    scores ``x`` ``[C, H, J]`` over key positions ``ch.k0 + j``."""
+    scores ``x`` ``[C, H, J]`` (masked in place) over key positions ``ch.k0 + j``; ``origin`` ``[C]``: where
+    each row's block 0 starts (None: position 0 for every row)."""
     c, heads, width = x.shape
     cols = torch.arange(ch.k0, ch.k1, device=x.device)
     seen = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])  # [C, J]
+    x = x.masked_fill_(~seen[:, None, :], float("-inf"))
     out = torch.full((c, heads, n_blocks + 1), float("-inf"), dtype=x.dtype, device=x.device)
+    if origin is None:  # blocks from position 0 for every row (padded): a max over contiguous [.., B] views
+        first, end = ch.k0 // block_size, -(-ch.k1 // block_size)
+        aligned = torch.nn.functional.pad(x, (ch.k0 - first * block_size, end * block_size - ch.k1),
+                                          value=float("-inf"))
+        out[..., first:end] = aligned.view(c, heads, end - first, block_size).amax(-1)
+        return out[..., :n_blocks]
     block = torch.div(cols[None, :] - origin[:, None], block_size, rounding_mode="floor")
     block = torch.where(seen, block.clamp(0, n_blocks - 1), n_blocks)  # unseen keys: the dropped column
-    x = x.masked_fill(~seen[:, None, :], float("-inf"))
     return out.scatter_reduce_(2, block[:, None, :].expand(c, heads, width), x, "amax")[..., :n_blocks]
 
 
@@ -96,7 +103,7 @@ def block_topk_torch(q: torch.Tensor, k: torch.Tensor, key_lo: torch.Tensor, key
             x = torch.matmul(qc, kc.t())  # [C, H, J]
             if relu:
                 x = x.clamp_min(0)
-            blocks = _block_scores(x, ch, lo, hi, origin, block_size, n_blocks)
+            blocks = _block_scores(x, ch, lo, hi, origin if fmt == "thd" else None, block_size, n_blocks)
             del x
         force_local(blocks, lo, hi, origin, block_size, local_blocks)
         flat = blocks.reshape(-1, n_blocks)

@@ -45,12 +45,15 @@ KNOWN_SOURCES = {
 }
 # attn_implementation names registered by coreattn -> the sparse backend pin their indexer takes
 _NAMES: dict[str, object] = {}
+BOUNDS = "bounds"  # BlockMask.dense for a static cache: the dense layers take the bounds too (dense_attention)
 
 
 class BlockMask:
     """The mask coreattn builds for MiniMax-M3: query token (b, s) of a sparse layer sees the key positions
     ``lo[b, s] <= j < hi[b, s]`` (int32 ``[B, S]``; ``lo == hi``: a padded query) of the blocks it names;
-    the dense layers take ``dense`` (the ``[B, kv_length]`` keep mask or None, as for any model).
+    the dense layers take ``dense``: the ``[B, kv_length]`` keep mask or None, as for any model, or
+    ``BOUNDS`` under a static cache (whose unwritten slots the padding mask does not cover): every key of
+    ``[lo, hi)``.
     ``backend``: the coreattn backend pinned by ``register(backend=...)`` for the sparse attention."""
 
     __slots__ = ("lo", "hi", "dense", "backend")
@@ -110,6 +113,18 @@ def block_sparse_attention(module, query, key, value, mask: BlockMask, block_ind
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, S, H, D] views
     return sparse_padded_attn(q, k, v, indices, layout="bshd", key_bounds=(mask.lo, mask.hi), causal=False,
                               softmax_scale=scaling, backend=mask.backend, block_size=module.indexer.block_size)
+
+
+def dense_attention(module, query, key, value, mask: BlockMask, scaling, dropout: float):
+    """A dense layer's attention within the mask's bounds (``dense`` is ``BOUNDS``): the sparse op's block
+    mode with one block of every key per token, ``[B, S, Hq, Dv]``; memory O(S), never S x S."""
+    if dropout:
+        raise NotImplementedError(f"attention dropout ({dropout}) is not supported by coreattn under a static "
+                                  "cache for MiniMax-M3; set config.attention_dropout=0.0")
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, S, H, D] views
+    whole = torch.zeros(*q.shape[:2], 1, dtype=torch.int32, device=q.device)  # block 0 = keys [0, Sk)
+    return sparse_padded_attn(q, k, v, whole, layout="bshd", key_bounds=(mask.lo, mask.hi), causal=False,
+                              softmax_scale=scaling, backend=mask.backend, block_size=max(k.shape[1], 1))
 
 
 def _indexer_blocks(indexer, rope, hidden_states, position_embeddings, cache, position_ids, backend):
