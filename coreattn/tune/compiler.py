@@ -524,12 +524,14 @@ class SparseProblem(NamedTuple):
 
 def sparse_problem_of(text: str, dtype: str = "bf16") -> SparseProblem:
     """A SparseProblem from ``576/512a128`` (absorbed: q/k dim, v dim, q heads on one kv head) or
-    ``192/128g4`` (GQA: 4 kv heads, group 4)."""
+    ``192/128g4`` (GQA: 4 kv heads, group 4), either followed by ``b128`` for the block mode (blocks of
+    128 keys: ``128/128g16b128`` is MiniMax-M3's)."""
+    text, _, block = text.partition("b")
     dims, absorbed, count = text.partition("a") if "a" in text else text.partition("g")
     qk, _, v = dims.partition("/")
     if absorbed == "a":
-        return SparseProblem(int(qk), int(v or qk), int(count), 1, True, dtype)
-    return SparseProblem(int(qk), int(v or qk), 4 * int(count), 4, False, dtype)
+        return SparseProblem(int(qk), int(v or qk), int(count), 1, True, dtype, int(block or 0))
+    return SparseProblem(int(qk), int(v or qk), 4 * int(count), 4, False, dtype, int(block or 0))
 
 
 SPARSE_TOKENS = 64  # only the grids follow the token count and top-k; the kernels do not

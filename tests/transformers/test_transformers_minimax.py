@@ -214,3 +214,13 @@ def test_changed_transformers_source_is_refused(monkeypatch):
             model(input_ids=_ids((1, 6), 11), use_cache=False)
     finally:
         minimax_m3.check_source.cache_clear()
+
+
+def test_bench_hf_dsa_minimax_worker_runs():
+    """``python -m bench.hf_dsa --model minimax_m3`` (docs/transformers.md's memory table): one worker row of
+    each implementation, tiny."""
+    from bench import hf_dsa
+
+    for impl in ("coreattn", "eager"):
+        row = hf_dsa.run_minimax_worker(impl, 32, "float32")
+        assert row["impl"] == impl and row["model"] == "minimax_m3" and isinstance(row["grown_mib"], float)
