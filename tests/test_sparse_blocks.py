@@ -112,12 +112,34 @@ def test_bad_block_arguments_raise_naming_them(kwargs, error, match):
         coreattn.sparse_varlen_attn(q, k, v, torch.zeros(11, 2, dtype=torch.int64), cu, cu, **kwargs)
 
 
-def test_fake_shapes_match_the_op():
-    """The block mode's prepared rows keep the index rows' shape (never one entry per key)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def test_compiles_without_graph_breaks_and_the_ops_pass_opcheck():
+    """torch.compile traces a block-mode call as one opaque node (compiled = eager, gradients too), and
+    the custom ops pass opcheck with block rows (the backward's thd cu_seqlens_k and block size)."""
+    torch._dynamo.reset()
+    inp = BlockInputs(BlockCase(per_head=True, lens_q=(5, 0, 9)), F32)
+    kwargs = dict(inp.kwargs, return_lse=True, backend="torch")
 
-    inp = BlockInputs(BlockCase(layout="bshd", per_head=True, lens_q=(6, 6)), F32)
-    real = inp.call(backend="torch")
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = inp.call(backend="torch")
-    assert [tuple(t.shape) for t in fake] == [tuple(t.shape) for t in real]
+    def fn(q, k, v):
+        out, lse = coreattn.sparse_varlen_attn(q, k, v, inp.topk_indices, inp.cu_q, inp.cu_k, **kwargs)
+        return out * 2, lse
+
+    args = (inp.q, inp.k, inp.v)
+    explained = torch._dynamo.explain(fn)(*args)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got, want = compiled(*args), fn(*args)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    gg, gw = (torch.autograd.grad(x[0], args, incoming_grad(x[0])) for x in (got, want))
+    for g, w in zip(gg, gw):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    rows = inp.topk_indices
+    fwd = (inp.q, inp.k, inp.v, rows, None, "thd", inp.cu_q, None, inp.cu_k, None, None, None, True, True, 0.25, 16,
+           -1, -1, None, "torch", True, 4)
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")  # compile is checked above
+    torch.library.opcheck(torch.ops.coreattn.sparse_attn_fwd.default, fwd, test_utils=checks)
+    out, lse, topk, lo, hi = torch.ops.coreattn.sparse_attn_fwd(*fwd)
+    assert topk.shape == rows.shape  # prepared block rows: never one entry per key
+    bwd = (torch.randn_like(out), *(x.detach() for x in args), out.detach(), lse, topk, lo, hi, None, "thd", 0.25,
+           16, "torch", 4, inp.cu_k)
+    torch.library.opcheck(torch.ops.coreattn.sparse_attn_bwd.default, bwd, test_utils=checks)
