@@ -25,8 +25,8 @@ scores are ``[1, 4, T, T + T/4]`` float32 per copy.
 layer at its attention widths (heads of 128, an indexer of 4 heads of 128 on 4 kv heads, blocks of
 128 keys, the top 16 blocks and the own block), scaled down elsewhere (hidden 1,024, 16 query heads on
 4 kv heads: group 4 where the model's is 16, a small MoE, vocabulary 256), ``logits.sum()``'s
-backward; ``eager_mask_mib`` is eager's ``[1, 16, T, T]`` float32 block mask alone (its indexer's
-``[1, 4, T, T]`` float32 scores and the attention's ``[1, 16, T, T]`` come on top).
+backward; ``eager_mask_mib`` is eager's ``[1, 16, T, T]`` block mask alone, in the model's dtype (its
+indexer's ``[1, 4, T, T]`` float32 scores and the attention's ``[1, 16, T, T]`` come on top).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def run_minimax_worker(impl: str, tokens: int, dtype: str) -> dict:
     model(input_ids=ids, use_cache=False).logits.float().sum().backward()
     peak = _status_kib("VmHWM")
     return dict(model="minimax_m3", impl=impl, tokens=tokens, dtype=dtype, grown_mib=round((peak - before) / 1024, 1),
-                eager_mask_mib=MINIMAX_HEADS * tokens * tokens * 4 / 2**20)
+                eager_mask_mib=MINIMAX_HEADS * tokens * tokens * torch.finfo(getattr(torch, dtype)).bits / 8 / 2**20)
 
 
 def run_worker(impl: str, tokens: int, dtype: str) -> dict:
