@@ -82,8 +82,9 @@ HADAMARD = ((128, "bf16"), (256, "bf16"), (64, "fp16"), (128, "fp32"))
 INDEXER_BLOCKS = ((4, 128, 128, "bf16"), (4, 128, 128, "fp16"), (4, 128, 128, "fp32"), (16, 64, 64, "bf16"))
 
 
-def indexer_rows(arch: str, quick: bool = False) -> list[dict]:
-    """Compile-report rows of the indexer kernels on ``arch`` (quick: the first problem of each)."""
+def indexer_rows(arch: str, quick: bool = False, blocks: int | None = None) -> list[dict]:
+    """Compile-report rows of the indexer kernels on ``arch`` (quick: the first problem of each; ``blocks``:
+    the first that many block-score problems)."""
     import torch
 
     from coreattn.kernels.hadamard import hadamard_fwd
@@ -103,7 +104,7 @@ def indexer_rows(arch: str, quick: bool = False) -> list[dict]:
             rows += [dict(describe(launch, arch), kernel="indexer_topk", block_m=1,
                           problem=f"indexer-h{heads}xd{dim}-topk{topk}-{dtype}" + ("-relu" if relu else ""))
                      for launch in launches[start:]]
-        for heads, dim, block, dtype in INDEXER_BLOCKS[:1] if quick else INDEXER_BLOCKS:
+        for heads, dim, block, dtype in INDEXER_BLOCKS[:1 if quick else blocks]:
             q = torch.empty(1, tokens, heads, dim, dtype=DTYPES[dtype])  # [B, S, H, D]
             k = torch.empty(1, tokens, dim, dtype=DTYPES[dtype])  # [B, Sk, D]
             bounds = torch.zeros(tokens, dtype=torch.int32)

@@ -105,9 +105,8 @@ def test_block_topk_matches_reference(backend, layout, batch, seqlen, seqlen_k, 
 def test_matches_the_models_own_scorer():
     """MiniMax-M3's ``MiniMaxM3VLIndexer.forward`` scoring (transformers' code, with its RoPE and norms) and
     the op on the same projected q and k: the same block sets."""
-    pytest.importorskip("transformers")
+    mm = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
     from transformers import MiniMaxM3VLTextConfig
-    from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as mm
 
     config = MiniMaxM3VLTextConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                    index_n_heads=2, index_head_dim=32, index_block_size=4, index_topk_blocks=3,
