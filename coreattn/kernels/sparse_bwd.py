@@ -68,10 +68,12 @@ from coreattn.kernels.configs.sparse import sparse_config
 from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.device import on_device
 from coreattn.kernels.packing import seq_strides
-from coreattn.kernels.sparse_fwd import (SPARSE_RUNTIME_INTS, _block_rows, _key_block, _key_rows, _program_block,
-                                         _program_keys, _q_tiles, _range_keys, _range_rows, _row_offsets, _slot_rows,
-                                         _store_tile, _tile, _token, _token_bounds, key_side, lse_strides, mode_tiles,
-                                         new_lse, slots_of, sparse_problem, token_grid)
+from coreattn.kernels.sparse_blocks import BlockLayout, block_classes, block_table, table_size, transpose_blocks
+from coreattn.kernels.sparse_fwd import (BLOCK_RUNTIME_INTS, SPARSE_RUNTIME_INTS, _block_rows, _key_block, _key_rows,
+                                         _program_block, _program_keys, _q_tiles, _range_keys, _range_rows,
+                                         _row_offsets, _slot_rows, _store_tile, _tile, _token, _token_bounds,
+                                         block_tiles, key_side, lse_strides, mode_tiles, new_lse, slots_of,
+                                         sparse_problem, token_grid)
 from coreattn.kernels.sparse_index import range_visits, row_classes, transpose_topk
 
 PARTIAL_BUDGET_BYTES = 1 << 30  # the deterministic backward's partial buffer per chunk of query tokens
@@ -110,10 +112,11 @@ def _sparse_dq_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq
                        lo_ptr, hi_ptr, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, n_tblocks,
                        idx_heads, sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt,
                        stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_dqb,
-                       stride_dqt, stride_dqh, stride_lb, stride_lh,
+                       stride_dqt, stride_dqh, stride_lb, stride_lh, block_size, n_sub,
                        HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                        BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr, RANGE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr, RANGE: tl.constexpr, BLOCKS: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
     b, tb, g, hb = _program_block(task, n_hblocks, heads_kv, n_tblocks)
     n, s, heads, row_ok = _block_rows(b, tb, hb, g, group, seqlen_q, BLOCK_T, BLOCK_H)
     ih = tl.minimum(g, idx_heads - 1)
@@ -123,7 +126,8 @@ def _sparse_dq_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq
     do = _tile(do_ptr + b64 * stride_dob, _row_offsets(s, heads, stride_dot, stride_doh), row_ok, HEAD_DIM_V, 0,
                BLOCK_DV)  # [M, DV]
     own, start, stop, lo, hi, idx_row = _program_keys(topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr, b64, tb, n, ih,
-                                                      idx_heads, heads, row_ok, seqlen_q, seqlen_k, n_slots, RANGE)
+                                                      idx_heads, heads, row_ok, seqlen_q, seqlen_k, n_slots, n_sub,
+                                                      RANGE, BLOCKS, BLOCK_N)
     lse, delta = _row_stats(lse_ptr, delta_ptr, b64, s, heads, own, stride_lb, stride_lh)
     k_base = k_ptr + b64 * stride_kb + g64 * stride_kh
     v_base = v_ptr + b64 * stride_vb + g64 * stride_vh
@@ -133,7 +137,8 @@ def _sparse_dq_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq
     if BLOCK_DQK2 > 0:
         dq2 = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_DQK2], tl.float32)
     for it in range(start, stop, BLOCK_N):
-        load_ok, row, seen = _key_block(it, offs_n, stop, k_last, own, lo, hi, idx_row, n_slots, RANGE)
+        load_ok, row, seen = _key_block(it, offs_n, stop, k_last, own, lo, hi, idx_row, n_slots, block_size, n_sub,
+                                        RANGE, BLOCKS, BLOCK_N)
         kb, kb2, vb = _key_rows(k_base, v_base, row, load_ok, stride_kt, stride_vt, HEAD_DIM_QK, HEAD_DIM_V,
                                 BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, V_IS_K)  # [N, DQK], [N, DQK2], [N, DV]
         scores = tl.dot(q, tl.trans(kb), input_precision=DOT_PRECISION)  # [M, N]
@@ -153,15 +158,16 @@ def _sparse_dq_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq
         _store_tile(dq_base, dq_offs, own, dq2 * sm_scale, HEAD_DIM_QK, BLOCK_DQK, BLOCK_DQK2)
 
 
-@triton.jit(do_not_specialize=SPARSE_RUNTIME_INTS)
+@triton.jit(do_not_specialize=SPARSE_RUNTIME_INTS + BLOCK_RUNTIME_INTS)
 def _sparse_attn_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr,
     n_tasks, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, n_tblocks, idx_heads, sm_scale,
     sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh, stride_lb, stride_lh,
+    stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh, stride_lb, stride_lh, block_size, n_sub,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    V_IS_K: tl.constexpr, RANGE: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+    V_IS_K: tl.constexpr, RANGE: tl.constexpr, BLOCKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     # tasks as the forward's: batch x n_tblocks x heads_kv x n_hblocks; PERSISTENT: over a core-count grid
     if PERSISTENT:
@@ -172,16 +178,16 @@ def _sparse_attn_dq_kernel(
                                n_hblocks, n_tblocks, idx_heads, sm_scale, sm_scale_log2, stride_qb, stride_qt,
                                stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh, stride_lb,
-                               stride_lh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_T, BLOCK_H,
-                               BLOCK_N, V_IS_K, RANGE, DOT_PRECISION)
+                               stride_lh, block_size, n_sub, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
+                               BLOCK_T, BLOCK_H, BLOCK_N, V_IS_K, RANGE, BLOCKS, DOT_PRECISION)
     else:
         _sparse_dq_program(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, topk_ptr,
                            span_ptr, full_ptr, lo_ptr, hi_ptr, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group,
                            n_hblocks, n_tblocks, idx_heads, sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh,
                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot,
-                           stride_doh, stride_dqb, stride_dqt, stride_dqh, stride_lb, stride_lh, HEAD_DIM_QK,
-                           HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_T, BLOCK_H, BLOCK_N, V_IS_K, RANGE,
-                           DOT_PRECISION)
+                           stride_doh, stride_dqb, stride_dqt, stride_dqh, stride_lb, stride_lh, block_size, n_sub,
+                           HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_T, BLOCK_H, BLOCK_N,
+                           V_IS_K, RANGE, BLOCKS, DOT_PRECISION)
 
 
 @triton.jit
@@ -471,13 +477,15 @@ def chunk_tokens(n_tokens: int, heads_kv: int, n_slots: int, stride_row: int, bu
 @on_device
 def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, out: torch.Tensor,
                     lse: torch.Tensor, topk: torch.Tensor, key_lo: torch.Tensor, key_hi: torch.Tensor, fmt: str,
-                    softmax_scale: float, *, v_dim: int | None = None, atomic: bool = False):
+                    softmax_scale: float, *, v_dim: int | None = None, atomic: bool = False,
+                    blocks: BlockLayout | None = None):
     """Launch the sparse backward; returns (dq, dk, dv), each in its input's dtype and layout (dv
     None when v is None: absorbed MLA's V gradient is in dk's first v_dim columns).
 
     Arguments as for ``sparse_attn_fwd`` (kernels/sparse_fwd.py), plus ``dout`` (any strided view
     with last stride 1; made so if not) and the forward's ``out`` and ``lse``. Deterministic unless
-    ``atomic`` (see the module docstring for the memory each takes).
+    ``atomic`` (see the module docstring for the memory each takes). ``blocks``: the block mode
+    (``topk`` holds the key rows of named blocks; ``atomic`` changes nothing there).
     """
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -498,7 +506,10 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     k, v = key_side(k, v, prob)
     topk = slots_of(topk)
     n_slots, idx_heads = topk.shape[-1], topk.shape[1]
-    classes = row_classes(topk, key_lo, key_hi, prob.seqlen_k)
+    if blocks is not None:
+        classes = block_classes(topk, key_lo, key_hi, prob.seqlen_k, blocks.size)
+    else:
+        classes = row_classes(topk, key_lo, key_hi, prob.seqlen_k)
     scale = dict(sm_scale=softmax_scale, sm_scale_log2=softmax_scale * LOG2E)
     consts = dict(HEAD_DIM_QK=prob.dim_qk, HEAD_DIM_V=prob.dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2,
                   BLOCK_DV=block_dv, V_IS_K=prob.v_is_k, DOT_PRECISION=dot_precision(q.dtype, target))
@@ -522,6 +533,11 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                               "stride_vb", "stride_vt", "stride_vh", "stride_dob", "stride_dot", "stride_doh"),
                              qkv_strides)),
                   **dict(zip(("stride_lb", "stride_lh"), lse_strides(lse, fmt))), **consts)
+    if blocks is not None:
+        acc = _block_grads(q, k, v, dout, lse, delta, dq, topk, classes, key_lo, key_hi, prob, target, common,
+                           blocks, widths, fmt)
+        _grads_into(acc, prob, fmt, dk_out, dv_out)
+        return dq, dk_out, dv_out
 
     # (2) dQ: the slot mode's rows, then the range mode's (full rows)
     for range_mode, cfg in ((False, cfg_dq), (True, cfg_rdq)):
@@ -531,8 +547,8 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         _sparse_attn_dq_kernel[grid](
             q, k, v, dout, lse, delta, dq, topk, classes.span, classes.full, key_lo, key_hi, tasks,
             n_hblocks=tiles.n_hblocks, n_tblocks=tiles.n_tblocks, **common,
-            **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, fmt))),
-            BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_N=cfg.block_n, RANGE=range_mode,
+            **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, fmt))), block_size=0, n_sub=1,
+            BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_N=cfg.block_n, RANGE=range_mode, BLOCKS=False,
             PERSISTENT=persistent, **cfg.launch(),
         )
 
@@ -581,8 +597,13 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                                  idx_heads, key_rows, chunk * n_slots, csr.entries.numel(), width,
                                                  n_cblocks, stride_row, BLOCK_W=cfg_reduce.block_n,
                                                  PERSISTENT=persistent, **cfg_reduce.launch())
-    # the accumulator [B * Sk, Hkv, stride_row] into k's (v's) dtype and layout
-    acc = acc[:key_rows].view(prob.batch, prob.seqlen_k, prob.heads_kv, stride_row)
+    _grads_into(acc, prob, fmt, dk_out, dv_out)
+    return dq, dk_out, dv_out
+
+
+def _grads_into(acc: torch.Tensor, prob, fmt: str, dk_out: torch.Tensor, dv_out: torch.Tensor | None) -> None:
+    """The accumulator [B * Sk (+ unused rows), Hkv, stride_row] into dk (dv) in k's (v's) dtype and layout."""
+    acc = acc[:prob.key_rows].view(prob.batch, prob.seqlen_k, prob.heads_kv, acc.shape[-1])
     dk = acc[..., :prob.dim_qk]
     dv = acc[..., prob.dim_qk:prob.dim_qk + prob.dim_v]
     if prob.absorbed and not prob.v_is_k:
@@ -591,7 +612,6 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     _copy_layout(dk_out, dk, fmt)
     if dv_out is not None:
         _copy_layout(dv_out, dv, fmt)
-    return dq, dk_out, dv_out
 
 
 def _copy_layout(dst: torch.Tensor, src: torch.Tensor, fmt: str) -> None:
@@ -601,3 +621,141 @@ def _copy_layout(dst: torch.Tensor, src: torch.Tensor, fmt: str) -> None:
     elif fmt == "sbhd":
         src = src.transpose(0, 1)
     dst.copy_(src)
+
+
+@triton.jit
+def _block_dkv_program(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, acc_ptr, table_ptr, row_ptr,
+                       entries_ptr, lo_ptr, hi_ptr, n_blocks, n_entries, n_tokens, seqlen_q, seqlen_k, k_last,
+                       heads_kv, group, n_hblocks, n_sub, idx_heads, sm_scale, sm_scale_log2, stride_qb, stride_qt,
+                       stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob,
+                       stride_dot, stride_doh, stride_lb, stride_lh, stride_row,
+                       HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
+                       BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """Block mode: tile ``t`` (BLOCK_N keys) of block table row i, kv head g (task: kv heads fastest, then
+    tiles, then blocks). The keys are loaded once; the query tokens naming the block (the CSR by block,
+    kernels/sparse_blocks.py ``transpose_blocks``, ascending) are walked BLOCK_T at a time with the
+    group's q heads, BLOCK_H per step, as the MMA rows: S^T, P^T (from lse), dP^T, dS^T, dK += dS^T q,
+    dV += P^T dO, each (key, row) pair masked by the row's bounds. Then its key rows are stored into
+    the accumulator ``[key rows, Hkv, stride_row]``: one writer per row (the table's blocks partition
+    the keys), a fixed order of the sums, no atomics."""
+    g = task % heads_kv
+    rest = task // heads_kv
+    t = rest % n_sub
+    i = rest // n_sub
+    row_at = table_ptr + i.to(tl.int64) * 3
+    b = tl.load(row_at)
+    b64, g64 = b.to(tl.int64), g.to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N)
+    keys = tl.load(row_at + 1) + t * BLOCK_N + offs_n  # [N] positions in sample b
+    key_ok = keys < tl.load(row_at + 2)
+    row = tl.minimum(tl.maximum(keys, 0), k_last)
+    kt, kt2, vt = _key_rows(k_ptr + b64 * stride_kb + g64 * stride_kh, v_ptr + b64 * stride_vb + g64 * stride_vh, row,
+                            key_ok, stride_kt, stride_vt, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
+                            V_IS_K)  # [N, DQK], [N, DQK2], [N, DV]
+    seg = tl.minimum(g, idx_heads - 1).to(tl.int64) * n_blocks + i
+    e_first = tl.load(row_ptr + seg)
+    e_end = tl.load(row_ptr + seg + 1)
+    q_base = q_ptr + b64 * stride_qb
+    do_base = do_ptr + b64 * stride_dob
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
+    dk2 = dk
+    if BLOCK_DQK2 > 0:
+        dk2 = tl.zeros([BLOCK_N, BLOCK_DQK2], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    r = tl.arange(0, BLOCK_T * BLOCK_H)
+    for hb in range(0, n_hblocks):
+        offs_h = hb * BLOCK_H + r % BLOCK_H
+        heads = g * group + tl.minimum(offs_h, group - 1)
+        for e0 in range(e_first, e_end, BLOCK_T):
+            e = e0 + r // BLOCK_H  # [M] CSR entries: a token per BLOCK_H rows
+            ok = (offs_h < group) & (e < e_end)
+            n = tl.load(entries_ptr + tl.minimum(tl.maximum(e, 0), n_entries - 1))
+            n = tl.minimum(tl.maximum(n, 0), n_tokens - 1)  # whatever the load returned
+            s = tl.minimum(tl.maximum(n - b * seqlen_q, 0), seqlen_q - 1)  # the token's position in sample b
+            lo = tl.load(lo_ptr + n)
+            hi = tl.load(hi_ptr + n)
+            q, q2 = _q_tiles(q_base, _row_offsets(s, heads, stride_qt, stride_qh), ok, HEAD_DIM_QK, BLOCK_DQK,
+                             BLOCK_DQK2)  # [M, DQK], [M, DQK2]
+            do = _tile(do_base, _row_offsets(s, heads, stride_dot, stride_doh), ok, HEAD_DIM_V, 0, BLOCK_DV)  # [M, DV]
+            lse, delta = _row_stats(lse_ptr, delta_ptr, b64, s, heads, ok, stride_lb, stride_lh)
+            seen = ok[None, :] & key_ok[:, None] & (keys[:, None] >= lo[None, :]) & (keys[:, None] < hi[None, :])
+            dk, dk2, dv = _dkv_step(kt, kt2, vt, q, q2, do, seen, lse, delta, dk, dk2, dv, sm_scale, sm_scale_log2,
+                                    BLOCK_DQK2, V_IS_K, DOT_PRECISION)
+    rows_off = ((b64 * seqlen_k + row) * heads_kv + g) * stride_row  # [N] accumulator rows
+    _put_dkv(acc_ptr, rows_off, key_ok, dk, dk2, dv, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, V_IS_K,
+             False)
+
+
+@triton.jit(do_not_specialize=("n_tasks", "n_blocks", "n_entries", "n_tokens", "seqlen_q", "seqlen_k", "k_last",
+                               "n_sub", "stride_lb", "stride_lh"))
+def _sparse_attn_block_dkv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, acc_ptr, table_ptr, row_ptr, entries_ptr, lo_ptr, hi_ptr,
+    n_tasks, n_blocks, n_entries, n_tokens, seqlen_q, seqlen_k, k_last, heads_kv, group, n_hblocks, n_sub,
+    idx_heads, sm_scale, sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb,
+    stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_row,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    V_IS_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    # the block mode's dK/dV: its own kernel (as the reduce kernel), since its grid is the block table and
+    # it reads a CSR by block. tasks: table rows x n_sub tiles x heads_kv; PERSISTENT: over a core-count grid
+    if PERSISTENT:
+        for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
+            t = tl.minimum(task, n_tasks - 1)
+            _block_dkv_program(t, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, acc_ptr, table_ptr, row_ptr,
+                               entries_ptr, lo_ptr, hi_ptr, n_blocks, n_entries, n_tokens, seqlen_q, seqlen_k, k_last,
+                               heads_kv, group, n_hblocks, n_sub, idx_heads, sm_scale, sm_scale_log2, stride_qb,
+                               stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                               stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_row, HEAD_DIM_QK,
+                               HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_T, BLOCK_H, BLOCK_N, V_IS_K,
+                               DOT_PRECISION)
+    else:
+        _block_dkv_program(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, acc_ptr, table_ptr,
+                           row_ptr, entries_ptr, lo_ptr, hi_ptr, n_blocks, n_entries, n_tokens, seqlen_q, seqlen_k,
+                           k_last, heads_kv, group, n_hblocks, n_sub, idx_heads, sm_scale, sm_scale_log2, stride_qb,
+                           stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                           stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_row, HEAD_DIM_QK,
+                           HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_T, BLOCK_H, BLOCK_N, V_IS_K,
+                           DOT_PRECISION)
+
+
+def _block_grads(q, k, v, dout, lse, delta, dq, topk, classes, key_lo, key_hi, prob, target, common: dict,
+                 blocks: BlockLayout, widths: tuple, fmt: str) -> torch.Tensor:
+    """The block mode's dQ (into ``dq``) and dK/dV (returned: the fp32 accumulator [key rows, Hkv,
+    stride_row], zero where no row sees a key)."""
+    cfg_dq, cfg_dkv = (sparse_config(target, kernel, *widths) for kernel in ("block_dq", "block_dkv"))
+    tiles = mode_tiles(prob, cfg_dq.block_m, False)
+    grid, persistent, tasks = token_grid(q.device, target, prob.batch * tiles.n_tblocks,
+                                         prob.heads_kv * tiles.n_hblocks)
+    _sparse_attn_dq_kernel[grid](
+        q, k, v, dout, lse, delta, dq, topk, classes.span, classes.full, key_lo, key_hi, tasks,
+        n_hblocks=tiles.n_hblocks, n_tblocks=tiles.n_tblocks, **common,
+        **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, fmt))), block_size=blocks.size,
+        n_sub=block_tiles(blocks.size, cfg_dq.block_n, topk.shape[-1]), BLOCK_T=1, BLOCK_H=tiles.block_h,
+        BLOCK_N=cfg_dq.block_n, RANGE=False, BLOCKS=True, PERSISTENT=persistent, **cfg_dq.launch(),
+    )
+    width = prob.dim_qk + (0 if prob.v_is_k else prob.dim_v)
+    stride_row = _aligned(width)
+    acc = torch.zeros((max(prob.key_rows, 1), prob.heads_kv, stride_row), dtype=torch.float32, device=q.device)
+    n_blocks = table_size(blocks, prob.batch, prob.seqlen_k)
+    if prob.key_rows == 0 or n_blocks == 0:
+        return acc
+    table = block_table(blocks, prob.batch, prob.seqlen_k, q.device)
+    csr = transpose_blocks(topk, key_lo, key_hi, blocks, batch=prob.batch, seqlen_q=prob.seqlen_q,
+                           seqlen_k=prob.seqlen_k)
+    tiles = mode_tiles(prob, cfg_dkv.block_m, True)
+    n_sub = block_tiles(blocks.size, cfg_dkv.block_n, 1)
+    grid, persistent, tasks = token_grid(q.device, target, n_blocks * n_sub, prob.heads_kv)
+    keep = ("seqlen_q", "seqlen_k", "k_last", "heads_kv", "group", "idx_heads", "sm_scale", "sm_scale_log2",
+            "stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt",
+            "stride_vh", "stride_dob", "stride_dot", "stride_doh", "stride_lb", "stride_lh", "HEAD_DIM_QK",
+            "HEAD_DIM_V", "BLOCK_DQK", "BLOCK_DQK2", "BLOCK_DV", "V_IS_K", "DOT_PRECISION")
+    _sparse_attn_block_dkv_kernel[grid](
+        q, k, v, dout, lse, delta, acc, table, csr.row_ptr, csr.entries, key_lo, key_hi, tasks, n_blocks,
+        csr.entries.numel(), prob.n_tokens, n_hblocks=tiles.n_hblocks, n_sub=n_sub, stride_row=stride_row,
+        **{name: common[name] for name in keep}, BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h,
+        BLOCK_N=cfg_dkv.block_n, PERSISTENT=persistent, **cfg_dkv.launch(),
+    )
+    return acc

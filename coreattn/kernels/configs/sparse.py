@@ -49,8 +49,12 @@ import triton
 from coreattn.kernels.configs.base import AttnConfig
 from coreattn.kernels.configs.targets import ASCEND_STEP_BUDGET, CDNA_TARGETS, FP_FUSION, MAXNREG
 
-KERNELS = ("fwd", "dq", "dkv", "range_fwd", "range_dq", "range_dkv", "reduce", "pre")
+KERNELS = ("fwd", "dq", "dkv", "range_fwd", "range_dq", "range_dkv", "reduce", "pre", "block_fwd", "block_dq",
+           "block_dkv")
 RANGE_KERNELS = {"range_fwd": "fwd", "range_dq": "dq", "range_dkv": "dkv"}  # each with its slot-mode twin
+# the block mode (block-sparse rows): its forward and dQ tile q heads as the slot mode's, its dK/dV tokens x heads
+# as the range mode's; each with the twin whose fp32 and Ascend configs it takes
+BLOCK_KERNELS = {"block_fwd": "fwd", "block_dq": "dq", "block_dkv": "dkv"}
 MIN_BLOCK_H = 16  # tl.dot's smallest M
 
 _C = AttnConfig
@@ -62,11 +66,12 @@ _W = functools.partial(AttnConfig, matrix_instr_nonkdim=16)
 # a row block holds several tokens (8 with a group of 2).
 _INTERPRETER = {"fwd": _C(16, 32, 1, 1), "dq": _C(16, 32, 1, 1), "dkv": _C(16, 32, 1, 1), "reduce": _C(0, 64, 1, 1),
                 "pre": _C(16, 0, 1, None), "range_fwd": _C(16, 16, 1, 1), "range_dq": _C(16, 16, 1, 1),
-                "range_dkv": _C(16, 16, 1, 1)}
+                "range_dkv": _C(16, 16, 1, 1), "block_fwd": _C(16, 16, 1, 1), "block_dq": _C(16, 16, 1, 1),
+                "block_dkv": _C(16, 16, 1, 1)}
 
 # CUDA and CDNA tables: kernel -> target -> ((max width, max group, AttnConfig), ...), first match wins;
 # width = the larger of the q/k blocks' sum and the v block. fp32 takes _FP32 (no tensor-core MMA at IEEE).
-_TABLES: dict = {kernel: {} for kernel in ("fwd", "dq", "dkv", *RANGE_KERNELS)}
+_TABLES: dict = {kernel: {} for kernel in ("fwd", "dq", "dkv", *RANGE_KERNELS, *BLOCK_KERNELS)}
 _REDUCE = {"cuda": _C(0, 512, 4, 2), "cdna": _W(0, 512, 4, 1)}
 # the delta preprocess (the dense kernel): rows per program and warps by v's block
 _PRE = ((128, _C(64, 0, 4, None)), (256, _C(32, 0, 4, None)), (512, _C(16, 0, 8, None)))
@@ -146,6 +151,22 @@ for _target in ("gfx90a", "gfx942"):
     _TABLES["range_fwd"][_target] = _CDNA_RANGE["range_fwd"][:1] + ((1024, 1 << 30, _W(32, 32, 4, 1)),)
 
 
+# Block mode (block-sparse rows, a block's keys read as contiguous rows): the forward and dQ as the slot mode's
+# tables (q heads of one token x keys of a named block). The dK/dV (a program per tile of a block's keys, walking
+# the tokens that name the block, BLOCK_T tokens x BLOCK_H heads per step) reads each token's q and dO rows once per
+# tile, so up to 256 its tile is 64 keys: 16 rows x 64 keys on 8 warps compiled to sm90's wgmma (145-154 registers)
+# and sm100's tcgen05 (96), 4 waves on CDNA (210-216 VGPRs on gfx942, no repeated MFMA; 8 waves repeat it twice),
+# where the range mode's 16 x 16 read them four times as often; above 256 the range mode's tile.
+_BLOCK_TWINS = {"block_fwd": "fwd", "block_dq": "dq", "block_dkv": "range_dkv"}
+for _kernel, _twin in _BLOCK_TWINS.items():
+    for _target, _rows in _TABLES[_twin].items():
+        _TABLES[_kernel][_target] = _rows
+for _target in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120"):
+    _TABLES["block_dkv"][_target] = ((256, 1 << 30, _C(16, 64, 8, 2)),) + _CUDA_RANGE["range_dkv"][1:]
+for _target in CDNA_TARGETS:
+    _TABLES["block_dkv"][_target] = ((256, 1 << 30, _W(16, 64, 4, 1)),) + _CDNA_RANGE["range_dkv"][1:]
+
+
 def range_tile(group: int, rows: int) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_H) of a range-mode tile of ``rows`` MMA rows: the group's q heads rounded up to
     a power of two (at most ``rows``), and as many query tokens as fill the rest."""
@@ -196,7 +217,7 @@ def sparse_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem:
     (``block_h_for``), and the range mode's MMA rows (``range_tile`` splits them)."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown sparse kernel {kernel!r}; expected one of {KERNELS}")
-    twin = RANGE_KERNELS.get(kernel, kernel)
+    twin = RANGE_KERNELS.get(kernel, BLOCK_KERNELS.get(kernel, kernel))
     if target == "interpreter":
         cfg = _INTERPRETER[kernel]
     elif target == "ascend":
@@ -216,6 +237,6 @@ def sparse_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem:
                 raise ValueError(f"no sparse {kernel} config for head blocks {block_dqk}/{block_dv} on {target}")
             cfg = rows[0]
         cfg = cfg._replace(fp_fusion=FP_FUSION) if cdna else cfg._replace(maxnreg=MAXNREG, fp_fusion=FP_FUSION)
-    if kernel in ("reduce", "pre") or kernel in RANGE_KERNELS:
+    if kernel in ("reduce", "pre", "block_dkv") or kernel in RANGE_KERNELS:
         return cfg
     return cfg._replace(block_m=block_h_for(group, cfg.block_m))

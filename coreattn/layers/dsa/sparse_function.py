@@ -22,6 +22,13 @@ eager runs the same code:
   v_dim, backend) -> (dq, dk, dv)``, dv an empty ``[0]`` placeholder when v is None (absorbed: dV
   is folded into dk).
 
+Block mode (``block_size`` > 0): an entry names a block of ``block_size`` keys (block c of a token's
+sequence: key positions ``[c * B, (c + 1) * B)`` from the sequence's first key, thd, or from position 0
+of the sample, padded). The forward turns each entry into the key row its block starts at
+(``coreattn.kernels.sparse_blocks.block_starts``) before ``prepare_topk``, so the prepared indices stay
+``[N, Hidx, K]`` (never one entry per key), and each backend runs its block mode on them (the Triton
+launchers and the torch backend's ``blocks=``; npu_fused has none).
+
 The layout tensors are those of ``coreattn.layers.function``: thd ``seq_*`` = cu_seqlens int32
 ``[B+1]`` (``len_*`` None); bshd/sbhd ``seq_*``/``len_*`` the int32 ``[B]`` span starts and lengths.
 Nothing reads a device tensor's values: the bounds come from torch ops on the device, and the
@@ -39,6 +46,7 @@ import torch
 from coreattn.kernels import npu
 from coreattn.layers.backends import Backend, select_sparse_backend
 from coreattn.kernels.sparse_bwd import sparse_attn_bwd as launch_sparse_bwd
+from coreattn.kernels.sparse_blocks import BlockLayout, block_starts
 from coreattn.kernels.sparse_fwd import sparse_attn_fwd as launch_sparse_fwd
 from coreattn.kernels.sparse_index import prepare_topk
 from coreattn.layers.checks import KERNEL_DTYPES, check_layout_values
@@ -58,14 +66,18 @@ NPU_FUSED = SparseImpl("npu_fused", sparse_attn_npu_fwd, sparse_attn_npu_bwd)
 
 
 def _impl(q: torch.Tensor, backend: str, k: torch.Tensor, v: torch.Tensor | None, topk: torch.Tensor,
-          v_dim: int, fmt: str, backward: bool = False) -> SparseImpl:
+          v_dim: int, fmt: str, backward: bool = False, block_size: int = 0) -> SparseImpl:
     """The backend for q's device (``backend``: an override name, "" for the default), chosen when the
     op runs, forward and ``backward`` each (npu_fused where the call fits torch_npu's operator for that
-    direction: ``npu_sparse_flash_attention`` or its grad; either direction takes the other's lse)."""
-    if backward:
-        unfit = lambda: sparse_grad_unfit(q, k, v, topk, v_dim, fmt)  # noqa: E731
-    else:
-        unfit = lambda: sparse_unfit(q, k, v, topk, v_dim)  # noqa: E731
+    direction: ``npu_sparse_flash_attention`` or its grad; either direction takes the other's lse; never
+    for block-sparse rows)."""
+    def unfit():
+        if block_size:
+            return "npu_sparse_flash_attention has no block-sparse mode (block_size)"
+        if backward:
+            return sparse_grad_unfit(q, k, v, topk, v_dim, fmt)
+        return sparse_unfit(q, k, v, topk, v_dim)
+
     chosen = select_sparse_backend(q.device, backend or None, unfit=unfit, backward=backward)
     if chosen is Backend.NPU_FUSED:
         return NPU_FUSED
@@ -153,6 +165,20 @@ def window_entries(fmt: str, seq_q, len_q, seq_k, len_k, tokens: int, seqlen_q: 
     return torch.where(ok, at.k0[:, None] + rel, -1).to(torch.int32)
 
 
+def _block_layout(block_size: int, fmt: str, seq_k: torch.Tensor) -> BlockLayout | None:
+    """The launchers' block mode (None: token entries); thd blocks start at each sequence's first key row."""
+    return BlockLayout(block_size, seq_k if fmt == "thd" else None) if block_size > 0 else None
+
+
+def _as_block_starts(topk_indices, fmt, seq_q, len_q, seq_k, len_k, seqlen_q, block_size):
+    """Block entries as the key rows their blocks start at (thd: from the sequence's first key row; padded:
+    from position 0 of the sample), ``[N, Hidx, K]`` int64."""
+    origin = torch.zeros(topk_indices.shape[0], dtype=torch.int64, device=topk_indices.device)
+    if fmt == "thd":
+        origin = _positions(fmt, seq_q, len_q, seq_k, len_k, topk_indices.shape[0], seqlen_q).k0
+    return block_starts(topk_indices, origin, block_size)
+
+
 def _tokens(x: torch.Tensor, fmt: str) -> int:
     """Query tokens N (thd T, padded B * S) and the layout's sequence length (thd T, padded S)."""
     return x.shape[1] if fmt == "bshd" else x.shape[0]
@@ -209,20 +235,25 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
                     seq_k: torch.Tensor, len_k: Optional[torch.Tensor], bound_lo: Optional[torch.Tensor],
                     bound_hi: Optional[torch.Tensor], causal: bool, bottom_right: bool, softmax_scale: float,
                     v_dim: int, window_left: int, window_right: int, softmax_offset: Optional[torch.Tensor],
-                    backend: str,
-                    validate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, lse, topk, key_lo, key_hi): the output, and the prepared indices and bounds it used."""
+                    backend: str, validate: bool,
+                    block_size: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, topk, key_lo, key_hi): the output, and the prepared indices and bounds it used
+    (block mode: the key rows of the named blocks)."""
     seqlen_q, seqlen_k = _tokens(q, fmt), _tokens(k, fmt)
     if validate:  # reads cu_seqlens / spans only where coreattn may (checks.reads_values)
         check_layout_values(fmt, seq_q, len_q, None, seq_k, len_k, None, seqlen_q, seqlen_k, seqlen_q, seqlen_k)
     indices, length = _with_window(topk_indices, topk_length, fmt, seq_q, len_q, seq_k, len_k, seqlen_q,
                                    window_left, window_right, bottom_right)
-    impl = _impl(q, backend, k, v, indices, v_dim, fmt)
+    impl = _impl(q, backend, k, v, indices, v_dim, fmt, block_size=block_size)
+    if block_size > 0:
+        indices = _as_block_starts(indices, fmt, seq_q, len_q, seq_k, len_k, seqlen_q, block_size)
     topk = prepare_topk(indices, "thd", length)  # [N, Hidx, K] is thd's form of the token dims
     key_lo, key_hi = key_bounds(fmt, seq_q, len_q, seq_k, len_k, topk.shape[0], seqlen_q, causal, bottom_right,
                                 bound_lo, bound_hi)
-    out, lse = _run(impl, lambda: _impl(q, backend, k, v, indices, v_dim, fmt), False, q, k, v, topk, key_lo, key_hi,
-                    fmt, softmax_scale, v_dim=v_dim)
+    blocks = _block_layout(block_size, fmt, seq_k)
+    extra = {} if blocks is None else {"blocks": blocks}
+    out, lse = _run(impl, lambda: _impl(q, backend, k, v, indices, v_dim, fmt, block_size=block_size), False, q, k,
+                    v, topk, key_lo, key_hi, fmt, softmax_scale, v_dim=v_dim, **extra)
     if softmax_offset is not None:
         out, lse = _fold_sink(out, lse, softmax_offset, fmt)
     return out, lse, topk, key_lo, key_hi
@@ -231,7 +262,7 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
 @sparse_attn_fwd.register_fake
 def _sparse_attn_fwd_fake(q, k, v, topk_indices, topk_length, fmt, seq_q, len_q, seq_k, len_k, bound_lo, bound_hi,
                           causal, bottom_right, softmax_scale, v_dim, window_left, window_right, softmax_offset,
-                          backend, validate):
+                          backend, validate, block_size=0):
     tokens, heads_idx, topk_k = topk_indices.shape
     topk_k += window_left + window_right + 1 if window_left >= 0 else 0
     out = q.new_empty(tuple(q.shape[:-1]) + (v_dim,))
@@ -243,12 +274,16 @@ def _sparse_attn_fwd_fake(q, k, v, topk_indices, topk_length, fmt, seq_q, len_q,
 def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
                     out: torch.Tensor, lse: torch.Tensor, topk: torch.Tensor, key_lo: torch.Tensor,
                     key_hi: torch.Tensor, softmax_offset: Optional[torch.Tensor], fmt: str, softmax_scale: float,
-                    v_dim: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    v_dim: int, backend: str, block_size: int = 0,
+                    seq_k: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, d_offset) in q, k, v's and the offset's shapes and dtypes (contiguous); dv is an empty
-    [0] tensor when v is None, d_offset when there is no offset."""
-    impl = _impl(q, backend, k, v, topk, v_dim, fmt, backward=True)
-    dq, dk, dv = _run(impl, lambda: _impl(q, backend, k, v, topk, v_dim, fmt, backward=True), True, dout, q, k, v, out,
-                      lse, topk, key_lo, key_hi, fmt, softmax_scale, v_dim=v_dim)
+    [0] tensor when v is None, d_offset when there is no offset. Block mode: ``block_size`` > 0 and, thd,
+    ``seq_k`` the forward's cu_seqlens_k."""
+    impl = _impl(q, backend, k, v, topk, v_dim, fmt, backward=True, block_size=block_size)
+    blocks = _block_layout(block_size, fmt, seq_k)
+    extra = {} if blocks is None else {"blocks": blocks}
+    dq, dk, dv = _run(impl, lambda: _impl(q, backend, k, v, topk, v_dim, fmt, backward=True, block_size=block_size),
+                      True, dout, q, k, v, out, lse, topk, key_lo, key_hi, fmt, softmax_scale, v_dim=v_dim, **extra)
     if dv is None:
         dv = q.new_empty((0,))
     d_offset = q.new_empty((0,)) if softmax_offset is None else _offset_grad(dout, out, lse, softmax_offset, fmt)
@@ -257,22 +292,25 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: Opt
 
 @sparse_attn_bwd.register_fake
 def _sparse_attn_bwd_fake(dout, q, k, v, out, lse, topk, key_lo, key_hi, softmax_offset, fmt, softmax_scale, v_dim,
-                          backend):
+                          backend, block_size=0, seq_k=None):
     return (q.new_empty(q.shape), k.new_empty(k.shape), q.new_empty((0,)) if v is None else v.new_empty(v.shape),
             q.new_empty((0,)) if softmax_offset is None else softmax_offset.new_empty(softmax_offset.shape))
 
 
 _FWD_ARGS = ("q", "k", "v", "topk_indices", "topk_length", "fmt", "seq_q", "len_q", "seq_k", "len_k", "bound_lo",
              "bound_hi", "causal", "bottom_right", "softmax_scale", "v_dim", "window_left", "window_right",
-             "softmax_offset", "backend", "validate")
+             "softmax_offset", "backend", "validate", "block_size")
 
 
 def _setup_context(ctx, inputs, output):
     """Saves q, k, v, out, lse, the prepared indices, the bounds and the offset; the scores are recomputed."""
     args = dict(zip(_FWD_ARGS, inputs))
     out, lse, topk, key_lo, key_hi = output
-    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, topk, key_lo, key_hi, args["softmax_offset"])
-    ctx.options = (args["fmt"], args["softmax_scale"], args["v_dim"], args["backend"])
+    block_size = args.get("block_size", 0)
+    seq_k = args["seq_k"] if block_size and args["fmt"] == "thd" else None  # where thd's blocks start
+    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, topk, key_lo, key_hi, args["softmax_offset"],
+                          seq_k)
+    ctx.options = (args["fmt"], args["softmax_scale"], args["v_dim"], args["backend"], block_size)
     ctx.mark_non_differentiable(lse, topk, key_lo, key_hi)
     # no zero gradients made for the outputs without one: the prepared indices' alone would be a
     # T x K int32 tensor at the start of the backward
@@ -281,11 +319,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, *_):
     # lse, the indices and the bounds are non-differentiable: their incoming gradients are ignored
-    q, k, v, out, lse, topk, key_lo, key_hi, offset = ctx.saved_tensors
+    q, k, v, out, lse, topk, key_lo, key_hi, offset, seq_k = ctx.saved_tensors
     grads = dict.fromkeys(_FWD_ARGS)
     wants_offset = ctx.needs_input_grad[_FWD_ARGS.index("softmax_offset")]
     if dout is not None and (any(ctx.needs_input_grad[:3]) or wants_offset):
-        dq, dk, dv, d_offset = sparse_attn_bwd(dout, q, k, v, out, lse, topk, key_lo, key_hi, offset, *ctx.options)
+        dq, dk, dv, d_offset = sparse_attn_bwd(dout, q, k, v, out, lse, topk, key_lo, key_hi, offset, *ctx.options,
+                                               seq_k)
         grads.update(q=dq, k=dk, v=None if v is None else dv, softmax_offset=d_offset if wants_offset else None)
     return tuple(grads[name] for name in _FWD_ARGS)
 
@@ -306,13 +345,14 @@ class SparseLayout(NamedTuple):
 def sparse_attention(q, k, v, topk_indices: torch.Tensor, topk_length: torch.Tensor | None, layout: SparseLayout,
                      bounds: tuple[torch.Tensor, torch.Tensor] | None, causal: bool, bottom_right: bool,
                      softmax_scale: float, v_dim: int, backend: str = "", validate: bool = False,
-                     window: tuple[int, int] = (-1, -1),
-                     softmax_offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     window: tuple[int, int] = (-1, -1), softmax_offset: torch.Tensor | None = None,
+                     block_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) through ``coreattn::sparse_attn_fwd``, differentiable in q, k, v and the softmax offset.
     ``topk_indices`` ``[N, Hidx, K]``, ``topk_length`` and ``bounds`` ``[N]`` (token n = b * S + s);
-    ``window`` (left, right): keys added to every token's set ((-1, -1): none)."""
+    ``window`` (left, right): keys added to every token's set ((-1, -1): none); ``block_size`` > 0:
+    the entries name blocks of that many keys (the block mode)."""
     lo, hi = (None, None) if bounds is None else bounds
     out, lse, *_ = sparse_attn_fwd(q, k, v, topk_indices, topk_length, layout.fmt, layout.seq_q, layout.len_q,
                                    layout.seq_k, layout.len_k, lo, hi, causal, bottom_right, softmax_scale, v_dim,
-                                   window[0], window[1], softmax_offset, backend, validate)
+                                   window[0], window[1], softmax_offset, backend, validate, block_size)
     return out, lse
