@@ -35,6 +35,7 @@ from coreattn.kernels.configs.pick import tuned_fallback
 from coreattn.kernels.configs.space import loop_flags
 from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.device import on_device
+from coreattn.kernels.launch import launch
 from coreattn.kernels.descriptors import row_descriptor, row_descriptors, usable
 from coreattn.kernels.packing import (Packing, keep_args, new_like, new_rowstat, rowstat_strides, seq_len_dim,
                                       seq_strides, side_stand_ins, stand_in)
@@ -657,7 +658,8 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         pre_batch = 1 if q_pack.fmt == "thd" else batch
         grid_m = triton.cdiv(seqlen_q_total, cfg_pre.block_m)
         grid, persistent = launch_grid(q.device, target, grid_m * pre_batch, heads_q, vector_only=True)
-        _attn_bwd_preprocess_kernel[grid](
+        launch(
+            target, _attn_bwd_preprocess_kernel, grid,
             out, dout, delta, seqlen_q_total, grid_m, pre_batch, heads_q, *seq_strides(out, q_pack.fmt),
             *seq_strides(dout, q_pack.fmt), *rowstat_strides(delta, q_pack),
             HEAD_DIM_V=dim_v, BLOCK_DV=block_dv, BLOCK_M=cfg_pre.block_m, PERSISTENT=persistent,
@@ -700,24 +702,22 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         q_desc, q2_desc = row_descriptors(q, cfg_dkdv.block_m, block_dqk, block_dqk2) if loop["TMA"] else (None, None)
         do_desc = row_descriptor(dout, cfg_dkdv.block_m, block_dv) if loop["TMA"] else None
         for do_dk, do_dv in passes:
-            _attn_bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, dkdv_map, heads=heads_kv,
-                                        n_tiles=n_tiles_k, q_desc=q_desc, q2_desc=q2_desc, do_desc=do_desc,
-                                        **dict(zip(("stride_dkb", "stride_dkt", "stride_dkh"),
-                                                   seq_strides(dk, k_pack.fmt))),
-                                        **dict(zip(("stride_dvb", "stride_dvt", "stride_dvh"),
-                                                   seq_strides(dv, k_pack.fmt))),
-                                        BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, DK=do_dk, DV=do_dv,
-                                        PERSISTENT=persistent, **lanes_dkdv, **loop, **cfg_dkdv.launch(), **common)
+            launch(target, _attn_bwd_dkdv_kernel, grid, q, k, v, dout, lse, delta, dk, dv, dkdv_map, heads=heads_kv,
+                   n_tiles=n_tiles_k, q_desc=q_desc, q2_desc=q2_desc, do_desc=do_desc,
+                   **dict(zip(("stride_dkb", "stride_dkt", "stride_dkh"), seq_strides(dk, k_pack.fmt))),
+                   **dict(zip(("stride_dvb", "stride_dvt", "stride_dvh"), seq_strides(dv, k_pack.fmt))),
+                   BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, DK=do_dk, DV=do_dv, PERSISTENT=persistent,
+                   **lanes_dkdv, **loop, **cfg_dkdv.launch(), **common)
     if run_dq:
         grid, persistent = launch_grid(q.device, target, n_tiles_q, heads_q)
         loop = loop_flags(cfg_dq, target, cfg_dq.tma and usable((q_pack, k_pack), ((k, block_dqk + block_dqk2),
                                                                                     (v, block_dv))))
         k_desc, k2_desc = row_descriptors(k, cfg_dq.block_n, block_dqk, block_dqk2) if loop["TMA"] else (None, None)
-        _attn_bwd_dq_kernel[grid](q, k, v, dout, lse, delta, dq, lse if sink_rowsum is None else sink_rowsum, dq_map,
-                                  k_desc=k_desc, k2_desc=k2_desc,
-                                  v_desc=row_descriptor(v, cfg_dq.block_n, block_dv) if loop["TMA"] else None,
-                                  heads=heads_q, n_tiles=n_tiles_q, SINK_GRAD=sink_rowsum is not None,
-                                  **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, q_pack.fmt))),
-                                  BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, PERSISTENT=persistent,
-                                  **lanes_dq, **loop, **cfg_dq.launch(), **common)
+        launch(target, _attn_bwd_dq_kernel, grid, q, k, v, dout, lse, delta, dq,
+               lse if sink_rowsum is None else sink_rowsum, dq_map, k_desc=k_desc, k2_desc=k2_desc,
+               v_desc=row_descriptor(v, cfg_dq.block_n, block_dv) if loop["TMA"] else None, heads=heads_q,
+               n_tiles=n_tiles_q, SINK_GRAD=sink_rowsum is not None,
+               **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, q_pack.fmt))),
+               BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, PERSISTENT=persistent, **lanes_dq, **loop,
+               **cfg_dq.launch(), **common)
     return dq, dk, dv

@@ -53,6 +53,7 @@ from coreattn.kernels.attn_fwd import dot_precision
 from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.configs.indexer import MAX_TOPK_DIM, MAX_TOPK_HEADS, topk_config
 from coreattn.kernels.device import on_device
+from coreattn.kernels.launch import launch
 
 MIN_KEY = tl.constexpr(-(2**63))  # below every packed key: a lane with no key
 RUNTIME_INTS = ("n_rows", "seqlen_q", "seqlen_k", "topk", "stride_qb", "stride_kb", "stride_wb", "stride_qs",
@@ -201,8 +202,8 @@ def indexer_topk_fwd(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ke
     target = target_of(q.device)
     cfg = topk_config(target, topk_blocks(topk, 16))  # the requested top-k: short samples do not recompile
     block_k = topk_blocks(topk, cfg.block)
-    _indexer_topk_kernel[(n_rows,)](
-        q, k, weights, key_lo, key_hi, idx, scores if return_scores else idx,
+    launch(
+        target, _indexer_topk_kernel, (n_rows,), q, k, weights, key_lo, key_hi, idx, scores if return_scores else idx,
         n_rows, seqlen_q, seqlen_k, heads, width, qb, qs, qh, kb, ks, wb, ws, wh,
         HEAD_DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_N=cfg.block, BLOCK_K=block_k, RELU=relu, RETURN_SCORES=return_scores,

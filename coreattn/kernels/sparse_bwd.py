@@ -67,6 +67,7 @@ from coreattn.kernels.attn_fwd import LOG2E, dot_precision
 from coreattn.kernels.configs.sparse import sparse_config
 from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.device import on_device
+from coreattn.kernels.launch import launch
 from coreattn.kernels.packing import seq_strides
 from coreattn.kernels.sparse_fwd import (SPARSE_RUNTIME_INTS, _block_rows, _key_block, _key_rows, _program_block,
                                          _program_keys, _q_tiles, _range_keys, _range_rows, _row_offsets, _slot_rows,
@@ -509,7 +510,8 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     pre_batch = 1 if fmt == "thd" else prob.batch
     grid_m = triton.cdiv(prob.seqlen_q, cfg_pre.block_m)
     grid, persistent, _ = token_grid(q.device, target, grid_m * pre_batch, prob.heads_q, vector_only=True)
-    _attn_bwd_preprocess_kernel[grid](
+    launch(
+        target, _attn_bwd_preprocess_kernel, grid,
         out, dout, delta, prob.seqlen_q, grid_m, pre_batch, prob.heads_q, *seq_strides(out, fmt),
         *seq_strides(dout, fmt), *lse_strides(delta, fmt), HEAD_DIM_V=prob.dim_v, BLOCK_DV=block_dv,
         BLOCK_M=cfg_pre.block_m, PERSISTENT=persistent,
@@ -528,7 +530,8 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         tiles = mode_tiles(prob, cfg.block_m, range_mode)
         grid, persistent, tasks = token_grid(q.device, target, prob.batch * tiles.n_tblocks,
                                              prob.heads_kv * tiles.n_hblocks)
-        _sparse_attn_dq_kernel[grid](
+        launch(
+            target, _sparse_attn_dq_kernel, grid,
             q, k, v, dout, lse, delta, dq, topk, classes.span, classes.full, key_lo, key_hi, tasks,
             n_hblocks=tiles.n_hblocks, n_tblocks=tiles.n_tblocks, **common,
             **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, fmt))),
@@ -550,19 +553,18 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         visits = range_visits(classes.full, key_lo, key_hi, batch=prob.batch, seqlen_q=prob.seqlen_q,
                               seqlen_k=prob.seqlen_k, block_t=tiles.block_t, block_n=cfg_rdkv.block_n)
         grid, persistent, tasks = token_grid(q.device, target, prob.batch * n_kblocks, prob.heads_kv)
-        _sparse_attn_dkv_kernel[grid](q, k, v, dout, lse, delta, acc, topk, lo_ptr=key_lo, hi_ptr=key_hi,
-                                      visit_ptr=visits, n_tasks=tasks, token0=0, chunk=0, n_hblocks=tiles.n_hblocks,
-                                      n_kblocks=n_kblocks, BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h,
-                                      BLOCK_N=cfg_rdkv.block_n, ATOMIC=False, RANGE=True, PERSISTENT=persistent,
-                                      **dkv_args, **cfg_rdkv.launch())
+        launch(target, _sparse_attn_dkv_kernel, grid, q, k, v, dout, lse, delta, acc, topk, lo_ptr=key_lo,
+               hi_ptr=key_hi, visit_ptr=visits, n_tasks=tasks, token0=0, chunk=0, n_hblocks=tiles.n_hblocks,
+               n_kblocks=n_kblocks, BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_N=cfg_rdkv.block_n,
+               ATOMIC=False, RANGE=True, PERSISTENT=persistent, **dkv_args, **cfg_rdkv.launch())
         slot_args = dict(dkv_args, visit_ptr=visits, n_hblocks=1, n_kblocks=n_kblocks, BLOCK_T=1,
                          BLOCK_H=cfg_dkv.block_m, BLOCK_N=cfg_dkv.block_n, RANGE=False, **cfg_dkv.launch())
         per_token = prob.heads_kv * dkv_args["n_sblocks"]
         if atomic:
             grid, persistent, tasks = token_grid(q.device, target, prob.n_tokens, per_token)
-            _sparse_attn_dkv_kernel[grid](q, k, v, dout, lse, delta, acc, topk, lo_ptr=key_lo, hi_ptr=key_hi,
-                                          n_tasks=tasks, token0=0, chunk=prob.n_tokens, ATOMIC=True,
-                                          PERSISTENT=persistent, **slot_args)
+            launch(target, _sparse_attn_dkv_kernel, grid, q, k, v, dout, lse, delta, acc, topk, lo_ptr=key_lo,
+                   hi_ptr=key_hi, n_tasks=tasks, token0=0, chunk=prob.n_tokens, ATOMIC=True, PERSISTENT=persistent,
+                   **slot_args)
         else:
             chunk = chunk_tokens(prob.n_tokens, prob.heads_kv, n_slots, stride_row, partial_budget())
             part = torch.empty((prob.heads_kv, chunk, n_slots, stride_row), dtype=torch.float32, device=q.device)
@@ -570,17 +572,16 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
             for token0 in range(0, prob.n_tokens, chunk):
                 token1 = min(prob.n_tokens, token0 + chunk)
                 grid, persistent, tasks = token_grid(q.device, target, token1 - token0, per_token)
-                _sparse_attn_dkv_kernel[grid](q, k, v, dout, lse, delta, part, topk, lo_ptr=key_lo, hi_ptr=key_hi,
-                                              n_tasks=tasks, token0=token0, chunk=chunk, ATOMIC=False,
-                                              PERSISTENT=persistent, **slot_args)
+                launch(target, _sparse_attn_dkv_kernel, grid, q, k, v, dout, lse, delta, part, topk, lo_ptr=key_lo,
+                       hi_ptr=key_hi, n_tasks=tasks, token0=token0, chunk=chunk, ATOMIC=False, PERSISTENT=persistent,
+                       **slot_args)
                 csr = transpose_topk(topk, key_lo, key_hi, token0, token1, seqlen_q=prob.seqlen_q,
                                      seqlen_k=prob.seqlen_k, batch=prob.batch, skip=classes.full)
                 grid, persistent, tasks = token_grid(q.device, target, key_rows, prob.heads_kv * n_cblocks,
                                                      vector_only=True)
-                _sparse_attn_reduce_kernel[grid](part, acc, csr.row_ptr, csr.entries, tasks, prob.heads_kv,
-                                                 idx_heads, key_rows, chunk * n_slots, csr.entries.numel(), width,
-                                                 n_cblocks, stride_row, BLOCK_W=cfg_reduce.block_n,
-                                                 PERSISTENT=persistent, **cfg_reduce.launch())
+                launch(target, _sparse_attn_reduce_kernel, grid, part, acc, csr.row_ptr, csr.entries, tasks,
+                       prob.heads_kv, idx_heads, key_rows, chunk * n_slots, csr.entries.numel(), width, n_cblocks,
+                       stride_row, BLOCK_W=cfg_reduce.block_n, PERSISTENT=persistent, **cfg_reduce.launch())
     # the accumulator [B * Sk, Hkv, stride_row] into k's (v's) dtype and layout
     acc = acc[:key_rows].view(prob.batch, prob.seqlen_k, prob.heads_kv, stride_row)
     dk = acc[..., :prob.dim_qk]

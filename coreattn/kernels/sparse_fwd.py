@@ -50,11 +50,12 @@ import triton
 import triton.language as tl
 
 from coreattn.kernels.attn_common import _cols
-from coreattn.kernels.attn_fwd import LOG2E, MAX_TASKS, dot_precision
+from coreattn.kernels.attn_fwd import LOG2E, dot_precision, launch_grid
 from coreattn.kernels.configs.base import head_blocks
 from coreattn.kernels.configs.sparse import range_tile, sparse_config
-from coreattn.kernels.configs.targets import persistent_grid, target_of
+from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.device import on_device
+from coreattn.kernels.launch import launch
 from coreattn.kernels.packing import seq_len_dim, seq_strides, stand_in
 from coreattn.kernels.sparse_index import row_classes
 
@@ -403,15 +404,11 @@ def new_lse(prob: SparseProblem, device: torch.device) -> torch.Tensor:
 
 def token_grid(device: torch.device, target: str, n_tokens: int, per_token: int,
                vector_only: bool = False) -> tuple[tuple[int], bool, int]:
-    """(grid, PERSISTENT, tasks) for n_tokens x per_token tasks, as kernels/attn_fwd.py ``launch_grid``
-    (Ascend: a core-count grid; ``vector_only`` for kernels without tl.dot)."""
-    tasks = n_tokens * per_token
-    if tasks > MAX_TASKS:
-        raise ValueError(f"{n_tokens} tokens x {per_token} programs each = {tasks} programs exceed the int32 grid of "
-                         "the Triton kernels; split the batch")
-    if target != "ascend":
-        return (tasks,), False, tasks
-    return (persistent_grid(device, tasks, vector_only),), True, tasks
+    """(grid, PERSISTENT, tasks) for n_tokens x per_token tasks: kernels/attn_fwd.py ``launch_grid``
+    (Ascend: a core-count grid; ``vector_only`` for kernels without tl.dot), plus the task count.
+    A grid past the target's limits is looped at the launch (kernels/launch.py)."""
+    grid, persistent = launch_grid(device, target, n_tokens, per_token, vector_only)
+    return grid, persistent, n_tokens * per_token
 
 
 class ModeTiles(NamedTuple):
@@ -473,8 +470,8 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, to
         tiles = mode_tiles(prob, cfg.block_m, range_mode)
         grid, persistent, tasks = token_grid(q.device, target, prob.batch * tiles.n_tblocks,
                                              prob.heads_kv * tiles.n_hblocks)
-        _sparse_attn_fwd_kernel[grid](
-            q, k, v, out, lse, topk, classes.span, classes.full, key_lo, key_hi,
+        launch(
+            target, _sparse_attn_fwd_kernel, grid, q, k, v, out, lse, topk, classes.span, classes.full, key_lo, key_hi,
             tasks, prob.seqlen_q, prob.seqlen_k, max(prob.seqlen_k, 1) - 1, topk.shape[-1], prob.heads_kv,
             prob.group, tiles.n_hblocks, tiles.n_tblocks, topk.shape[1], softmax_scale * LOG2E,
             *seq_strides(q, fmt), *seq_strides(k, fmt), *seq_strides(v, fmt), *seq_strides(out, fmt),
