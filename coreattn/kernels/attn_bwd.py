@@ -67,7 +67,8 @@ def _preprocess_program(pid_m, b, head, out_ptr, do_ptr, delta_ptr, seqlen_total
     tl.store(delta_ptr + b * stride_lb + head * stride_lh + r0 + offs_r, delta, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["seqlen_total", "grid_m", "batch", "stride_lb", "stride_lh"])
+# the batch strides follow S in bshd (S x H x D): never specialized, or S's parity would recompile it
+@triton.jit(do_not_specialize=["seqlen_total", "grid_m", "batch", "stride_lb", "stride_lh", "stride_ob", "stride_db"])
 def _attn_bwd_preprocess_kernel(out_ptr, do_ptr, delta_ptr, seqlen_total, grid_m, batch, heads,
                                 stride_ob, stride_ot, stride_oh, stride_db, stride_dt, stride_dh,
                                 stride_lb, stride_lh,

@@ -59,8 +59,12 @@ from coreattn.kernels.launch import launch
 from coreattn.kernels.packing import seq_len_dim, seq_strides, stand_in
 from coreattn.kernels.sparse_index import row_classes
 
-# runtime ints that follow the batch, its lengths or the top-k: never specialized
-SPARSE_RUNTIME_INTS = ("n_tasks", "seqlen_q", "seqlen_k", "k_last", "n_slots", "n_tblocks", "stride_lb", "stride_lh")
+# runtime ints that follow the batch, its lengths or the top-k: never specialized. The batch strides
+# (bshd: S x H x D, whose divisibility by 16 flips with S's parity where H x D is not a multiple of 16) are
+# also typed int64 in the kernels' signatures, so a stride past 2**31 does not change the compile key either
+BATCH_STRIDES = ("stride_qb", "stride_kb", "stride_vb", "stride_ob", "stride_dob", "stride_dqb")
+SPARSE_RUNTIME_INTS = ("n_tasks", "seqlen_q", "seqlen_k", "k_last", "n_slots", "n_tblocks", "stride_lb", "stride_lh",
+                       *BATCH_STRIDES)
 
 
 @triton.jit
@@ -304,8 +308,9 @@ def _sparse_fwd_program(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, s
 def _sparse_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr,
     n_tasks, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, n_tblocks, idx_heads, sm_scale_log2,
-    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+    stride_qb: tl.int64, stride_qt, stride_qh, stride_kb: tl.int64, stride_kt, stride_kh, stride_vb: tl.int64,
+    stride_vt, stride_vh,
+    stride_ob: tl.int64, stride_ot, stride_oh, stride_lb, stride_lh,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     V_IS_K: tl.constexpr, RANGE: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
