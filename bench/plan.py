@@ -10,7 +10,8 @@ shows that the path needs none. It records, per op:
 - every launch: kernel, grid, num_warps, programs and work-items (programs x 32 (CUDA) or 64 (HIP)
   threads a warp x warps), its int arguments and constexpr flags, and the bytes of the tensors it is
   handed (an upper bound of what it touches);
-- the torch ops the host side dispatches, and the device memory it allocates: a TorchDispatchMode
+- the torch ops the host side dispatches (views left out: they launch nothing), and the device memory
+  it allocates: a TorchDispatchMode
   counts every new storage (tensors made before the op, its inputs, are not counted) until it is
   freed: ``peak_bytes`` live at once, ``kept_bytes`` still held at the end (the gradients).
 
@@ -155,7 +156,9 @@ class TooManyLaunches(RuntimeError):
 
 class _Memory(TorchDispatchMode):
     """Counts the storages the ops under it create (live and peak bytes) and the ops themselves.
-    Custom ops (coreattn's ``torch.library`` ops) are entered, so the ops inside them count too."""
+    coreattn's custom ops (``torch.library``) are entered: their Python bodies run under it, so the
+    ops and launches inside them count (on meta tensors torch would otherwise run their fake
+    implementations, which launch nothing)."""
 
     def __init__(self):
         super().__init__()
@@ -185,9 +188,10 @@ class _Memory(TorchDispatchMode):
         if opdef is not None:  # run its Python body under this mode (func() would hide the ops inside)
             with self:
                 return opdef._init_fn(*args, **kwargs)
-        self.ops += 1
         out = func(*args, **kwargs)
-        self._track(out)
+        if not func.is_view:  # a view launches nothing and aliases its input (whose meta storage it may not share)
+            self.ops += 1
+            self._track(out)
         return out
 
 
@@ -359,6 +363,29 @@ def _sparse(shape: Shape, device, atomic: bool = False, window: bool = False) ->
     return run
 
 
+def _core_attention(shape: Shape, device) -> Callable:
+    """Megatron-Core's core attention slot (coreattn.layers.CoreAttention): thd with packed_seq_params,
+    else sbhd."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from coreattn.layers import CoreAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=shape.heads * shape.dim_qk, num_attention_heads=shape.heads,
+                               num_query_groups=shape.heads_kv, kv_channels=shape.dim_qk, attention_dropout=0.0,
+                               hidden_dropout=0.0)
+    layer = CoreAttention(config, 1, AttnMaskType.causal, "self", backend="triton")
+    thd = shape.layout == "thd"
+    q, k, v = _qkv(dataclasses.replace(shape, layout="thd" if thd else "sbhd"), device, dense=True)
+    dout = torch.empty(*q.shape[:-2], shape.heads * shape.dim_v, dtype=q.dtype, device=device)
+    cu = _cu(shape, device)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=shape.tokens,
+                             max_seqlen_kv=shape.total_keys) if thd else None
+    mask = AttnMaskType.padding_causal if thd else AttnMaskType.causal
+    return lambda: layer(q, k, v, None, attn_mask_type=mask, packed_seq_params=params).backward(dout)
+
+
 def _indexer_inputs(shape: Shape, device, grad: bool):
     dt = DTYPES[shape.dtype]
     q = _t(shape.tokens, shape.index_heads, shape.index_dim, dtype=dt, grad=grad, device=device)
@@ -424,6 +451,7 @@ OPS: dict[str, Callable] = {
     "indexer_loss": _indexer_loss,  # top-k + sparse loss, forward + backward
     "rotate_activation": _rotate,  # forward + backward
     "masks": _masks,  # unpad/pad's row gather and scatter, position and sequence ids
+    "core_attention": _core_attention,  # Megatron-Core's CoreAttention (needs megatron-core), forward + backward
 }
 
 
@@ -432,7 +460,11 @@ def plan_op(op: str, shape: Shape, arch: str = "sm90") -> OpPlan:
     result = OpPlan(op, shape, arch)
     device = torch.device("meta")
     with planning(arch, result.launches):
-        run = OPS[op](shape, device)
+        try:
+            run = OPS[op](shape, device)
+        except ImportError as exc:  # an adapter's framework (megatron-core) not installed
+            result.skipped = f"cannot import {exc.name}"
+            return result
         memory = _Memory()
         with memory:
             run()
@@ -443,10 +475,51 @@ def plan_op(op: str, shape: Shape, arch: str = "sm90") -> OpPlan:
 # ---- what an op may allocate (docs/benchmarks.md)
 
 
+MIB = 2**20
+
+
 def memory_bound(op: str, shape: Shape) -> int:
     """Bytes the host side of ``op`` may allocate at once at ``shape`` (forward + backward, its inputs
-    not counted); the formulas of docs/benchmarks.md."""
-    return 1 << 62
+    not counted): the formulas of docs/benchmarks.md. With N query tokens, Nk key rows (all samples),
+    e bytes per element:
+
+    - ``io`` = N x H x (Dqk + Dv) x e + Nk x Hkv x (Dqk + Dv) x e: out and the gradients dq, dk, dv (the
+      op's own outputs; 1.25 io allowed);
+    - ``rows`` = 16 B per (token, q head): lse, delta and the like, fp32;
+    - sparse, beyond: the fp32 dK/dV accumulator 4 x Nk x Hkv x (Dqk + Dv) (twice where absorbed V folds
+      into dK), the index rows 3 x 4 B per (token, index head, slot) (the prepared rows, the key-centric
+      CSR, their construction's chunks), the partial buffer (at most its budget,
+      ``COREATTN_SPARSE_BWD_BYTES``) and 64 B per entry of one chunk (its CSR's sort);
+    - the indexer: its q, k and weights' size again (top-k: the indices and scores, 12 B per (token,
+      slot)); the rotation: its input twice; the mask kernels: their rows twice;
+    - 64 MiB for everything of fixed size (tile maps, row classes' and visits' per-call arrays)."""
+    from coreattn.kernels.sparse_bwd import partial_budget
+
+    e = DTYPES[shape.dtype].itemsize
+    n, nk = shape.tokens, shape.total_keys
+    width = shape.dim_qk + shape.dim_v
+    io = n * shape.heads * width * e + nk * shape.heads_kv * width * e
+    rows = 16 * n * shape.heads
+    fixed = 64 * MIB
+    if op in ("dense", "core_attention"):
+        return int(1.25 * io) + rows + fixed
+    if op.startswith("sparse"):
+        slots = shape.topk + (WINDOW if op == "sparse_window" else 0)
+        acc = 4 * nk * shape.heads_kv * width * (2 if shape.absorbed else 1)
+        index = 3 * 4 * n * slots  # one index head (the ops here pass [N, K] indices)
+        partial = min(partial_budget(), n * shape.heads_kv * slots * width * 4)
+        chunk = 64 * min(n, max(1, partial_budget() // (shape.heads_kv * slots * width * 4))) * slots
+        return int(1.25 * io) + rows + acc + index + partial + chunk + fixed
+    if op == "indexer_topk":
+        return 12 * n * shape.topk + fixed
+    if op == "indexer_loss":  # the loss in torch ops: its chunk budget, the gradients of q, k, weights
+        side = n * shape.index_heads * (shape.index_dim + 1) * 4 + nk * shape.index_dim * 4
+        return 2 * side + 12 * n * shape.topk + 1024 * MIB
+    if op == "rotate_activation":
+        return 2 * n * shape.index_heads * shape.index_dim * e + fixed
+    if op == "masks":
+        return 2 * n * shape.heads * shape.dim_v * e + 16 * n + fixed
+    raise ValueError(f"no memory formula for {op!r}")
 
 
 # ---- the sparse backward's summary (docs/dsa.md's table)
@@ -466,11 +539,21 @@ def partial_traffic(launch: Launch) -> int:
     return tokens * ints["heads_kv"] * ints["n_slots"] * ints["stride_row"] * 4
 
 
+def partial_buffer(launch: Launch) -> int:
+    """Bytes of the partial buffer a deterministic slot-mode dK/dV launch writes into: Hkv x C x K x row
+    stride x 4 B (C the chunk's tokens)."""
+    if not partial_traffic(launch):
+        return 0
+    ints = launch.ints
+    return ints["heads_kv"] * ints["chunk"] * ints["n_slots"] * ints["stride_row"] * 4
+
+
 def sparse_bwd_summary(plan: OpPlan) -> dict:
-    """The backward's share of a sparse plan: launches, programs, the partial buffer's traffic
-    (written + read) and the largest partial buffer (bytes of its launch's partial tensor)."""
+    """The backward's share of a sparse plan: launches, programs, the partial buffer (bytes) and its
+    traffic (written + read back, every slot counted)."""
     bwd = [launch for launch in plan.launches if launch.kernel in SPARSE_BWD_KERNELS]
     return dict(launches=len(bwd), programs=sum(launch.programs for launch in bwd),
+                partial_buffer=max([partial_buffer(launch) for launch in bwd] + [0]),
                 partial_traffic=2 * sum(partial_traffic(launch) for launch in bwd))
 
 
@@ -506,8 +589,8 @@ def format_plan(plan: OpPlan, detail: bool = False) -> str:
         lines.append(f"  {kernel:<{width}}  {n:>9,}  {programs:>16,}  {big.programs:>14,}  {big.num_warps:>5}  {bad}")
     if plan.op.startswith("sparse"):
         s = sparse_bwd_summary(plan)
-        lines.append(f"  backward: {s['launches']:,} launches, {s['programs']:,} programs, partial traffic "
-                     f"{_bytes(s['partial_traffic'])}")
+        lines.append(f"  backward: {s['launches']:,} launches, {s['programs']:,} programs, partial buffer "
+                     f"{_bytes(s['partial_buffer'])}, partial traffic {_bytes(s['partial_traffic'])}")
     if detail:
         for launch in plan.launches:
             lines.append(f"    {launch.kernel} grid={launch.grid} warps={launch.num_warps} "
@@ -520,12 +603,13 @@ TABLE_TOKENS = (8192, 32768, 131072)
 
 def sparse_table(arch: str = "sm90") -> str:
     """docs/dsa.md's table: the sparse backward at 8k/32k/128k tokens, absorbed MLA and per-head K/V."""
-    rows = ["| K/V | tokens | launches | programs | partial traffic |", "| --- | ---: | ---: | ---: | ---: |"]
+    rows = ["| K/V | tokens | launches | programs | partial buffer | partial traffic |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, kv in (("absorbed (Hkv 1, 576/512)", ABSORBED), ("per-head (Hkv 128, 192/128)", PER_HEAD)):
         for tokens in TABLE_TOKENS:
             s = sparse_bwd_summary(plan_op("sparse", Shape(tokens=tokens, **kv), arch))
             rows.append(f"| {name} | {tokens:,} | {s['launches']:,} | {s['programs']:,} | "
-                        f"{_bytes(s['partial_traffic'])} |")
+                        f"{_bytes(s['partial_buffer'])} | {_bytes(s['partial_traffic'])} |")
     return "\n".join(rows)
 
 

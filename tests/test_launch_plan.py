@@ -19,13 +19,24 @@ import pytest
 
 from bench import plan as planner
 from bench.plan import ABSORBED, PER_HEAD, Shape
+from coreattn.kernels.sparse_bwd import ENV_PARTIAL_BUDGET
 
 ARCHS = ("sm90", "sm100", "gfx942", "ascend")
 K128, K32 = 131072, 32768
 GQA = dict(heads_kv=8, dim_qk=192, dim_v=128, absorbed=False)
 DENSE_MHA = dict(heads_kv=128, dim_qk=128, dim_v=128, absorbed=False)
 
+# The deterministic sparse backward's partial buffer: 16 GiB here, not the default 1 GiB, so that planning its
+# chunks (each a few dozen torch ops on meta tensors, about a millisecond each on CPU) takes seconds: 37 chunks of
+# absorbed MLA at 128k tokens instead of 578. Every property checked holds at any budget; `python -m bench.plan`
+# plans the default.
+PLAN_BUDGET = 16 << 30
 _PLANS: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def _budget(monkeypatch):
+    monkeypatch.setenv(ENV_PARTIAL_BUDGET, str(PLAN_BUDGET))
 
 
 def _plan(op: str, shape: Shape, arch: str = "sm90") -> planner.OpPlan:
@@ -43,7 +54,7 @@ CASES = {
     "sparse-thd-absorbed": ("sparse", Shape(tokens=K128, **ABSORBED)),
     "sparse-thd-perhead": ("sparse", Shape(tokens=K128, **PER_HEAD)),
     "sparse-thd-perhead-cpkeys": ("sparse", Shape(tokens=8192, key_rows=K128, **PER_HEAD)),
-    "sparse-bshd-b256-gqa": ("sparse", Shape(tokens=K128, batch=256, layout="bshd", **GQA)),
+    "sparse-bshd-b256-gqa": ("sparse", Shape(tokens=K32, batch=256, layout="bshd", **GQA)),
     "sparse-sbhd-absorbed-cpkeys": ("sparse", Shape(tokens=K32, batch=2, layout="sbhd", key_rows=K128 // 2,
                                                     **ABSORBED)),
     "sparse_atomic-thd-perhead": ("sparse_atomic", Shape(tokens=K128, **PER_HEAD)),
@@ -52,16 +63,26 @@ CASES = {
     "indexer_topk-cpkeys": ("indexer_topk", Shape(tokens=8192, key_rows=K128)),
     "rotate_activation": ("rotate_activation", Shape(tokens=K128)),
     "masks-b256": ("masks", Shape(tokens=K128, batch=256)),
+    "core_attention-thd": ("core_attention", Shape(tokens=K128, batch=64, **GQA)),  # Megatron-Core's slot
+    "core_attention-sbhd": ("core_attention", Shape(tokens=K32, batch=4, layout="sbhd", **DENSE_MHA)),
     # the loss runs in torch ops, a few tokens per chunk at this width: planned smaller (see docs/benchmarks.md)
-    "indexer_loss": ("indexer_loss", Shape(tokens=2048)),
+    "indexer_loss": ("indexer_loss", Shape(tokens=2048, topk=256)),
 }
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("case", list(CASES))
+# the cases whose host paths take seconds to plan (the index rows of 128k-256k tokens x 2,048 slots prepared a
+# chunk at a time) on the archs whose limits or tables they test: CUDA's and HIP's (gfx942: 2**24 programs at
+# 4 waves), Ascend's grid
+ARCHS_OF = {"sparse-thd-absorbed": ("sm90", "gfx942", "ascend"), "sparse_atomic-thd-absorbed": ("sm90", "gfx942"),
+            "sparse_atomic-thd-perhead": ("sm100", "gfx942"), "sparse-thd-perhead": ("sm90", "gfx942", "ascend")}
+
+
+@pytest.mark.parametrize("case, arch", [(case, arch) for case in CASES for arch in ARCHS_OF.get(case, ARCHS)])
 def test_every_launch_fits_its_target(case, arch):
     op, shape = CASES[case]
     plan = _plan(op, shape, arch)
+    if plan.skipped:
+        pytest.skip(plan.skipped)
     assert plan.launches, "nothing launched"
     over = {f"{launch.kernel} grid={launch.grid} warps={launch.num_warps}": why
             for launch in plan.launches if (why := planner.within_limits(launch, arch))}
@@ -75,7 +96,7 @@ GROWTH = {
     "dense-bshd": ("dense", dict(batch=8, layout="bshd", **DENSE_MHA)),
     "sparse-absorbed": ("sparse", ABSORBED),
     "sparse-perhead": ("sparse", PER_HEAD),
-    "sparse-gqa-sbhd": ("sparse", dict(batch=4, layout="sbhd", **GQA)),
+    "sparse-gqa-sbhd": ("sparse", dict(batch=4, layout="sbhd", **dict(GQA, heads=32))),  # groups of 4
     "sparse_atomic-absorbed": ("sparse_atomic", ABSORBED),
     "indexer_topk": ("indexer_topk", {}),
     "rotate_activation": ("rotate_activation", {}),
@@ -113,6 +134,8 @@ def test_sparse_backward_programs_are_linear_in_entries():
 def test_allocated_bytes_below_the_formula(case):
     op, shape = CASES[case]
     plan = _plan(op, shape)
+    if plan.skipped:
+        pytest.skip(plan.skipped)
     bound = planner.memory_bound(op, shape)
     assert plan.peak_bytes <= bound, f"{case}: {plan.peak_bytes:,} B allocated at peak, formula {bound:,} B"
 

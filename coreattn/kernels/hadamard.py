@@ -22,7 +22,7 @@ import triton.language as tl
 from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.configs.indexer import MAX_HADAMARD_DIM, hadamard_config
 from coreattn.kernels.device import on_device
-from coreattn.kernels.launch import DEFAULT_WARPS, launch, max_programs
+from coreattn.kernels.launch import launch, slices
 
 
 @triton.jit(do_not_specialize=("n_rows",))
@@ -72,11 +72,9 @@ def hadamard_fwd(x: torch.Tensor, scale: float, out: torch.Tensor | None = None)
     target = target_of(x.device)
     cfg = hadamard_config(target)
     options = cfg.launch(target)
-    # rows per launch: the grid within the target's limits (kernels/launch.py), one launch per slice of rows
-    step = max_programs(target, options.get("num_warps") or DEFAULT_WARPS) * cfg.block
-    for r0 in range(0, n_rows, step):
-        part, out_part = rows[r0:r0 + step], out_rows[r0:r0 + step]
-        launch(target, _hadamard_kernel, (triton.cdiv(part.shape[0], cfg.block),), part, out_part, part.shape[0],
-               rows.stride(0), out_rows.stride(0), float(scale), DIM=dim, BLOCK_D=hadamard_block(dim),
-               BLOCK_R=cfg.block, **options)
+    # a launch per slice of rows whose grid is within the target's limits (kernels/launch.py)
+    for p0, p1 in slices(target, triton.cdiv(n_rows, cfg.block), options.get("num_warps")):
+        part, out_part = rows[p0 * cfg.block:p1 * cfg.block], out_rows[p0 * cfg.block:p1 * cfg.block]
+        launch(target, _hadamard_kernel, (p1 - p0,), part, out_part, part.shape[0], rows.stride(0),
+               out_rows.stride(0), float(scale), DIM=dim, BLOCK_D=hadamard_block(dim), BLOCK_R=cfg.block, **options)
     return out

@@ -16,7 +16,8 @@ A 1D launch over more tasks than that fit is *looped*, not refused, when its ker
 the tasks ``pid, pid + grid, ...``): ``launch`` sets ``PERSISTENT=True`` and the grid to the most
 programs the target takes. A kernel without that mode whose grid does not fit raises
 ``GridLimitError`` naming the limit; so does a looped launch whose int32 task counter would step
-past 2**31 - 1. Nothing is launched past a limit.
+past 2**31 - 1. Nothing is launched past a limit. The kernels without a looped mode whose grids
+follow the tokens (the indexer's top-k, the Hadamard rotation) launch once per range of ``slices``.
 
 ``launch(target, kernel, grid, *args, **kwargs)`` is ``kernel[grid](*args, **kwargs)`` after that
 fit; ``num_warps`` is read from the launch options (Triton's default, 4, when absent). A kernel that
@@ -87,6 +88,13 @@ def fit_grid(target: str, grid: tuple[int, ...], num_warps: int, loops: bool) ->
         raise GridLimitError(f"{tasks:,} tasks over {programs:,} programs ({limit}) overflow the kernels' int32 "
                              "task counter; split the batch")
     return (programs,), True
+
+
+def slices(target: str, n: int, num_warps: int | None = None) -> list[tuple[int, int]]:
+    """[start, stop) ranges of ``n`` programs, each as many as one launch of ``num_warps`` warps may have
+    on ``target``: a kernel without a looped mode launched once per range (with its start as an offset)."""
+    step = max_programs(target, num_warps or DEFAULT_WARPS)
+    return [(start, min(n, start + step)) for start in range(0, n, step)]
 
 
 def launch(target: str, kernel, grid, *args, **kwargs):

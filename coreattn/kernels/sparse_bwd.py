@@ -15,42 +15,70 @@ forward's two modes (kernels/sparse_fwd.py; kernels/sparse_index.py ``row_classe
    same accumulator's first columns), each (key, row) pair masked by the row's range; then it stores
    its rows into an fp32 accumulator ``[key rows, Hkv, row]``, one writer per row, every key row of
    the batch (0 where no full row sees it): no scatter, no partial buffer;
+The slot mode's dK/dV then take one of two deterministic schedules (``dkv_schedule``: the one that
+moves fewer bytes per (token, kv head, slot) entry; ``schedule=`` or ``COREATTN_SPARSE_DKV`` forces one):
+
+token-centric ("partials": wide groups, absorbed MLA's 16-128 q heads on one latent head):
+
 4. ``_sparse_attn_dkv_kernel`` in slot mode, a program per (query token, kv head, block of BLOCK_N
    of the row's valid slots; a block past them, and every block of a full row, does nothing): it
    gathers the slots' keys (and values) once and steps over the group's q heads in blocks of
    BLOCK_H: partial[n, g, slot] = scale * dS^T q (dK) and P^T dO (dV), fp32, one write per valid
    (token, slot);
-5. ``_sparse_attn_reduce_kernel``, a program per (key row, kv head, column block): it adds its
-   key's partial rows into the accumulator one at a time, in the order of the CSR by key of the
-   slot mode's rows (kernels/sparse_index.py ``transpose_topk``, full rows left out: (token, slot)
-   order), so the sums do not depend on timing; one writer per accumulator row per launch.
+5. ``_sparse_attn_reduce_kernel`` over the chunk's CSR by key (kernels/sparse_index.py
+   ``transpose_topk``, full rows left out), compacted to the keys the chunk names: a task per
+   (named key row, kv head, column block), its count read on the device (no host sync) by a bounded
+   grid (``reduce_grid``: 16,384 programs on a GPU) whose programs step over the tasks; each adds its
+   key's partial rows into the accumulator one at a time in (token, slot) order, so the sums do not
+   depend on timing; one writer per accumulator row per launch. Its work and the CSR's follow the
+   chunk's entries (at most C x Hidx x K segments), never the key rows: the backward is linear in T.
 (4) and (5) run per chunk of query tokens whose partial buffer fits ``PARTIAL_BUDGET_BYTES``
 (env ``COREATTN_SPARSE_BWD_BYTES``); a key's entries are added after the range mode's sum, in
-(token, slot) order across chunks too, so any chunking gives bitwise the same gradients. At the end
-the accumulator is cast into dk (and dv) in k's (v's) dtype and layout; absorbed MLA has no dv: its
-V gradient is in dk's first v_dim columns.
+(token, slot) order across chunks too, so any chunking gives bitwise the same gradients;
+
+key-centric ("keys": small groups, per-head K/V as transformers' DeepSeek-V3.2 and GLM-5 and Megatron's
+DSAttention in a plain MLA layer hand it, one q head per kv head):
+
+4'. ``_sparse_attn_dkv_keys_kernel``, a program per (key row, kv head) over the tokens that name the
+   key (kernels/sparse_index.py ``key_csr``: a CSR by key over every token, built a chunk of tokens
+   at a time by a counting sort, tokens ascending), BLOCK_M entries x the group's heads per step: P,
+   dP and dS recomputed from q, dO, lse and delta, dK += scale * dS q and dV += P dO summed over the
+   step's rows (CUDA cores; no tl.dot), onto the range mode's sum, stored once. No partial buffer, no
+   chunks: one launch. Deterministic (a fixed order, one writer per row) and bitwise repeatable, but
+   its sums run in another order than the token-centric schedule's (they agree within rounding).
+
+At the end the accumulator is cast into dk (and dv) in k's (v's) dtype and layout; absorbed MLA has
+no dv: its V gradient is in dk's first v_dim columns.
 
 ``atomic=True`` (an option for the tuner or an explicit opt-in): (4) adds its rows atomically into
-the fp32 accumulator after (3); no partial buffer, no CSR, no (5). Float atomics add in whatever order the
-programs run: results vary in the last bits from run to run (not bitwise reproducible).
+the fp32 accumulator after (3), in launches of at most ``MAX_LAUNCH_TASKS`` tasks; no partial buffer,
+no CSR, no (5). Float atomics add in whatever order the programs run: results vary in the last bits
+from run to run (not bitwise reproducible).
 
 Saved by the forward for this (the caller keeps them): q, k, v, out, lse, the prepared indices and
 the bounds: O(T * K) beyond the inputs and output (int32 indices, 4 B per slot). Recomputed: the
-scores and probabilities (from lse), in both (2) and (3). Memory of this launcher beyond its
+scores and probabilities (from lse), in (2), (3) and (4). Memory of this launcher beyond its
 outputs: delta (4 B per (token, q head)); the fp32 accumulator, (Dqk + Dv) x 4 B per (key row, kv
-head) (absorbed MLA with the key block as V: Dqk x 4 B; 576/512 over 32k keys: 75 MB); and per
-chunk of C query tokens the partial buffer, Hkv x C x K x (its row width, padded to 4 columns) x 4 B,
-at most the budget (C is the largest that fits, at least 1: 576/512 with K = 2048 is 4.7 MB per
-token, 227 tokens per chunk in the default 1 GiB), plus the chunk's CSR: about 40 B per (token,
-index head, slot) while torch sorts it (int64 keys, order and temporaries), 4 B kept, and 4 B per
-(index head, key row) of row pointers; the row classes (``row_classes``: 8 B per (token, index head)
-of spans, 1 B of class) and the range mode's visits (8 B per (index head, sample, key block)). The
-atomic variant needs the accumulator only. Traffic, slot mode: every (token, slot) is gathered twice
-(dQ and dK/dV kernels), and the deterministic variant writes and reads each valid (token, kv head,
-slot)'s partial row once (2 x 4 x row width bytes: 4.6 KB at 576/512), which the atomic variant
-replaces with one fp32 atomic add per element. Range mode: keys read as contiguous rows, once per
-token block (dQ) and once per key block (dK/dV, which reads each full row's q and dO once per key
-block of BLOCK_N keys); nothing written but dQ and the accumulator.
+head) (absorbed MLA with the key block as V: Dqk x 4 B; 576/512 over 32k keys: 75 MB; per-head
+192/128 with 128 kv heads over 128k keys: 21 GB, as much as dK and dV in bf16 twice over); the
+token-centric schedule's partial buffer per chunk of C query tokens, Hkv x C x K x (its row width,
+padded to 4 columns) x 4 B, at most the budget (C is the largest that fits, at least 1: 576/512 with
+K = 2048 is 4.7 MB per token, 227 tokens per chunk in the default 1 GiB; per-head 192/128 with 128 kv
+heads 335 MB per token, 3 tokens per chunk), plus the chunk's CSR: about 60 B per (token, index head,
+slot) while torch sorts and compacts it, 4 B kept and 12 B per segment; the key-centric schedule's
+CSR instead: 4 B per (token, index head, slot) kept (the prepared indices' size again), 24 B per
+(index head, key row) of counts and row pointers, and about 60 B per entry of one chunk of
+``KEY_CSR_CHUNK_ENTRIES`` while it is built; the row classes (``row_classes``: 8 B per (token, index
+head) of spans, 1 B of class) and the range mode's visits (8 B per (index head, sample, key block)).
+The atomic variant needs the accumulator only.
+
+Traffic per (token, kv head, slot) entry of the slot mode: the dQ kernel gathers its key (and value)
+row; the token-centric dK/dV gathers it again and writes and reads its fp32 partial row (2 x 4 x row
+width bytes: 4.6 KB at 576/512, 2.5 KB at 192/128); the key-centric dK/dV reads instead the token's q
+and dO rows, lse and delta for each head of the group (648 B at 192/128 bf16, group 1: about what the
+forward gathers); the atomic variant one fp32 atomic add per element of the row. Range mode: keys read
+as contiguous rows, once per token block (dQ) and once per key block (dK/dV, which reads each full
+row's q and dO once per key block of BLOCK_N keys); nothing written but dQ and the accumulator.
 """
 
 from __future__ import annotations
@@ -603,6 +631,9 @@ def chunk_tokens(n_tokens: int, heads_kv: int, n_slots: int, stride_row: int, bu
     return max(1, min(n_tokens, budget // per_token, rows_cap))
 
 
+# tasks of one slot-mode dK/dV launch: program ids (and a looped launch's task counter past the last task by
+# its grid, kernels/launch.py) stay within int32
+MAX_LAUNCH_TASKS = 2**31 - 1 - 2**26
 REDUCE_PROGRAMS = 16384  # the reduce's grid on a GPU (several waves of any device); its programs step over the tasks
 _INTERPRETER_REDUCE_PROGRAMS = 3  # so that the tests' reduces step over several tasks per program
 
@@ -741,11 +772,13 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                          BLOCK_H=cfg_dkv.block_m, BLOCK_N=cfg_dkv.block_n, RANGE=False, **cfg_dkv.launch())
         per_token = prob.heads_kv * dkv_args["n_sblocks"]
         plan = dkv_schedule(prob, q.element_size(), stride_row, atomic, schedule)
-        if plan == "atomic":
-            grid, persistent, tasks = token_grid(q.device, target, prob.n_tokens, per_token)
-            launch(target, _sparse_attn_dkv_kernel, grid, q, k, v, dout, lse, delta, acc, topk, lo_ptr=key_lo,
-                   hi_ptr=key_hi, n_tasks=tasks, token0=0, chunk=prob.n_tokens, ATOMIC=True, PERSISTENT=persistent,
-                   **slot_args)
+        if plan == "atomic":  # launches of at most MAX_LAUNCH_TASKS tasks (int32 task ids), token0 on
+            step = max(1, MAX_LAUNCH_TASKS // per_token)
+            for token0 in range(0, prob.n_tokens, step):
+                grid, persistent, tasks = token_grid(q.device, target, min(step, prob.n_tokens - token0), per_token)
+                launch(target, _sparse_attn_dkv_kernel, grid, q, k, v, dout, lse, delta, acc, topk, lo_ptr=key_lo,
+                       hi_ptr=key_hi, n_tasks=tasks, token0=token0, chunk=prob.n_tokens, ATOMIC=True,
+                       PERSISTENT=persistent, **slot_args)
         elif plan == "keys":  # (4') key-centric: a program per (key row, kv head) over the tokens that name it
             csr = key_csr(topk, key_lo, key_hi, seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, batch=prob.batch,
                           skip=classes.full)

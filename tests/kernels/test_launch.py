@@ -111,3 +111,27 @@ def test_looped_launches_equal_one_program_per_task(monkeypatch):
     assert sum(looped_grids) >= 6, looped_grids  # the attention and sparse kernels' launches looped
     for a, b in zip(plain, looped):
         assert torch.equal(a, b)
+
+
+@pytest.mark.interpreter_only("runs the indexer's and the Hadamard kernels under the interpreter")
+def test_kernels_without_a_looped_mode_launch_per_slice(monkeypatch):
+    """The indexer's top-k and the Hadamard rotation, whose grids follow the tokens and which have no
+    looped mode: past the limit (shrunk to 2 programs) one launch per slice of rows, bitwise the same."""
+    from coreattn.kernels.hadamard import hadamard_fwd
+    from coreattn.kernels.indexer_topk import indexer_topk_fwd
+
+    gen = torch.Generator().manual_seed(1)
+    q, k, w = (torch.randn(*s, generator=gen).to(KERNEL_DEVICE) for s in ((7, 2, 16), (7, 16), (7, 2)))
+    lo = torch.zeros(7, dtype=torch.int32, device=KERNEL_DEVICE)
+    hi = torch.arange(1, 8, dtype=torch.int32, device=KERNEL_DEVICE)
+    x = torch.randn(37, 24, generator=gen).to(KERNEL_DEVICE)
+
+    def run():
+        return (*indexer_topk_fwd(q, k, w, lo, hi, 4, "thd", return_scores=True), hadamard_fwd(x, 0.5))
+
+    plain = run()
+    assert seam.slices("interpreter", 7) == [(0, 7)]
+    _shrunk(monkeypatch, 2)
+    assert seam.slices("interpreter", 7) == [(0, 2), (2, 4), (4, 6), (6, 7)]
+    for a, b in zip(plain, run()):
+        assert torch.equal(a, b)
