@@ -23,10 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import (LENGTH_STRIDES, _cols, _dropout_keep, _first_gid, _first_row, _key_range,
-                                          _lane_offsets, _load_keep, _load_rows, _poison, _query_range, _store_rows,
-                                          _tile_visible,
-                                          _visible)
+from coreattn.kernels.attn_common import (LENGTH_STRIDES, _batch_stride, _cols, _dropout_keep, _first_gid, _first_row,
+                                          _key_range, _lane_offsets, _load_keep, _load_rows, _poison, _query_range,
+                                          _store_rows, _tile_visible, _visible, batch_aligned)
 from coreattn.kernels.attn_fwd import (LOG2E, RUNTIME_INTS, dot_precision, dropout_args, kernel_window, lane_flags,
                                        launch_grid, mask_flags)
 from coreattn.kernels.configs.base import head_blocks
@@ -67,15 +66,19 @@ def _preprocess_program(pid_m, b, head, out_ptr, do_ptr, delta_ptr, seqlen_total
     tl.store(delta_ptr + b * stride_lb + head * stride_lh + r0 + offs_r, delta, mask=row_ok)
 
 
-# the batch strides follow S in bshd (S x H x D): never specialized, or S's parity would recompile it
+# the batch strides follow S in bshd (S x H x D): never specialized (or S's parity would pick a compile), their
+# alignment from BATCH_ALIGNED (attn_common.batch_aligned)
 @triton.jit(do_not_specialize=["seqlen_total", "grid_m", "batch", "stride_lb", "stride_lh", "stride_ob", "stride_db"])
 def _attn_bwd_preprocess_kernel(out_ptr, do_ptr, delta_ptr, seqlen_total, grid_m, batch, heads,
                                 stride_ob, stride_ot, stride_oh, stride_db, stride_dt, stride_dh,
                                 stride_lb, stride_lh,
                                 HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                                PERSISTENT: tl.constexpr, INT64_LANES: tl.constexpr):
+                                PERSISTENT: tl.constexpr, INT64_LANES: tl.constexpr,
+                                BATCH_ALIGNED: tl.constexpr = False):
     # tasks: (grid_m row blocks, batch (1 when packed), heads), row blocks fastest; PERSISTENT:
     # those tasks over a core-count 1D grid
+    stride_ob = _batch_stride(stride_ob, BATCH_ALIGNED)
+    stride_db = _batch_stride(stride_db, BATCH_ALIGNED)
     if PERSISTENT:
         for task in range(tl.program_id(0), grid_m * batch * heads, tl.num_programs(0)):
             t = tl.minimum(task, grid_m * batch * heads - 1)  # addresses inside for any task (see attn_common)
@@ -665,6 +668,7 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
             *seq_strides(dout, q_pack.fmt), *rowstat_strides(delta, q_pack),
             HEAD_DIM_V=dim_v, BLOCK_DV=block_dv, BLOCK_M=cfg_pre.block_m, PERSISTENT=persistent,
             **lane_flags(cfg_pre.block_m, block_dv, ((q_pack, (out, dout)),)), **cfg_pre.launch(),
+            BATCH_ALIGNED=batch_aligned((*seq_strides(out, q_pack.fmt)[:2], *seq_strides(dout, q_pack.fmt)[:2])),
         )
     has_q, has_k = q.numel() > 0, k.numel() > 0
     # a side without any token still gets a row 0 for the other kernel's loops to address (packing.stand_in)

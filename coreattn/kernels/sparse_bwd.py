@@ -90,7 +90,7 @@ import triton
 import triton.language as tl
 
 from coreattn.kernels.attn_bwd import _attn_bwd_preprocess_kernel
-from coreattn.kernels.attn_common import int64_lanes
+from coreattn.kernels.attn_common import _batch_stride, batch_aligned, int64_lanes
 from coreattn.kernels.attn_fwd import LOG2E, dot_precision
 from coreattn.kernels.configs.sparse import sparse_config
 from coreattn.kernels.configs.targets import persistent_grid, target_of
@@ -192,8 +192,14 @@ def _sparse_attn_dq_kernel(
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     V_IS_K: tl.constexpr, RANGE: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+    BATCH_ALIGNED: tl.constexpr,
 ):
     # tasks as the forward's: batch x n_tblocks x heads_kv x n_hblocks; PERSISTENT: over a core-count grid
+    stride_qb = _batch_stride(stride_qb, BATCH_ALIGNED)
+    stride_kb = _batch_stride(stride_kb, BATCH_ALIGNED)
+    stride_vb = _batch_stride(stride_vb, BATCH_ALIGNED)
+    stride_dob = _batch_stride(stride_dob, BATCH_ALIGNED)
+    stride_dqb = _batch_stride(stride_dqb, BATCH_ALIGNED)
     if PERSISTENT:
         for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
             t = tl.minimum(task, n_tasks - 1)
@@ -414,10 +420,14 @@ def _sparse_attn_dkv_kernel(
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     V_IS_K: tl.constexpr, ATOMIC: tl.constexpr, RANGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, BATCH_ALIGNED: tl.constexpr,
 ):
     # tasks: slot mode, the chunk's tokens x heads_kv x n_sblocks slot blocks (slot blocks fastest); range
     # mode, batch x n_kblocks key blocks x heads_kv. PERSISTENT: over a core-count grid
+    stride_qb = _batch_stride(stride_qb, BATCH_ALIGNED)
+    stride_kb = _batch_stride(stride_kb, BATCH_ALIGNED)
+    stride_vb = _batch_stride(stride_vb, BATCH_ALIGNED)
+    stride_dob = _batch_stride(stride_dob, BATCH_ALIGNED)
     if PERSISTENT:
         for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
             t = tl.minimum(task, n_tasks - 1)
@@ -596,10 +606,14 @@ def _sparse_attn_dkv_keys_kernel(
     stride_lh, stride_row,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, V_IS_K: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, BATCH_ALIGNED: tl.constexpr,
 ):
     # tasks: key rows x heads_kv (kv heads fastest); PERSISTENT: over a bounded grid (Ascend's cores, or a
     # grid past the target's limits: kernels/launch.py)
+    stride_qb = _batch_stride(stride_qb, BATCH_ALIGNED)
+    stride_kb = _batch_stride(stride_kb, BATCH_ALIGNED)
+    stride_vb = _batch_stride(stride_vb, BATCH_ALIGNED)
+    stride_dob = _batch_stride(stride_dob, BATCH_ALIGNED)
     if PERSISTENT:
         for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
             t = tl.minimum(task, n_tasks - 1)
@@ -712,8 +726,10 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     n_slots, idx_heads = topk.shape[-1], topk.shape[1]
     classes = row_classes(topk, key_lo, key_hi, prob.seqlen_k)
     scale = dict(sm_scale=softmax_scale, sm_scale_log2=softmax_scale * LOG2E)
+    aligned = batch_aligned(st for x in (q, k, v, dout, out, dq) for st in seq_strides(x, fmt)[:2])
     consts = dict(HEAD_DIM_QK=prob.dim_qk, HEAD_DIM_V=prob.dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2,
-                  BLOCK_DV=block_dv, V_IS_K=prob.v_is_k, DOT_PRECISION=dot_precision(q.dtype, target))
+                  BLOCK_DV=block_dv, V_IS_K=prob.v_is_k, DOT_PRECISION=dot_precision(q.dtype, target),
+                  BATCH_ALIGNED=aligned)
     qkv_strides = (*seq_strides(q, fmt), *seq_strides(k, fmt), *seq_strides(v, fmt), *seq_strides(dout, fmt))
 
     # (1) delta = rowsum(dO * O), in lse's layout
@@ -727,6 +743,7 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         *seq_strides(dout, fmt), *lse_strides(delta, fmt), HEAD_DIM_V=prob.dim_v, BLOCK_DV=block_dv,
         BLOCK_M=cfg_pre.block_m, PERSISTENT=persistent,
         INT64_LANES=int64_lanes(cfg_pre.block_m, (seq_strides(out, fmt)[1], seq_strides(dout, fmt)[1]), block_dv),
+        BATCH_ALIGNED=aligned,
         **cfg_pre.launch(),
     )
     common = dict(seqlen_q=prob.seqlen_q, seqlen_k=prob.seqlen_k, k_last=max(prob.seqlen_k, 1) - 1, n_slots=n_slots,
@@ -791,7 +808,7 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                    *lse_strides(lse, fmt), stride_row, HEAD_DIM_QK=prob.dim_qk, HEAD_DIM_V=prob.dim_v,
                    BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2, BLOCK_DV=block_dv,
                    BLOCK_M=max(1, cfg_keys.block_m // block_g), BLOCK_G=block_g, V_IS_K=prob.v_is_k,
-                   PERSISTENT=persistent, **cfg_keys.launch())
+                   PERSISTENT=persistent, BATCH_ALIGNED=aligned, **cfg_keys.launch())
         else:  # (4) + (5) token-centric partials, a chunk of query tokens at a time
             n_cblocks = triton.cdiv(width, cfg_reduce.block_n)
             chunk = chunk_tokens(prob.n_tokens, prob.heads_kv, n_slots, stride_row, partial_budget(), n_cblocks)

@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import _cols
+from coreattn.kernels.attn_common import _batch_stride, _cols, batch_aligned
 from coreattn.kernels.attn_fwd import LOG2E, dot_precision, launch_grid
 from coreattn.kernels.configs.base import head_blocks
 from coreattn.kernels.configs.sparse import range_tile, sparse_config
@@ -60,8 +60,9 @@ from coreattn.kernels.packing import seq_len_dim, seq_strides, stand_in
 from coreattn.kernels.sparse_index import row_classes
 
 # runtime ints that follow the batch, its lengths or the top-k: never specialized. The batch strides
-# (bshd: S x H x D, whose divisibility by 16 flips with S's parity where H x D is not a multiple of 16) are
-# also typed int64 in the kernels' signatures, so a stride past 2**31 does not change the compile key either
+# (bshd: S x H x D, whose divisibility by 16 flips with S's parity where H x D is not a multiple of 16) get
+# their alignment from BATCH_ALIGNED (kernels/attn_common.py ``batch_aligned``: the same for every S) and
+# are typed int64 in the kernels' signatures, so a stride past 2**31 does not change the compile key either
 BATCH_STRIDES = ("stride_qb", "stride_kb", "stride_vb", "stride_ob", "stride_dob", "stride_dqb")
 SPARSE_RUNTIME_INTS = ("n_tasks", "seqlen_q", "seqlen_k", "k_last", "n_slots", "n_tblocks", "stride_lb", "stride_lh",
                        *BATCH_STRIDES)
@@ -314,9 +315,14 @@ def _sparse_attn_fwd_kernel(
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     V_IS_K: tl.constexpr, RANGE: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+    BATCH_ALIGNED: tl.constexpr,
 ):
     # tasks: batch x n_tblocks token blocks x heads_kv x n_hblocks (= n_tasks); PERSISTENT (Ascend):
     # those tasks over a core-count 1D grid.
+    stride_qb = _batch_stride(stride_qb, BATCH_ALIGNED)
+    stride_kb = _batch_stride(stride_kb, BATCH_ALIGNED)
+    stride_vb = _batch_stride(stride_vb, BATCH_ALIGNED)
+    stride_ob = _batch_stride(stride_ob, BATCH_ALIGNED)
     if PERSISTENT:
         for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
             t = tl.minimum(task, n_tasks - 1)  # addresses inside for any task (see attn_common)
@@ -469,6 +475,7 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, to
     k, v = key_side(k, v, prob)
     topk = slots_of(topk)
     classes = row_classes(topk, key_lo, key_hi, prob.seqlen_k)
+    aligned = batch_aligned(st for x in (q, k, v, out) for st in seq_strides(x, fmt)[:2])
     for range_mode in (False, True):
         cfg = sparse_config(target, "range_fwd" if range_mode else "fwd", block_dqk + block_dqk2, block_dv,
                             q.element_size(), prob.group)
@@ -484,6 +491,6 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, to
             HEAD_DIM_QK=prob.dim_qk, HEAD_DIM_V=prob.dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2,
             BLOCK_DV=block_dv, BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_N=cfg.block_n,
             V_IS_K=prob.v_is_k, RANGE=range_mode, DOT_PRECISION=dot_precision(q.dtype, target),
-            PERSISTENT=persistent, **cfg.launch(),
+            PERSISTENT=persistent, BATCH_ALIGNED=aligned, **cfg.launch(),
         )
     return out, lse

@@ -87,7 +87,8 @@ KERNEL_NAMES = {"_varlen_attn_fwd_kernel": "fwd", "_attn_bwd_preprocess_kernel":
                 "_attn_bwd_dkdv_kernel": "dkdv", "_attn_bwd_dq_kernel": "dq", "_tile_scan_kernel": "tile_scan",
                 "_tile_map_kernel": "tile_map", "_copy_rows_kernel": "copy_rows", "_token_ids_kernel": "token_ids",
                 "_sparse_attn_fwd_kernel": "sparse_fwd", "_sparse_attn_dq_kernel": "sparse_dq",
-                "_sparse_attn_dkv_kernel": "sparse_dkv", "_sparse_attn_reduce_kernel": "sparse_reduce"}
+                "_sparse_attn_dkv_kernel": "sparse_dkv", "_sparse_attn_reduce_kernel": "sparse_reduce",
+                "_sparse_attn_dkv_keys_kernel": "sparse_dkv_keys"}
 ATTENTION_KERNELS = ("fwd", "dkdv", "dq")  # the kernels with tl.dot (the others: preprocess and the tile map)
 SPARSE_MMA_KERNELS = ("sparse_fwd", "sparse_dq", "sparse_dkv")  # the sparse kernels with tl.dot
 # sink: softmax_offset, with the dQ kernel's SINK_GRAD; window: a 256-token left window (with causal's right
@@ -532,9 +533,10 @@ SPARSE_TOPK = 2048  # DeepSeek-V3.2's
 
 
 def launch_sparse_problem(problem: SparseProblem) -> None:
-    """The sparse forward and both backward variants (deterministic and atomic) of ``problem`` on
-    CPU tensors laid out as thd: inside ``emulate``, compile-only launches (the deterministic
-    backward's CSR is built by torch on the CPU, from indices that name no key)."""
+    """The sparse forward and every backward variant (the deterministic dK/dV's two schedules,
+    token-centric and key-centric, and the atomic one) of ``problem`` on CPU tensors laid out as thd:
+    inside ``emulate``, compile-only launches (the deterministic backward's CSR is built by torch on
+    the CPU, from indices that name no key)."""
     from coreattn.kernels.sparse_bwd import sparse_attn_bwd
     from coreattn.kernels.sparse_fwd import sparse_attn_fwd
 
@@ -549,8 +551,8 @@ def launch_sparse_problem(problem: SparseProblem) -> None:
     args = (topk, lo, hi, "thd", problem.dim_qk ** -0.5)
     v_dim = dict(v_dim=problem.dim_v if problem.absorbed else None)
     out, lse = sparse_attn_fwd(q, k, v, *args, **v_dim)
-    for atomic in (False, True):
-        sparse_attn_bwd(torch.empty_like(out), q, k, v, out, lse, *args, **v_dim, atomic=atomic)
+    for schedule, atomic in (("partials", False), ("keys", False), (None, True)):
+        sparse_attn_bwd(torch.empty_like(out), q, k, v, out, lse, *args, **v_dim, atomic=atomic, schedule=schedule)
 
 
 def compile_report(archs, problems, int64_lanes: bool | None = None) -> list[dict]:

@@ -130,4 +130,5 @@ def test_the_key_centric_dkv_stays_inside_for_any_entry():
         _sparse_attn_dkv_keys_kernel[(key_rows * heads,)](
             q, k, v, do, lse, delta, acc, row_ptr, entries, key_rows * heads, entries.numel(), tokens, tokens,
             key_rows, key_rows, heads, 1, heads, 0.25, 0.36, *strides, HEAD_DIM_QK=dim, HEAD_DIM_V=dim,
-            BLOCK_DQK=dim, BLOCK_DQK2=0, BLOCK_DV=dim, BLOCK_M=2, BLOCK_G=1, V_IS_K=False, PERSISTENT=False)
+            BLOCK_DQK=dim, BLOCK_DQK2=0, BLOCK_DV=dim, BLOCK_M=2, BLOCK_G=1, V_IS_K=False, PERSISTENT=False,
+            BATCH_ALIGNED=True)

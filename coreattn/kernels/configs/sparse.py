@@ -71,8 +71,10 @@ _INTERPRETER = {"fwd": _C(16, 32, 1, 1), "dq": _C(16, 32, 1, 1), "dkv": _C(16, 3
 # width = the larger of the q/k blocks' sum and the v block. fp32 takes _FP32 (no tensor-core MMA at IEEE).
 _TABLES: dict = {kernel: {} for kernel in ("fwd", "dq", "dkv", *RANGE_KERNELS)}
 _REDUCE = {"cuda": _C(0, 512, 4, 2), "cdna": _W(0, 512, 4, 1)}
-# the key-centric dK/dV (small groups): block_m rows = entries x the group's heads per step, no tl.dot
-_KEYS = {"cuda": _C(32, 0, 4, 2), "cdna": _C(32, 0, 4, 1)}
+# the key-centric dK/dV (small groups): block_m rows = entries x the group's heads per step, no tl.dot; its fp32
+# q and dO rows take block_m x (q/k + v blocks) registers over 4 warps: fewer rows for wider heads
+_KEYS = {"cuda": ((384, _C(32, 0, 4, 2)), (768, _C(16, 0, 4, 2)), (1 << 30, _C(8, 0, 4, 2))),
+         "cdna": ((384, _C(32, 0, 4, 1)), (768, _C(16, 0, 4, 1)), (1 << 30, _C(8, 0, 4, 1)))}
 # the delta preprocess (the dense kernel): rows per program and warps by v's block
 _PRE = ((128, _C(64, 0, 4, None)), (256, _C(32, 0, 4, None)), (512, _C(16, 0, 8, None)))
 _FP32 = {"fwd": _C(16, 16, 4, 1), "dq": _C(16, 16, 8, 2), "dkv": _C(16, 16, 4, 1)}
@@ -213,7 +215,7 @@ def sparse_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem:
         if kernel == "reduce":
             cfg = _REDUCE["cdna" if cdna else "cuda"]
         elif kernel == "keys":
-            cfg = _KEYS["cdna" if cdna else "cuda"]
+            cfg = next(c for w, c in _KEYS["cdna" if cdna else "cuda"] if block_dqk + block_dv <= w)
         elif kernel == "pre":
             cfg = next(c for w, c in _PRE if block_dv <= w)
         elif elem == 4:
