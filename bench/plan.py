@@ -334,7 +334,7 @@ def _dense(shape: Shape, device) -> Callable:
 WINDOW = 128  # the sparse_window op's key window (DeepSeek-V4's sliding window: 128 keys left of the token)
 
 
-def _sparse(shape: Shape, device, atomic: bool = False, window: bool = False) -> Callable:
+def _sparse(shape: Shape, device, atomic: bool = False, window: bool = False, backward: bool = True) -> Callable:
     import coreattn
     from coreattn.layers.dsa import sparse_function
 
@@ -357,7 +357,8 @@ def _sparse(shape: Shape, device, atomic: bool = False, window: bool = False) ->
             else:
                 out = coreattn.sparse_padded_attn(q, k, v, idx, layout=shape.layout, v_head_dim=v_dim,
                                                   backend="triton", **extra)
-            out.backward(dout)
+            if backward:
+                out.backward(dout)
         finally:
             sparse_function.TRITON = real
     return run
@@ -447,6 +448,8 @@ OPS: dict[str, Callable] = {
     "sparse": _sparse,  # sparse_varlen_attn / sparse_padded_attn, forward + deterministic backward
     "sparse_atomic": functools.partial(_sparse, atomic=True),  # the same with the atomic dK/dV option
     "sparse_window": functools.partial(_sparse, window=True),  # the same with a key window of WINDOW keys
+    "sparse_fwd": functools.partial(_sparse, backward=False),  # the forward alone
+    "sparse_window_fwd": functools.partial(_sparse, window=True, backward=False),
     "indexer_topk": _indexer_topk,
     "indexer_loss": _indexer_loss,  # top-k + sparse loss, forward + backward
     "rotate_activation": _rotate,  # forward + backward
@@ -504,7 +507,7 @@ def memory_bound(op: str, shape: Shape) -> int:
     if op in ("dense", "core_attention"):
         return int(1.25 * io) + rows + fixed
     if op.startswith("sparse"):
-        slots = shape.topk + (WINDOW if op == "sparse_window" else 0)
+        slots = shape.topk + (WINDOW if "window" in op else 0)
         acc = 4 * nk * shape.heads_kv * width * (2 if shape.absorbed else 1)
         index = 3 * 4 * n * slots  # one index head (the ops here pass [N, K] indices)
         partial = min(partial_budget(), n * shape.heads_kv * slots * width * 4)
