@@ -309,8 +309,8 @@ def _sparse_fwd_program(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, s
 def _sparse_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr,
     n_tasks, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, n_tblocks, idx_heads, sm_scale_log2,
-    stride_qb: tl.int64, stride_qt, stride_qh, stride_kb: tl.int64, stride_kt, stride_kh, stride_vb: tl.int64,
-    stride_vt, stride_vh,
+    stride_qb: tl.int64, stride_qt, stride_qh, stride_kb: tl.int64,
+    stride_kt, stride_kh, stride_vb: tl.int64, stride_vt, stride_vh,
     stride_ob: tl.int64, stride_ot, stride_oh, stride_lb, stride_lh,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
