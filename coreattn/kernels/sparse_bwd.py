@@ -662,6 +662,7 @@ def reduce_grid(device: torch.device, target: str, tasks: int) -> tuple[int]:
 
 ENV_SCHEDULE = "COREATTN_SPARSE_DKV"
 SCHEDULES = ("partials", "keys")
+KEYS_MAX_GROUP = 4  # the largest group ``dkv_schedule``'s byte rule sends to the key-centric dK/dV (16-bit; fp32: 2)
 
 
 def dkv_schedule(prob, elem: int, stride_row: int, atomic: bool = False, schedule: str | None = None) -> str:
@@ -799,6 +800,9 @@ def sparse_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                           skip=classes.full)
             cfg_keys = sparse_config(target, "keys", *widths)
             block_g = triton.next_power_of_2(prob.group)
+            if block_g > cfg_keys.block_m:  # only a forced schedule: the byte rule picks groups up to KEYS_MAX_GROUP
+                raise ValueError(f"the key-centric dK/dV takes up to {cfg_keys.block_m} q heads per kv head at head "
+                                 f"dims {prob.dim_qk}/{prob.dim_v}, got {prob.group}; use schedule='partials'")
             grid, persistent, tasks = token_grid(q.device, target, key_rows, prob.heads_kv, vector_only=True)
             launch(target, _sparse_attn_dkv_keys_kernel, grid, q, k, v, dout, lse, delta, acc, csr.row_ptr,
                    csr.entries, tasks, csr.entries.numel(), prob.n_tokens, prob.seqlen_q, prob.seqlen_k, key_rows,

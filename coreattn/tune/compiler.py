@@ -534,10 +534,11 @@ SPARSE_TOPK = 2048  # DeepSeek-V3.2's
 
 def launch_sparse_problem(problem: SparseProblem) -> None:
     """The sparse forward and every backward variant (the deterministic dK/dV's two schedules,
-    token-centric and key-centric, and the atomic one) of ``problem`` on CPU tensors laid out as thd:
+    token-centric and, for groups it may run, key-centric; the atomic one) of ``problem`` on CPU tensors
+    laid out as thd:
     inside ``emulate``, compile-only launches (the deterministic backward's CSR is built by torch on
     the CPU, from indices that name no key)."""
-    from coreattn.kernels.sparse_bwd import sparse_attn_bwd
+    from coreattn.kernels.sparse_bwd import KEYS_MAX_GROUP, sparse_attn_bwd
     from coreattn.kernels.sparse_fwd import sparse_attn_fwd
 
     dtype = DTYPES[problem.dtype]
@@ -551,7 +552,8 @@ def launch_sparse_problem(problem: SparseProblem) -> None:
     args = (topk, lo, hi, "thd", problem.dim_qk ** -0.5)
     v_dim = dict(v_dim=problem.dim_v if problem.absorbed else None)
     out, lse = sparse_attn_fwd(q, k, v, *args, **v_dim)
-    for schedule, atomic in (("partials", False), ("keys", False), (None, True)):
+    key_centric = problem.heads_q // problem.heads_kv <= KEYS_MAX_GROUP  # the groups the launcher may run it for
+    for schedule, atomic in (("partials", False), *((("keys", False),) if key_centric else ()), (None, True)):
         sparse_attn_bwd(torch.empty_like(out), q, k, v, out, lse, *args, **v_dim, atomic=atomic, schedule=schedule)
 
 

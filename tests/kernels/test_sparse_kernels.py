@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from attn_cases import KERNEL_DEVICE, assert_flash_criterion, assert_lse_criterion
-from coreattn.kernels.sparse_bwd import ENV_PARTIAL_BUDGET, SCHEDULES, dkv_schedule, sparse_attn_bwd
+from coreattn.kernels.sparse_bwd import ENV_PARTIAL_BUDGET, KEYS_MAX_GROUP, SCHEDULES, dkv_schedule, sparse_attn_bwd
 from coreattn.kernels.sparse_fwd import sparse_attn_fwd
 from coreattn.kernels.sparse_index import prepare_topk
 
@@ -409,6 +409,10 @@ def test_schedule_choice():
     assert dkv_schedule(per_head, 2, 320, atomic=True, schedule="partials") == "atomic"
     with pytest.raises(ValueError, match="COREATTN_SPARSE_DKV"):
         dkv_schedule(per_head, 2, 320, schedule="rows")
+    for group in range(1, 17):  # the byte rule picks the key-centric schedule up to KEYS_MAX_GROUP heads a group only
+        for elem in (2, 4):
+            prob = problem(8 * group, 8, 192, 128, False)
+            assert (dkv_schedule(prob, elem, 320) == "keys") <= (group <= KEYS_MAX_GROUP), (group, elem)
 
 
 class _LoadCalls:
