@@ -25,11 +25,15 @@ from the first valid one to the last (a sorted row holds its valid entries there
 only where duplicates were), not over all K. ``range_visits`` gives the range-mode dK/dV kernel,
 per key block, the query-token blocks whose full rows may see it.
 
-``transpose_topk`` turns the entries of a chunk of query tokens into a CSR by key: for each
-(index head, key row) the (token, slot) entries that name it, in (token, slot) order (a stable
-sort, so the order is fixed: the deterministic backward sums each key's partial gradients in it).
-Its row pointer comes from ``searchsorted`` on the sorted keys; ``bincount`` would read the
-largest key to size its output, a device-to-host sync.
+``transpose_topk`` turns the entries of a chunk of query tokens into a CSR by key, compacted to the
+keys the chunk names: for each named (index head, key row) the (token, slot) entries that name it,
+in (token, slot) order (a stable sort, so the order is fixed: the deterministic backward sums each
+key's partial gradients in it). Its segments are numbered on the device (the first entry of each,
+a running count, a scatter of starts and keys), with their count left on the device: its size and
+work follow the chunk's entries, never the key rows (``bincount`` or ``unique`` would read values to
+size their outputs, a device-to-host sync). ``key_csr`` builds the CSR by key of every token at once
+for the key-centric dK/dV (a counting sort, a chunk of tokens at a time: per segment the tokens that
+name it, ascending).
 """
 
 from __future__ import annotations
