@@ -28,6 +28,7 @@ from coreattn.kernels.attn_fwd import dot_precision
 from coreattn.kernels.configs.indexer import MAX_TOPK_DIM, MAX_TOPK_HEADS, block_scores_config
 from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.device import on_device
+from coreattn.kernels.launch import launch, slices
 
 RUNTIME_INTS = ("row0", "seqlen_q", "seqlen_k", "block_size", "n_sub", "n_blocks", "stride_qb", "stride_qs",
                 "stride_kb", "stride_ks")
@@ -109,9 +110,11 @@ def indexer_block_scores(q: torch.Tensor, k: torch.Tensor, key_lo: torch.Tensor,
                          f"{MAX_TOPK_DIM}, got {heads} x {dim}; use backend='torch'")
     target = target_of(q.device)
     cfg = block_scores_config(target)
-    _indexer_block_scores_kernel[(row1 - row0,)](
-        q, k, key_lo, key_hi, out, row0, seqlen_q, seqlen_k, heads, block_size, triton.cdiv(block_size, cfg.block),
-        n_blocks, qb, qs, qh, kb, ks, HEAD_DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(heads)),
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=cfg.block, ORIGIN_AT_LO=fmt == "thd", RELU=relu,
-        DOT_PRECISION=dot_precision(q.dtype, target), **cfg.launch(target))
+    options = cfg.launch(target)
+    for r0, r1 in slices(target, row1 - row0, options.get("num_warps")):  # launches within the grid limits
+        launch(target, _indexer_block_scores_kernel, (r1 - r0,), q, k, key_lo, key_hi, out[r0:r1], row0 + r0,
+               seqlen_q, seqlen_k, heads, block_size, triton.cdiv(block_size, cfg.block), n_blocks, qb, qs, qh, kb,
+               ks, HEAD_DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(heads)),
+               BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=cfg.block, ORIGIN_AT_LO=fmt == "thd",
+               RELU=relu, DOT_PRECISION=dot_precision(q.dtype, target), **options)
     return out

@@ -56,10 +56,11 @@ from coreattn.kernels.attn_fwd import dot_precision
 from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.configs.indexer import MAX_TOPK_DIM, MAX_TOPK_HEADS, topk_config
 from coreattn.kernels.device import on_device
+from coreattn.kernels.launch import launch, slices
 
 MIN_KEY = tl.constexpr(-(2**63))  # below every packed key: a lane with no key
 NAN_WORD = tl.constexpr(0x7FC00000)  # the ordered word of every NaN score: the positive quiet NaN's
-RUNTIME_INTS = ("n_rows", "seqlen_q", "seqlen_k", "topk", "stride_qb", "stride_kb", "stride_wb", "stride_qs",
+RUNTIME_INTS = ("row0", "n_rows", "seqlen_q", "seqlen_k", "topk", "stride_qb", "stride_kb", "stride_wb", "stride_qs",
                 "stride_ks", "stride_ws")
 
 
@@ -94,14 +95,15 @@ def _merge(best, staged, LOG_K: tl.constexpr):
 
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def _indexer_topk_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, score_ptr,
-                         n_rows, seqlen_q, seqlen_k, heads, topk,
+                         row0, n_rows, seqlen_q, seqlen_k, heads, topk,
                          stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_wb, stride_ws, stride_wh,
                          HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RELU: tl.constexpr,
                          RETURN_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # grid: n_rows programs, one per query token n = b * seqlen_q + s; seqlen_k >= 1 and topk >= 1 (the
-    # launcher does not launch otherwise); topk <= BLOCK_K
-    row = tl.program_id(0).to(tl.int64)
+    # grid: one program per query token n = row0 + program id = b * seqlen_q + s, row0 + grid <= n_rows (a
+    # launch per slice of rows where they pass the grid limits); seqlen_k >= 1 and topk >= 1 (the launcher does
+    # not launch otherwise); topk <= BLOCK_K
+    row = row0 + tl.program_id(0).to(tl.int64)
     b = row // seqlen_q
     s = row - b * seqlen_q
     lo = tl.minimum(tl.maximum(tl.load(lo_ptr + row), 0), seqlen_k)
@@ -206,10 +208,11 @@ def indexer_topk_fwd(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ke
     target = target_of(q.device)
     cfg = topk_config(target, topk_blocks(topk, 16))  # the requested top-k: short samples do not recompile
     block_k = topk_blocks(topk, cfg.block)
-    _indexer_topk_kernel[(n_rows,)](
-        q, k, weights, key_lo, key_hi, idx, scores if return_scores else idx,
-        n_rows, seqlen_q, seqlen_k, heads, width, qb, qs, qh, kb, ks, wb, ws, wh,
-        HEAD_DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        BLOCK_N=cfg.block, BLOCK_K=block_k, RELU=relu, RETURN_SCORES=return_scores,
-        DOT_PRECISION=dot_precision(q.dtype, target), **cfg.launch(target))
+    options = cfg.launch(target)
+    for row0, row1 in slices(target, n_rows, options.get("num_warps")):  # launches within the grid limits
+        launch(target, _indexer_topk_kernel, (row1 - row0,), q, k, weights, key_lo, key_hi, idx,
+               scores if return_scores else idx, row0, n_rows, seqlen_q, seqlen_k, heads, width, qb, qs, qh, kb, ks,
+               wb, ws, wh, HEAD_DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(heads)),
+               BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=cfg.block, BLOCK_K=block_k, RELU=relu,
+               RETURN_SCORES=return_scores, DOT_PRECISION=dot_precision(q.dtype, target), **options)
     return idx, scores

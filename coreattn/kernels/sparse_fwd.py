@@ -49,18 +49,24 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import _cols
-from coreattn.kernels.attn_fwd import LOG2E, MAX_TASKS, dot_precision
+from coreattn.kernels.attn_common import _batch_stride, _cols, batch_aligned
+from coreattn.kernels.attn_fwd import LOG2E, dot_precision, launch_grid
 from coreattn.kernels.configs.base import head_blocks
 from coreattn.kernels.configs.sparse import range_tile, sparse_config
-from coreattn.kernels.configs.targets import persistent_grid, target_of
+from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.device import on_device
+from coreattn.kernels.launch import launch
 from coreattn.kernels.packing import seq_len_dim, seq_strides, stand_in
 from coreattn.kernels.sparse_blocks import BlockLayout, block_classes
 from coreattn.kernels.sparse_index import row_classes
 
-# runtime ints that follow the batch, its lengths or the top-k: never specialized
-SPARSE_RUNTIME_INTS = ("n_tasks", "seqlen_q", "seqlen_k", "k_last", "n_slots", "n_tblocks", "stride_lb", "stride_lh")
+# runtime ints that follow the batch, its lengths or the top-k: never specialized. The batch strides
+# (bshd: S x H x D, whose divisibility by 16 flips with S's parity where H x D is not a multiple of 16) get
+# their alignment from BATCH_ALIGNED (kernels/attn_common.py ``batch_aligned``: the same for every S) and
+# are typed int64 in the kernels' signatures, so a stride past 2**31 does not change the compile key either
+BATCH_STRIDES = ("stride_qb", "stride_kb", "stride_vb", "stride_ob", "stride_dob", "stride_dqb")
+SPARSE_RUNTIME_INTS = ("n_tasks", "seqlen_q", "seqlen_k", "k_last", "n_slots", "n_tblocks", "stride_lb", "stride_lh",
+                       *BATCH_STRIDES)
 # the block mode's block size and tiles per block (model constants, but a block of 1 must not specialize)
 BLOCK_RUNTIME_INTS = ("block_size", "n_sub")
 
@@ -336,15 +342,20 @@ def _sparse_fwd_program(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, s
 def _sparse_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr,
     n_tasks, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, n_tblocks, idx_heads, sm_scale_log2,
-    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, block_size, n_sub,
+    stride_qb: tl.int64, stride_qt, stride_qh, stride_kb: tl.int64,
+    stride_kt, stride_kh, stride_vb: tl.int64, stride_vt, stride_vh,
+    stride_ob: tl.int64, stride_ot, stride_oh, stride_lb, stride_lh, block_size, n_sub,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     V_IS_K: tl.constexpr, RANGE: tl.constexpr, BLOCKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, BATCH_ALIGNED: tl.constexpr,
 ):
     # tasks: batch x n_tblocks token blocks x heads_kv x n_hblocks (= n_tasks); PERSISTENT (Ascend):
     # those tasks over a core-count 1D grid.
+    stride_qb = _batch_stride(stride_qb, BATCH_ALIGNED)
+    stride_kb = _batch_stride(stride_kb, BATCH_ALIGNED)
+    stride_vb = _batch_stride(stride_vb, BATCH_ALIGNED)
+    stride_ob = _batch_stride(stride_ob, BATCH_ALIGNED)
     if PERSISTENT:
         for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
             t = tl.minimum(task, n_tasks - 1)  # addresses inside for any task (see attn_common)
@@ -438,15 +449,11 @@ def new_lse(prob: SparseProblem, device: torch.device) -> torch.Tensor:
 
 def token_grid(device: torch.device, target: str, n_tokens: int, per_token: int,
                vector_only: bool = False) -> tuple[tuple[int], bool, int]:
-    """(grid, PERSISTENT, tasks) for n_tokens x per_token tasks, as kernels/attn_fwd.py ``launch_grid``
-    (Ascend: a core-count grid; ``vector_only`` for kernels without tl.dot)."""
-    tasks = n_tokens * per_token
-    if tasks > MAX_TASKS:
-        raise ValueError(f"{n_tokens} tokens x {per_token} programs each = {tasks} programs exceed the int32 grid of "
-                         "the Triton kernels; split the batch")
-    if target != "ascend":
-        return (tasks,), False, tasks
-    return (persistent_grid(device, tasks, vector_only),), True, tasks
+    """(grid, PERSISTENT, tasks) for n_tokens x per_token tasks: kernels/attn_fwd.py ``launch_grid``
+    (Ascend: a core-count grid; ``vector_only`` for kernels without tl.dot), plus the task count.
+    A grid past the target's limits is looped at the launch (kernels/launch.py)."""
+    grid, persistent = launch_grid(device, target, n_tokens, per_token, vector_only)
+    return grid, persistent, n_tokens * per_token
 
 
 class ModeTiles(NamedTuple):
@@ -507,14 +514,15 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, to
         _launch_block_fwd(q, k, v, out, lse, topk, key_lo, key_hi, fmt, softmax_scale, prob, target, blocks)
         return out, lse
     classes = row_classes(topk, key_lo, key_hi, prob.seqlen_k)
+    aligned = batch_aligned(st for x in (q, k, v, out) for st in seq_strides(x, fmt)[:2])
     for range_mode in (False, True):
         cfg = sparse_config(target, "range_fwd" if range_mode else "fwd", block_dqk + block_dqk2, block_dv,
                             q.element_size(), prob.group)
         tiles = mode_tiles(prob, cfg.block_m, range_mode)
         grid, persistent, tasks = token_grid(q.device, target, prob.batch * tiles.n_tblocks,
                                              prob.heads_kv * tiles.n_hblocks)
-        _sparse_attn_fwd_kernel[grid](
-            q, k, v, out, lse, topk, classes.span, classes.full, key_lo, key_hi,
+        launch(
+            target, _sparse_attn_fwd_kernel, grid, q, k, v, out, lse, topk, classes.span, classes.full, key_lo, key_hi,
             tasks, prob.seqlen_q, prob.seqlen_k, max(prob.seqlen_k, 1) - 1, topk.shape[-1], prob.heads_kv,
             prob.group, tiles.n_hblocks, tiles.n_tblocks, topk.shape[1], softmax_scale * LOG2E,
             *seq_strides(q, fmt), *seq_strides(k, fmt), *seq_strides(v, fmt), *seq_strides(out, fmt),
@@ -522,7 +530,7 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, to
             HEAD_DIM_QK=prob.dim_qk, HEAD_DIM_V=prob.dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2,
             BLOCK_DV=block_dv, BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_N=cfg.block_n,
             V_IS_K=prob.v_is_k, RANGE=range_mode, BLOCKS=False, DOT_PRECISION=dot_precision(q.dtype, target),
-            PERSISTENT=persistent, **cfg.launch(),
+            PERSISTENT=persistent, BATCH_ALIGNED=aligned, **cfg.launch(),
         )
     return out, lse
 
@@ -536,6 +544,7 @@ def block_tiles(block_size: int, block_n: int, n_slots: int) -> int:
     return n_sub
 
 
+@on_device
 def _launch_block_fwd(q, k, v, out, lse, topk, key_lo, key_hi, fmt, softmax_scale, prob: SparseProblem, target,
                       blocks: BlockLayout) -> None:
     """The block mode's forward: a program per (query token, kv head, block of BLOCK_H q heads), stepping
@@ -546,8 +555,9 @@ def _launch_block_fwd(q, k, v, out, lse, topk, key_lo, key_hi, fmt, softmax_scal
     tiles = mode_tiles(prob, cfg.block_m, False)
     grid, persistent, tasks = token_grid(q.device, target, prob.batch * tiles.n_tblocks,
                                          prob.heads_kv * tiles.n_hblocks)
-    _sparse_attn_fwd_kernel[grid](
-        q, k, v, out, lse, topk, classes.span, classes.full, key_lo, key_hi,
+    aligned = batch_aligned(st for x in (q, k, v, out) for st in seq_strides(x, fmt)[:2])
+    launch(
+        target, _sparse_attn_fwd_kernel, grid, q, k, v, out, lse, topk, classes.span, classes.full, key_lo, key_hi,
         tasks, prob.seqlen_q, prob.seqlen_k, max(prob.seqlen_k, 1) - 1, topk.shape[-1], prob.heads_kv,
         prob.group, tiles.n_hblocks, tiles.n_tblocks, topk.shape[1], softmax_scale * LOG2E,
         *seq_strides(q, fmt), *seq_strides(k, fmt), *seq_strides(v, fmt), *seq_strides(out, fmt),
@@ -555,5 +565,5 @@ def _launch_block_fwd(q, k, v, out, lse, topk, key_lo, key_hi, fmt, softmax_scal
         HEAD_DIM_QK=prob.dim_qk, HEAD_DIM_V=prob.dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2,
         BLOCK_DV=block_dv, BLOCK_T=1, BLOCK_H=tiles.block_h, BLOCK_N=cfg.block_n, V_IS_K=prob.v_is_k,
         RANGE=False, BLOCKS=True, DOT_PRECISION=dot_precision(q.dtype, target), PERSISTENT=persistent,
-        **cfg.launch(),
+        BATCH_ALIGNED=aligned, **cfg.launch(),
     )

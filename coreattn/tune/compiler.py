@@ -88,6 +88,7 @@ KERNEL_NAMES = {"_varlen_attn_fwd_kernel": "fwd", "_attn_bwd_preprocess_kernel":
                 "_tile_map_kernel": "tile_map", "_copy_rows_kernel": "copy_rows", "_token_ids_kernel": "token_ids",
                 "_sparse_attn_fwd_kernel": "sparse_fwd", "_sparse_attn_dq_kernel": "sparse_dq",
                 "_sparse_attn_dkv_kernel": "sparse_dkv", "_sparse_attn_reduce_kernel": "sparse_reduce",
+                "_sparse_attn_dkv_keys_kernel": "sparse_dkv_keys",
                 "_sparse_attn_block_dkv_kernel": "sparse_dkv"}  # the block mode's dK/dV: its own kernel
 ATTENTION_KERNELS = ("fwd", "dkdv", "dq")  # the kernels with tl.dot (the others: preprocess and the tile map)
 SPARSE_MMA_KERNELS = ("sparse_fwd", "sparse_dq", "sparse_dkv")  # the sparse kernels with tl.dot
@@ -540,12 +541,13 @@ SPARSE_BLOCKS = 16  # block mode: blocks per row (MiniMax-M3's index_topk_blocks
 
 
 def launch_sparse_problem(problem: SparseProblem) -> None:
-    """The sparse forward and both backward variants (deterministic and atomic) of ``problem`` on
-    CPU tensors laid out as thd: inside ``emulate``, compile-only launches (the deterministic
-    backward's CSR is built by torch on the CPU, from indices that name no key). A block-mode problem:
-    its forward and backward (one dK/dV kernel)."""
+    """The sparse forward and every backward variant (the deterministic dK/dV's two schedules,
+    token-centric and, for groups it may run, key-centric; the atomic one) of ``problem`` on CPU tensors
+    laid out as thd: inside ``emulate``, compile-only launches (the deterministic backward's CSR is built
+    by torch on the CPU, from indices that name no key). A block-mode problem: its forward and backward
+    (one dK/dV kernel)."""
     from coreattn.kernels.sparse_blocks import BlockLayout
-    from coreattn.kernels.sparse_bwd import sparse_attn_bwd
+    from coreattn.kernels.sparse_bwd import KEYS_MAX_GROUP, sparse_attn_bwd
     from coreattn.kernels.sparse_fwd import sparse_attn_fwd
 
     dtype = DTYPES[problem.dtype]
@@ -566,8 +568,9 @@ def launch_sparse_problem(problem: SparseProblem) -> None:
         sparse_attn_bwd(torch.empty_like(out), q, k, v, out, lse, *args, **v_dim, blocks=blocks)
         return
     out, lse = sparse_attn_fwd(q, k, v, *args, **v_dim)
-    for atomic in (False, True):
-        sparse_attn_bwd(torch.empty_like(out), q, k, v, out, lse, *args, **v_dim, atomic=atomic)
+    key_centric = problem.heads_q // problem.heads_kv <= KEYS_MAX_GROUP  # the groups the launcher may run it for
+    for schedule, atomic in (("partials", False), *((("keys", False),) if key_centric else ()), (None, True)):
+        sparse_attn_bwd(torch.empty_like(out), q, k, v, out, lse, *args, **v_dim, atomic=atomic, schedule=schedule)
 
 
 def compile_report(archs, problems, int64_lanes: bool | None = None) -> list[dict]:

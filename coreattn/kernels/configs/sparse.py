@@ -3,8 +3,10 @@
 Slot mode (the rows that name part of their range): ``fwd`` and ``dq`` (a program per (query token,
 kv head, block of BLOCK_H q heads) stepping over BLOCK_N of the token's valid slots), ``dkv`` (a
 program per (query token, kv head, block of BLOCK_N slots) stepping over the group's heads in blocks
-of BLOCK_H) and ``reduce`` (a program per (key row, kv head) summing its CSR entries: no tile, warps
-only). A config is an ``AttnConfig`` whose ``block_m`` is BLOCK_H (q heads: the rows of the
+of BLOCK_H), ``reduce`` (programs stepping over the chunk's (key, kv head) segments summing their CSR
+entries: no tile, warps only) and ``keys`` (the key-centric dK/dV of small groups: a program per (key row,
+kv head) stepping over the tokens that name the key, ``block_m`` rows of entries x the group's heads, no
+tl.dot). A config is an ``AttnConfig`` whose ``block_m`` is BLOCK_H (q heads: the rows of the
 forward's and dQ's dots, the inner dimension of dK's) and ``block_n`` BLOCK_N (slots).
 
 Range mode (full rows as dense attention): ``range_fwd``, ``range_dq`` (a program per (block of
@@ -49,7 +51,7 @@ import triton
 from coreattn.kernels.configs.base import AttnConfig
 from coreattn.kernels.configs.targets import ASCEND_STEP_BUDGET, CDNA_TARGETS, FP_FUSION, MAXNREG
 
-KERNELS = ("fwd", "dq", "dkv", "range_fwd", "range_dq", "range_dkv", "reduce", "pre", "block_fwd", "block_dq",
+KERNELS = ("fwd", "dq", "dkv", "range_fwd", "range_dq", "range_dkv", "reduce", "keys", "pre", "block_fwd", "block_dq",
            "block_dkv")
 RANGE_KERNELS = {"range_fwd": "fwd", "range_dq": "dq", "range_dkv": "dkv"}  # each with its slot-mode twin
 # the block mode (block-sparse rows): its forward and dQ tile q heads as the slot mode's, its dK/dV tokens x heads
@@ -65,6 +67,7 @@ _W = functools.partial(AttnConfig, matrix_instr_nonkdim=16)
 # Range mode: 16 rows (tokens x heads) over 16 keys, so the short sequences of the tests cross key blocks and
 # a row block holds several tokens (8 with a group of 2).
 _INTERPRETER = {"fwd": _C(16, 32, 1, 1), "dq": _C(16, 32, 1, 1), "dkv": _C(16, 32, 1, 1), "reduce": _C(0, 64, 1, 1),
+                "keys": _C(4, 0, 1, 1),
                 "pre": _C(16, 0, 1, None), "range_fwd": _C(16, 16, 1, 1), "range_dq": _C(16, 16, 1, 1),
                 "range_dkv": _C(16, 16, 1, 1), "block_fwd": _C(16, 16, 1, 1), "block_dq": _C(16, 16, 1, 1),
                 "block_dkv": _C(16, 16, 1, 1)}
@@ -73,6 +76,10 @@ _INTERPRETER = {"fwd": _C(16, 32, 1, 1), "dq": _C(16, 32, 1, 1), "dkv": _C(16, 3
 # width = the larger of the q/k blocks' sum and the v block. fp32 takes _FP32 (no tensor-core MMA at IEEE).
 _TABLES: dict = {kernel: {} for kernel in ("fwd", "dq", "dkv", *RANGE_KERNELS, *BLOCK_KERNELS)}
 _REDUCE = {"cuda": _C(0, 512, 4, 2), "cdna": _W(0, 512, 4, 1)}
+# the key-centric dK/dV (small groups): block_m rows = entries x the group's heads per step, no tl.dot; its fp32
+# q and dO rows take block_m x (q/k + v blocks) registers over 4 warps: fewer rows for wider heads
+_KEYS = {"cuda": ((384, _C(32, 0, 4, 2)), (768, _C(16, 0, 4, 2)), (1 << 30, _C(8, 0, 4, 2))),
+         "cdna": ((384, _C(32, 0, 4, 1)), (768, _C(16, 0, 4, 1)), (1 << 30, _C(8, 0, 4, 1)))}
 # the delta preprocess (the dense kernel): rows per program and warps by v's block
 _PRE = ((128, _C(64, 0, 4, None)), (256, _C(32, 0, 4, None)), (512, _C(16, 0, 8, None)))
 _FP32 = {"fwd": _C(16, 16, 4, 1), "dq": _C(16, 16, 8, 2), "dkv": _C(16, 16, 4, 1)}
@@ -200,6 +207,8 @@ def step_bytes(kernel: str, block_h: int, block_n: int, block_dqk: int, block_dv
 def _ascend(kernel: str, block_dqk: int, block_dv: int, elem: int) -> AttnConfig:
     if kernel == "reduce":
         return _C(0, 64, 1, 1)
+    if kernel == "keys":
+        return _C(16, 0, 1, 1)
     if kernel == "pre":
         return _C(16, 0, 1, None)
     for block_h, block_n in _ASCEND_TILES:
@@ -211,7 +220,7 @@ def _ascend(kernel: str, block_dqk: int, block_dv: int, elem: int) -> AttnConfig
 def sparse_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem: int = 2,
                   group: int = 1) -> AttnConfig:
     """The config of sparse ``kernel`` (``KERNELS``: the slot mode's "fwd", "dq", "dkv", the range
-    mode's "range_fwd", "range_dq", "range_dkv", "reduce", "pre") on ``target``: ``block_dqk`` the
+    mode's "range_fwd", "range_dq", "range_dkv", "reduce", "keys", "pre") on ``target``: ``block_dqk`` the
     q/k blocks' total width (576 for 512 + 64), ``block_dv`` v's block, ``elem`` bytes per input
     element, ``group`` q heads per kv head. ``block_m`` is the slot mode's BLOCK_H, fitted to the group
     (``block_h_for``), and the range mode's MMA rows (``range_tile`` splits them)."""
@@ -226,6 +235,8 @@ def sparse_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem:
         cdna = target in CDNA_TARGETS
         if kernel == "reduce":
             cfg = _REDUCE["cdna" if cdna else "cuda"]
+        elif kernel == "keys":
+            cfg = next(c for w, c in _KEYS["cdna" if cdna else "cuda"] if block_dqk + block_dv <= w)
         elif kernel == "pre":
             cfg = next(c for w, c in _PRE if block_dv <= w)
         elif elem == 4:
@@ -237,6 +248,6 @@ def sparse_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem:
                 raise ValueError(f"no sparse {kernel} config for head blocks {block_dqk}/{block_dv} on {target}")
             cfg = rows[0]
         cfg = cfg._replace(fp_fusion=FP_FUSION) if cdna else cfg._replace(maxnreg=MAXNREG, fp_fusion=FP_FUSION)
-    if kernel in ("reduce", "pre", "block_dkv") or kernel in RANGE_KERNELS:
+    if kernel in ("reduce", "keys", "pre", "block_dkv") or kernel in RANGE_KERNELS:
         return cfg
     return cfg._replace(block_m=block_h_for(group, cfg.block_m))

@@ -50,11 +50,9 @@ Masks reach the seam as Megatron builds them: per query row key bounds ``[start,
 (``varlen_starts/ends``, identity key positions: passed to the kernels as they are), explicit
 ``key_positions`` or an additive ``[sq, sk]``/``[b, sq, sk]`` mask of 0 and -inf (from a boolean
 ``attention_mask``): both folded into the index list (an entry whose key is not visible becomes -1;
-O(tokens × top-k)). Megatron only builds 0/-inf masks here and coreattn's sparse op takes no bias: a
-finite bias other than 0 at a selected key raises ValueError where coreattn reads values (CPU
-tensors, or ``COREATTN_VALIDATE=1``: a host sync on a device), else it makes the whole output NaN
-with no host sync (a device-side assert would have killed the CUDA context, which no caller can
-recover from), as the dense functions answer malformed inputs on a GPU.
+O(tokens × top-k)). The sparse op takes no bias (Megatron builds 0/-inf masks only): another finite
+value at a selected key raises ValueError where coreattn reads values (``checks.reads_values``), else
+makes the output NaN without a host sync (a device-side assert would kill the CUDA context).
 The indexer's bounds are passed as key bounds too, except Megatron's plain causal bounds (no
 packing, context parallelism or custom positions), which 0.19's mask builder
 (``dsa_masking.build_dsattention_forward_mask``, run by Megatron and only observed here) marks as
@@ -116,9 +114,8 @@ def _visible_topk(topk_indices, sq: int, b: int, skv: int, mask=None, starts=Non
         bad = ~((picked == 0) | (picked == float("-inf")) | ~named).all()  # 0-dim, on the mask's device
         if reads_values(bad):
             if bad:
-                raise ValueError("DSAttention's attention mask holds a finite bias other than 0 at a key the "
-                                 "indexer selected: coreattn's DSAttention takes 0/-inf masks only (the sparse "
-                                 "op has no additive bias)")
+                raise ValueError("DSAttention's attention mask has a finite bias other than 0 at a selected key: "
+                                 "coreattn's DSAttention takes 0/-inf masks only (the sparse op has no bias)")
             bad = None
         return torch.where(named & (picked == 0), idx, -1), None, False, bad
     return idx, None, True, None
@@ -132,9 +129,7 @@ def _sparse(module, query, key, value, visible, softmax_scale, *, v_head_dim=Non
     out = sparse_padded_attn(query, key, value, idx, layout="sbhd", causal=causal, causal_alignment="top_left",
                              softmax_scale=softmax_scale, v_head_dim=v_head_dim, key_bounds=bounds,
                              topk_length=topk_length, backend=module.backend)
-    if bad is not None:  # a mask not checked on the host (a device without COREATTN_VALIDATE): NaN if it was bad
-        out = out.masked_fill(bad, float("nan"))
-    return out
+    return out if bad is None else out.masked_fill(bad, float("nan"))  # unchecked on the host: NaN if bad
 
 
 def _run_sparse_attention_v019(module, *, absorbed_mla, query, key, value, up_v_weight, topk_indices,

@@ -39,6 +39,7 @@ and recomputes the scores.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -113,15 +114,18 @@ class _Positions(NamedTuple):
     inside: torch.Tensor
 
 
-def _positions(fmt: str, seq_q, len_q, seq_k, len_k, tokens: int, seqlen_q: int) -> _Positions:
+def _positions(fmt: str, seq_q, len_q, seq_k, len_k, tokens: int, seqlen_q: int,
+               rows: tuple[int, int] | None = None) -> _Positions:
+    """``_Positions`` of the query tokens [0, tokens), or of tokens [n0, n1) (``rows``)."""
     device = seq_q.device
+    n0, n1 = rows if rows is not None else (0, tokens)
     if fmt == "thd":
-        n = torch.arange(tokens, dtype=seq_q.dtype, device=device)
+        n = torch.arange(n0, n1, dtype=seq_q.dtype, device=device)
         b = (torch.searchsorted(seq_q, n, right=True) - 1).clamp(0, seq_q.numel() - 2)
         q0, lq = seq_q[b], seq_q[b + 1] - seq_q[b]
         k0, lk = seq_k[b], seq_k[b + 1] - seq_k[b]
     else:
-        n = torch.arange(tokens, dtype=torch.int64, device=device)
+        n = torch.arange(n0, n1, dtype=torch.int64, device=device)
         b, pos = n // max(seqlen_q, 1), n % max(seqlen_q, 1)
         q0, lq, k0, lk = seq_q[b], len_q[b], seq_k[b], len_k[b]
         n = pos
@@ -154,11 +158,12 @@ def key_bounds(fmt: str, seq_q: torch.Tensor, len_q: torch.Tensor | None, seq_k:
 
 
 def window_entries(fmt: str, seq_q, len_q, seq_k, len_k, tokens: int, seqlen_q: int, left: int, right: int,
-                   bottom_right: bool) -> torch.Tensor:
+                   bottom_right: bool, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """int32 ``[N, left + right + 1]``: the key positions of each token's window, relative positions
     ``i + shift - left .. i + shift + right`` of its sequence (shift = Lk - Lq bottom-right, 0 top-left),
-    -1 where that leaves the sequence (thd: rows of the packed stream; padded: positions in the sample)."""
-    at = _positions(fmt, seq_q, len_q, seq_k, len_k, tokens, seqlen_q)
+    -1 where that leaves the sequence (thd: rows of the packed stream; padded: positions in the sample).
+    ``rows`` (n0, n1): those tokens' rows only, ``[n1 - n0, W]``."""
+    at = _positions(fmt, seq_q, len_q, seq_k, len_k, tokens, seqlen_q, rows)
     shift = at.lk - at.lq if bottom_right else torch.zeros_like(at.lk)
     rel = (at.i + shift)[:, None] + torch.arange(-left, right + 1, device=at.i.device)  # [N, W]
     ok = (rel >= 0) & (rel < at.lk[:, None]) & at.inside[:, None]
@@ -184,18 +189,14 @@ def _tokens(x: torch.Tensor, fmt: str) -> int:
     return x.shape[1] if fmt == "bshd" else x.shape[0]
 
 
-def _with_window(topk_indices, topk_length, fmt, seq_q, len_q, seq_k, len_k, seqlen_q, left, right, bottom_right):
-    """The index rows with each token's window appended ([N, Hidx, K + W]; topk_length applied to the
-    given entries first), or the given ones (left < 0: no window)."""
+def _window(fmt, seq_q, len_q, seq_k, len_k, tokens, seqlen_q, left, right, bottom_right) -> dict:
+    """``prepare_topk``'s arguments that append each token's window (``window_entries``) to its rows, a
+    chunk of tokens at a time (no [N, Hidx, K + W] copy of the indices), or none (left < 0: no window)."""
     if left < 0:
-        return topk_indices, topk_length
-    tokens, heads = topk_indices.shape[:2]
-    entries = window_entries(fmt, seq_q, len_q, seq_k, len_k, tokens, seqlen_q, left, right, bottom_right)
-    given = topk_indices.to(torch.int64)
-    if topk_length is not None:
-        slots = torch.arange(given.shape[-1], device=given.device)
-        given = given.masked_fill(slots >= topk_length.to(torch.int64)[:, None, None], -1)
-    return torch.cat([given, entries[:, None, :].expand(tokens, heads, -1).to(torch.int64)], dim=-1), None
+        return {}
+    entries = functools.partial(window_entries, fmt, seq_q, len_q, seq_k, len_k, tokens, seqlen_q, left, right,
+                                bottom_right)
+    return dict(extra=lambda n0, n1: entries(rows=(n0, n1)), extra_width=left + right + 1)
 
 
 def _by_sample(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -242,17 +243,18 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
     seqlen_q, seqlen_k = _tokens(q, fmt), _tokens(k, fmt)
     if validate:  # reads cu_seqlens / spans only where coreattn may (checks.reads_values)
         check_layout_values(fmt, seq_q, len_q, None, seq_k, len_k, None, seqlen_q, seqlen_k, seqlen_q, seqlen_k)
-    indices, length = _with_window(topk_indices, topk_length, fmt, seq_q, len_q, seq_k, len_k, seqlen_q,
-                                   window_left, window_right, bottom_right)
-    impl = _impl(q, backend, k, v, indices, v_dim, fmt, block_size=block_size)
+    impl = _impl(q, backend, k, v, topk_indices, v_dim, fmt, block_size=block_size)
+    indices = topk_indices
     if block_size > 0:
         indices = _as_block_starts(indices, fmt, seq_q, len_q, seq_k, len_k, seqlen_q, block_size)
-    topk = prepare_topk(indices, "thd", length)  # [N, Hidx, K] is thd's form of the token dims
+    # [N, Hidx, K (+ W)]: thd's form of the token dims; a key window's entries joined a chunk at a time
+    topk = prepare_topk(indices, "thd", topk_length, **_window(fmt, seq_q, len_q, seq_k, len_k, indices.shape[0],
+                                                               seqlen_q, window_left, window_right, bottom_right))
     key_lo, key_hi = key_bounds(fmt, seq_q, len_q, seq_k, len_k, topk.shape[0], seqlen_q, causal, bottom_right,
                                 bound_lo, bound_hi)
     blocks = _block_layout(block_size, fmt, seq_k)
     extra = {} if blocks is None else {"blocks": blocks}
-    out, lse = _run(impl, lambda: _impl(q, backend, k, v, indices, v_dim, fmt, block_size=block_size), False, q, k,
+    out, lse = _run(impl, lambda: _impl(q, backend, k, v, topk, v_dim, fmt, block_size=block_size), False, q, k,
                     v, topk, key_lo, key_hi, fmt, softmax_scale, v_dim=v_dim, **extra)
     if softmax_offset is not None:
         out, lse = _fold_sink(out, lse, softmax_offset, fmt)
