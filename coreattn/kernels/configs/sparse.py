@@ -77,8 +77,9 @@ _INTERPRETER = {"fwd": _C(16, 32, 1, 1), "dq": _C(16, 32, 1, 1), "dkv": _C(16, 3
 _TABLES: dict = {kernel: {} for kernel in ("fwd", "dq", "dkv", *RANGE_KERNELS, *BLOCK_KERNELS)}
 _REDUCE = {"cuda": _C(0, 512, 4, 2), "cdna": _W(0, 512, 4, 1)}
 # the key-centric dK/dV (small groups): block_m rows = entries x the group's heads per step, no tl.dot; its fp32
-# q and dO rows take block_m x (q/k + v blocks) registers over 4 warps: fewer rows for wider heads
-_KEYS = {"cuda": ((384, _C(32, 0, 4, 2)), (768, _C(16, 0, 4, 2)), (1 << 30, _C(8, 0, 4, 2))),
+# q and dO rows take block_m x (q/k + v blocks) registers over 4 warps: fewer rows for wider heads. One stage:
+# with no tl.dot in its loop Triton's pipeliner leaves its gathers synchronous (two compiled no async load)
+_KEYS = {"cuda": ((384, _C(32, 0, 4, 1)), (768, _C(16, 0, 4, 1)), (1 << 30, _C(8, 0, 4, 1))),
          "cdna": ((384, _C(32, 0, 4, 1)), (768, _C(16, 0, 4, 1)), (1 << 30, _C(8, 0, 4, 1)))}
 # the delta preprocess (the dense kernel): rows per program and warps by v's block
 _PRE = ((128, _C(64, 0, 4, None)), (256, _C(32, 0, 4, None)), (512, _C(16, 0, 8, None)))
