@@ -12,7 +12,8 @@ Problems: ``bench.kernels.sweep_problems()`` (absorbed MLA at 576/512 and 512/51
 K/V at 576/512, 512/512, 256/256 and 192/128, GQA 4 and 16, one kv head with a separate V at 512/512; bf16,
 fp16 and fp32), each through the real launchers (coreattn/tune/compiler.py ``launch_sparse_problem``: the
 forward, the delta preprocess, dQ, the deterministic dK/dV with its reduce and the atomic one, each MMA kernel
-in the slot and the range mode), and the indexer's top-k and Hadamard kernels (``INDEXER_SWEEP``,
+in the slot and the range mode, the key-centric dK/dV for the groups it may run for, the block mode's kernels for
+its problems), and the indexer's top-k, block-score and Hadamard kernels (``INDEXER_SWEEP``, ``BLOCKS_SWEEP``,
 ``HADAMARD_SWEEP``). One row per distinct compiled kernel per arch, listing the problems that compile it.
 
 What a row must show (``violations``): no spill (CUDA: ptxas's spill stores/loads; CDNA: spilled VGPRs, spill
@@ -43,23 +44,24 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "compile-report-sparse-sweep"
 ARCHS = ("sm90", "sm100", "gfx90a", "gfx942", "gfx950")
 # the fields a row keeps (the rest of coreattn.tune.compiler.describe's are derived or per-launch)
-FIELDS = ("arch", "triton", "kernel", "block_m", "block_n", "atomic", "range", "num_warps", "num_stages", "smem",
-          "smem_fits", "async_loads", "pipeline_hazards", "hazards", "i32_offsets", "regs", "spill_stores",
+FIELDS = ("arch", "triton", "kernel", "block_m", "block_n", "atomic", "range", "blocks", "num_warps", "num_stages",
+          "smem", "smem_fits", "async_loads", "pipeline_hazards", "hazards", "i32_offsets", "regs", "spill_stores",
           "spill_loads", "mma", "mma_inputs", "mma_dup", "fma_dots", "vgprs", "agprs", "vgpr_spills", "scratch",
           "waves_per_simd", "ctas_per_sm", "hash")
 SPARSE_KERNELS = ("_sparse_attn_fwd_kernel", "_sparse_attn_dq_kernel", "_sparse_attn_dkv_kernel",
-                  "_sparse_attn_reduce_kernel")
-MMA_KERNELS = ("sparse_fwd", "sparse_dq", "sparse_dkv", "indexer_topk")
+                  "_sparse_attn_reduce_kernel", "_sparse_attn_dkv_keys_kernel", "_sparse_attn_block_dkv_kernel")
+MMA_KERNELS = ("sparse_fwd", "sparse_dq", "sparse_dkv", "indexer_topk", "indexer_block_scores")
 # a 16-bit MMA of each input type: its PTX operand types (compiler.mma_inputs) and CDNA's MFMA input (mfma_input)
 MMA_TYPE = {"bf16": ({"bf16", "kind::f16"}, "bf16"), "fp16": ({"f16", "kind::f16"}, "f16")}
 
 
 def _kernel_functions():
-    from coreattn.kernels import attn_bwd, hadamard, indexer_topk, sparse_bwd, sparse_fwd
+    from coreattn.kernels import attn_bwd, hadamard, indexer_blocks, indexer_topk, sparse_bwd, sparse_fwd
 
     return ([getattr(sparse_fwd, "_sparse_attn_fwd_kernel")]
             + [getattr(sparse_bwd, name) for name in SPARSE_KERNELS[1:]]
-            + [attn_bwd._attn_bwd_preprocess_kernel, indexer_topk._indexer_topk_kernel, hadamard._hadamard_kernel])
+            + [attn_bwd._attn_bwd_preprocess_kernel, indexer_topk._indexer_topk_kernel,
+               indexer_blocks._indexer_block_scores_kernel, hadamard._hadamard_kernel])
 
 
 def _jit_sources(fn, seen: dict) -> None:
@@ -85,7 +87,7 @@ def _launch_configs(archs) -> list:
     """Every launch config the sweep's problems take on each arch (configs/sparse.py, configs/indexer.py)."""
     from bench.kernels import HADAMARD_SWEEP, INDEXER_SWEEP, sweep_problems
     from coreattn.kernels.configs.base import head_blocks
-    from coreattn.kernels.configs.indexer import hadamard_config, topk_config, topk_refusal
+    from coreattn.kernels.configs.indexer import block_scores_config, hadamard_config, topk_config, topk_refusal
     from coreattn.kernels.configs.sparse import KERNELS, SparseRefused, sparse_config
     from coreattn.kernels.indexer_topk import topk_blocks
     from coreattn.tune.compiler import DTYPES, arch_target
@@ -107,7 +109,7 @@ def _launch_configs(archs) -> list:
             refused = topk_refusal(target, heads, dim, elem)
             out.append((arch, "topk", heads, dim, topk, dtype, refused or list(
                 topk_config(target, topk_blocks(topk, 16), heads, dim, elem))))
-        out += [(arch, "hadamard", list(hadamard_config(target)))]
+        out += [(arch, "hadamard", list(hadamard_config(target))), (arch, "blocks", list(block_scores_config(target)))]
     return out
 
 
@@ -154,7 +156,7 @@ def violations(row: dict) -> list[str]:
     return found
 
 
-def compile_arch(arch: str, problems, topk_cases, hadamard_cases, log, refused: list) -> list[dict]:
+def compile_arch(arch: str, problems, topk_cases, hadamard_cases, log, refused: list, block_cases=()) -> list[dict]:
     """The sweep's rows of one arch: one per distinct compiled kernel, with the problems that compiled it; a
     problem the launch tables refuse (configs/sparse.py ``SparseRefused``) is appended to ``refused``."""
     from bench.kernels import indexer_rows
@@ -167,7 +169,8 @@ def compile_arch(arch: str, problems, topk_cases, hadamard_cases, log, refused: 
     rows: dict = {}
 
     def add(r: dict, dtype: str) -> None:
-        kernel = r["kernel"] + ("[atomic]" if r.get("atomic") else "[range]" if r.get("range") else "")
+        kernel = r["kernel"] + ("[atomic]" if r.get("atomic") else "[range]" if r.get("range") else
+                                "[block]" if r.get("blocks") else "")
         row = rows.setdefault(r["hash"], dict({k: r.get(k) for k in FIELDS}, kernel=kernel, problems=[], dtypes=[]))
         if r["problem"] not in row["problems"]:
             row["problems"].append(r["problem"])
@@ -191,9 +194,9 @@ def compile_arch(arch: str, problems, topk_cases, hadamard_cases, log, refused: 
         if refused:  # the launcher would raise: recorded with the reason, nothing compiled
             refused_cases.append(dict(problem=topk_problem_name(*case), arch=arch, reason=refused))
         else:
-            for r in indexer_rows(arch, topk_cases=[case], hadamard_cases=[]):
+            for r in indexer_rows(arch, topk_cases=[case], hadamard_cases=[], block_cases=[]):
                 add(r, r["dtype"])
-    for r in indexer_rows(arch, topk_cases=[], hadamard_cases=hadamard_cases):
+    for r in indexer_rows(arch, topk_cases=[], hadamard_cases=hadamard_cases, block_cases=list(block_cases)):
         add(r, r["dtype"])
     log(f"{arch} indexer and Hadamard: {time.time() - start:.0f} s")
     out = list(rows.values())
@@ -218,7 +221,7 @@ def run(archs, dtypes, out: Path, match=None) -> Path:
     import torch
     import triton
 
-    from bench.kernels import HADAMARD_SWEEP, INDEXER_SWEEP, sweep_problems
+    from bench.kernels import BLOCKS_SWEEP, HADAMARD_SWEEP, INDEXER_SWEEP, sweep_problems
     from coreattn.kernels import runs_in_interpreter
 
     if runs_in_interpreter():
@@ -226,6 +229,7 @@ def run(archs, dtypes, out: Path, match=None) -> Path:
     problems = [p for p in sweep_problems(dtypes) if _matches(p.id, match)]
     topk_cases = [c for c in INDEXER_SWEEP if c[3] in dtypes and _matches("indexer-" + "-".join(map(str, c)), match)]
     hadamard_cases = [c for c in HADAMARD_SWEEP if c[1] in dtypes and _matches(f"hadamard-{c[0]}-{c[1]}", match)]
+    block_cases = [c for c in BLOCKS_SWEEP if c[3] in dtypes and _matches("blocks-" + "-".join(map(str, c)), match)]
     started, rows = time.time(), []
 
     def log(line: str) -> None:
@@ -237,14 +241,15 @@ def run(archs, dtypes, out: Path, match=None) -> Path:
     load_before = os.getloadavg()
     for i, arch in enumerate(archs):
         t0 = time.time()
-        rows += compile_arch(arch, problems, topk_cases, hadamard_cases, log, refused)
+        rows += compile_arch(arch, problems, topk_cases, hadamard_cases, log, refused, block_cases)
         arch_seconds[arch] = round(time.time() - t0)
         done = i + 1 == len(archs)
         meta = dict(date=datetime.date.today().isoformat(), git_commit=_git("rev-parse", "--short", "HEAD"),
                     git_dirty=bool(_git("status", "--porcelain", "--untracked-files=no")), triton=triton.__version__,
                     torch=torch.__version__, python=platform.python_version(), archs=list(archs[:i + 1]),
                     dtypes=list(dtypes), problems=[p.id for p in problems], indexer=[list(c) for c in topk_cases],
-                    hadamard=[list(c) for c in hadamard_cases], fingerprint=fingerprint(),
+                    hadamard=[list(c) for c in hadamard_cases], blocks=[list(c) for c in block_cases],
+                    fingerprint=fingerprint(),
                     seconds=round(time.time() - started), arch_seconds=arch_seconds, cpus=os.cpu_count(),
                     load_average=[round(x, 1) for x in (*load_before, *os.getloadavg())],
                     triton_cache=os.environ.get("TRITON_CACHE_DIR", "default"),
@@ -395,7 +400,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the sweep's directory")
     p.add_argument("--baseline", type=Path, help="an earlier sweep's directory, shown as before -> after")
     p.add_argument("--match", nargs="+", metavar="SUBSTR", help="only the problems (and indexer cases: "
-                   "indexer-<heads>-<dim>-<topk>-<dtype>-..., hadamard-<dim>-<dtype>) whose id holds every SUBSTR")
+                   "indexer-<heads>-<dim>-<topk>-<dtype>-..., blocks-<heads>-<dim>-<block>-<dtype>, "
+                   "hadamard-<dim>-<dtype>) whose id holds every SUBSTR")
     p.add_argument("--table", action="store_true", help="only rewrite DIR/table.md from its release files")
     p.add_argument("--list", action="store_true", help="print the problems and exit")
     args = p.parse_args(argv)

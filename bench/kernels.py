@@ -29,11 +29,24 @@ FEATURE_DIMS = MAIN_DIMS
 SPARSE_HEADS = (16, 32, 64, 128)
 SPARSE_V4_HEADS = (16, 64)  # DeepSeek-V4's one 512-wide head, K = V (absorbed at v_head_dim 512)
 SPARSE_GQA_DIMS = ((192, 128), (128, 128), (64, 64))
+# the block mode (block-sparse rows): MiniMax-M3's 64 q heads of 128 on 4 kv heads (group 16) in blocks of 128 keys,
+# a GQA-4 group at 128 and 192/128, absorbed MLA's 576/512 on one latent key head; fp16 and fp32 at MiniMax's dims
+BLOCK_SIZE = 128
+
+
+def block_problems() -> list[SparseProblem]:
+    """The block mode's problems (``SparseProblem.block_size``): see BLOCK_SIZE's comment."""
+    return [SparseProblem(128, 128, 64, 4, block_size=BLOCK_SIZE), SparseProblem(128, 128, 16, 4, block_size=BLOCK_SIZE),
+            SparseProblem(192, 128, 16, 4, block_size=BLOCK_SIZE),
+            SparseProblem(576, 512, 16, 1, True, block_size=BLOCK_SIZE),
+            SparseProblem(128, 128, 64, 4, dtype="fp16", block_size=BLOCK_SIZE),
+            SparseProblem(128, 128, 64, 4, dtype="fp32", block_size=BLOCK_SIZE)]
 
 
 def sparse_problems(quick: bool = False) -> list[SparseProblem]:
     """bf16 absorbed 576/512 at each head count, DeepSeek-V4's 512/512 (K = V) at 16 and 64, and GQA 4 at each dim; fp16 absorbed at 128 heads and
-    GQA at 128; one fp32 row. quick: absorbed 576/512 at 128 heads and GQA 4 at 128, bf16."""
+    GQA at 128; one fp32 row; the block mode's problems (``block_problems``). quick: absorbed 576/512 at 128 heads
+    and GQA 4 at 128, bf16."""
     if quick:
         return [SparseProblem(576, 512, 128, 1, True), SparseProblem(128, 128, 16, 4)]
     cases = [SparseProblem(576, 512, heads, 1, True) for heads in SPARSE_HEADS]
@@ -41,7 +54,7 @@ def sparse_problems(quick: bool = False) -> list[SparseProblem]:
     cases += [SparseProblem(512, 512, heads, 1, True) for heads in SPARSE_V4_HEADS]  # DeepSeek-V4: K = V
     cases += [SparseProblem(576, 512, 128, 1, True, "fp16"), SparseProblem(128, 128, 16, 4, dtype="fp16"),
               SparseProblem(128, 128, 16, 4, dtype="fp32")]
-    return cases
+    return cases + block_problems()
 
 
 # The sparse sweep (bench/compile_sweep.py, ``python -m bench.compile_sweep``): every configuration class of the
@@ -56,18 +69,25 @@ SWEEP_HEADS = (8, 16, 32, 64, 128)  # q heads on the one latent kv head (128 hea
 SWEEP_PERHEAD = ((576, 512), (512, 512), (256, 256), (192, 128))  # K/V per q head, separate V (group 1)
 SWEEP_GQA = tuple((qk, v, group) for qk, v in ((256, 256), (192, 128)) for group in (4, 16))  # 4 kv heads
 SWEEP_MQA = tuple((512, 512, heads) for heads in (16, 32, 128))  # one kv head with a separate V (K passed as V)
+# the block mode (BLOCK_SIZE-key blocks): MiniMax-M3's 64 q heads of 128 on 4 kv heads, GQA 4 at 128/128, 192/128
+# and 256/256 (separate V), absorbed 576/512 with 16 and 128 q heads (V the key block)
+SWEEP_BLOCKS = ((128, 128, 64, 4, False), (128, 128, 16, 4, False), (192, 128, 16, 4, False), (256, 256, 16, 4, False),
+                (576, 512, 16, 1, True), (576, 512, 128, 1, True))
 
 
 def sweep_problems(dtypes=SWEEP_DTYPES) -> list[SparseProblem]:
     """The sparse sweep's problems per dtype: absorbed 576/512 and 512/512 at 8-128 q heads, per-head K/V
     at 576/512, 512/512, 256/256 and 192/128, GQA 4 and 16 at 256/256 and 192/128 (groups of 16 and more
-    compile the same kernels there) and one kv head with a separate 512-wide V at 16, 32 and 128 q heads."""
+    compile the same kernels there), one kv head with a separate 512-wide V at 16, 32 and 128 q heads, and the
+    block mode's ``SWEEP_BLOCKS``."""
     cases = []
     for dtype in dtypes:
         cases += [SparseProblem(qk, v, heads, 1, True, dtype) for qk, v in SWEEP_ABSORBED for heads in SWEEP_HEADS]
         cases += [SparseProblem(qk, v, 16, 16, False, dtype) for qk, v in SWEEP_PERHEAD]
         cases += [SparseProblem(qk, v, 4 * group, 4, False, dtype) for qk, v, group in SWEEP_GQA]
         cases += [SparseProblem(qk, v, heads, 1, False, dtype) for qk, v, heads in SWEEP_MQA]
+        cases += [SparseProblem(qk, v, heads, kv, absorbed, dtype, BLOCK_SIZE)
+                  for qk, v, heads, kv, absorbed in SWEEP_BLOCKS]
     return cases
 
 
@@ -92,6 +112,8 @@ def problems(quick: bool = False) -> list:
 INDEXER_TOPK = ((64, 128, 2048, "bf16", True), (32, 128, 2048, "bf16", False), (64, 128, 512, "fp16", True),
                 (16, 64, 64, "fp32", True))
 HADAMARD = ((128, "bf16"), (256, "bf16"), (64, "fp16"), (128, "fp32"))
+# the block-max scores of MiniMax-M3's indexer as (index heads, head dim, block, dtype): its 4 x 128 in blocks of 128
+INDEXER_BLOCKS = ((4, 128, 128, "bf16"), (4, 128, 128, "fp16"), (4, 128, 128, "fp32"), (16, 64, 64, "bf16"))
 
 
 # The sweep's: every dtype at DeepSeek-V3.2's shape (64 heads x 128, top-k 2048) and GLM-5's (32 heads, no ReLU),
@@ -104,12 +126,19 @@ INDEXER_SWEEP = (*((64, 128, 2048, dtype, True) for dtype in SWEEP_DTYPES), (32,
                  *((128, 256, 4096, dtype, True) for dtype in SWEEP_DTYPES), (64, 128, 256, "bf16", True),
                  (64, 128, 2048, "bf16", True, True))
 HADAMARD_SWEEP = tuple((dim, dtype) for dim in (64, 128, 192, 256) for dtype in SWEEP_DTYPES)
+# the block-max scores (MiniMax-M3's indexer) as INDEXER_BLOCKS: its 4 x 128 in blocks of 128 in every dtype, 16 x 64
+# in blocks of 64, and the q tiles the top-k kernel's limit allows (32 KB: 128 x 128 and 64 x 256 in 16 bits, 64 x
+# 128 in fp32)
+BLOCKS_SWEEP = (*((4, 128, 128, dtype) for dtype in SWEEP_DTYPES), (16, 64, 64, "bf16"), (128, 128, 128, "bf16"),
+                (64, 256, 128, "fp16"), (64, 128, 128, "fp32"))
 
 
-def indexer_rows(arch: str, quick: bool = False, topk_cases=INDEXER_TOPK, hadamard_cases=HADAMARD) -> list[dict]:
-    """Compile-report rows of the indexer kernels on ``arch`` (quick: the first problem of each):
-    ``topk_cases`` (heads, dim, top-k, dtype, ReLU[, scores]), ``hadamard_cases`` (dim, dtype)."""
-    from coreattn.tune.compiler import describe, emulate, launch_hadamard, launch_indexer_topk
+def indexer_rows(arch: str, quick: bool = False, blocks: int | None = None, topk_cases=INDEXER_TOPK,
+                 hadamard_cases=HADAMARD, block_cases=INDEXER_BLOCKS) -> list[dict]:
+    """Compile-report rows of the indexer kernels on ``arch`` (quick: the first problem of each; ``blocks``:
+    the first that many block-score problems): ``topk_cases`` (heads, dim, top-k, dtype, ReLU[, scores]),
+    ``block_cases`` (heads, dim, block, dtype), ``hadamard_cases`` (dim, dtype)."""
+    from coreattn.tune.compiler import describe, emulate, launch_block_scores, launch_hadamard, launch_indexer_topk
 
     rows = []
     with emulate(arch) as launches:
@@ -118,6 +147,11 @@ def indexer_rows(arch: str, quick: bool = False, topk_cases=INDEXER_TOPK, hadama
             problem = launch_indexer_topk(*case)
             rows += [dict(describe(launch, arch), kernel="indexer_topk", block_m=1, dtype=case[3], problem=problem)
                      for launch in launches[start:]]
+        for case in block_cases[:1 if quick else blocks]:
+            start = len(launches)
+            problem = launch_block_scores(*case)
+            rows += [dict(describe(launch, arch), kernel="indexer_block_scores", block_m=1, dtype=case[3],
+                          problem=problem) for launch in launches[start:]]
         for dim, dtype in hadamard_cases[:1] if quick else hadamard_cases:
             start = len(launches)
             problem = launch_hadamard(dim, dtype)
@@ -155,6 +189,8 @@ def _kernel(row: dict) -> str:
         return row["kernel"] + "[atomic]"  # the sparse backward's atomic dK/dV variant
     if row.get("range"):
         return row["kernel"] + "[range]"  # the sparse kernels' range mode: full rows over contiguous keys
+    if row.get("blocks"):
+        return row["kernel"] + "[block]"  # the sparse kernels' block mode: named blocks of contiguous keys
     return row["kernel"]
 
 

@@ -293,22 +293,37 @@ def test_backend_resolved_when_the_compiled_graph_runs(monkeypatch):
     torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), rtol=0, atol=0)
 
 
-def test_a_call_the_launch_tables_refuse_runs_on_the_torch_backend(monkeypatch, caplog):
+@pytest.mark.parametrize("block_size", [None, 2], ids=["topk", "blocks"])
+def test_a_call_the_launch_tables_refuse_runs_on_the_torch_backend(monkeypatch, caplog, block_size):
     """Where the Triton kernels' tables refuse a call (configs/sparse.py ``refusal``: float32 past 256 columns on
-    CUDA and CDNA, which spills), the default is the torch backend with the reason logged, and an explicit
+    CUDA and CDNA, which spills), the default is the torch backend with the reason logged, forward and backward,
+    in the token and the block mode and with the key-centric dK/dV asked for (COREATTN_SPARSE_DKV); an explicit
     backend="triton" (argument or COREATTN_BACKEND) raises naming it."""
+    from coreattn.layers import backends
     from coreattn.layers.dsa import sparse_function
 
     reason = "float32 with head blocks 576/512 on sm90: (stand-in)"
     monkeypatch.setattr(sparse_function, "triton_refusal", lambda *args: reason)
-    q, k, v, cu = (t.detach().to(KERNEL_DEVICE) for t in _one_sequence())
+    monkeypatch.setattr(backends, "_logged", set())  # each case sees its choices logged
+    monkeypatch.setenv("COREATTN_SPARSE_DKV", "keys")
+    q, k, v, cu = _one_sequence()
+    q, k, v = (t.detach().to(KERNEL_DEVICE).requires_grad_() for t in (q, k, v))
+    cu = cu.to(KERNEL_DEVICE)
     topk = torch.tensor([[0, 1, 2, 3]] * 6, device=KERNEL_DEVICE)
+    if block_size:
+        topk = topk // block_size
+    mode = dict(block_size=block_size) if block_size else {}
+    runs = []
     with caplog.at_level("INFO", logger="coreattn"):
-        out = coreattn.sparse_varlen_attn(q, k, v, topk, cu, cu)
-    torch.testing.assert_close(out, coreattn.sparse_varlen_attn(q, k, v, topk, cu, cu, backend="torch"), rtol=0, atol=0)
-    assert any("torch backend" in r.message and reason in r.message for r in caplog.records)
+        for backend in (None, "torch"):
+            out = coreattn.sparse_varlen_attn(q, k, v, topk, cu, cu, backend=backend, **mode)
+            runs.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
+    for got, want in zip(*runs):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    logged = [r.message for r in caplog.records if "torch backend" in r.message and reason in r.message]
+    assert any("sparse attention backward" in m for m in logged) and any("backward" not in m for m in logged)
     with pytest.raises(RuntimeError, match=r"backend='triton' cannot run this sparse attention call: float32"):
-        coreattn.sparse_varlen_attn(q, k, v, topk, cu, cu, backend="triton")
+        coreattn.sparse_varlen_attn(q, k, v, topk, cu, cu, backend="triton", **mode)
     monkeypatch.setenv("COREATTN_BACKEND", "triton")
     with pytest.raises(RuntimeError, match=r"COREATTN_BACKEND='triton' cannot run this sparse attention call"):
-        coreattn.sparse_varlen_attn(q, k, v, topk, cu, cu)
+        coreattn.sparse_varlen_attn(q, k, v, topk, cu, cu, **mode)

@@ -15,11 +15,12 @@ and run in the Triton 3.9.0 lane.
 
 The sparse (top-k) kernels (kernels/sparse_fwd.py, sparse_bwd.py; configs/sparse.py), a subset of the
 configuration classes the sparse sweep compiles (bench/compile_sweep.py: every class on sm90, sm100 and
-CDNA, run by hand per release, docs/compile-report.md): on sm90
-absorbed MLA at 576/512 with 8 and 128 q heads, per-head K/V at 576/512, GQA 4 at 256/256 in fp16 and
-per-head 256/256 in fp32; on sm100 the 128-head and per-head 576/512 problems (the main lane only); under
-3.9.0 on gfx942 and gfx950 those two and fp32: every kernel of the forward and both backward variants
-compiled in both modes (slot, and range for full rows), no spills, shared memory (LDS) within the limit,
+CDNA, run by hand per release, docs/compile-report.md): on sm90 absorbed MLA at 576/512 with 8, 16 and
+128 q heads, per-head K/V at 576/512, GQA 4 at 128 and at 256/256 in fp16, per-head 256/256 in fp32 and
+the block mode at MiniMax-M3's dims; on sm100 the 128-head and per-head 576/512 problems (the main lane
+only); under 3.9.0 on gfx942 and gfx950 the 128-head, per-head 576/512, GQA 4 and fp32 problems (and the
+block mode on gfx942): every kernel of the forward and both backward variants compiled in both modes
+(slot, and range for full rows; the block mode's own), no spills, shared memory (LDS) within the limit,
 every 16-bit dot an MMA (wgmma, mma.sync or tcgen05; MFMA) of the input type (fp32: FMA loops on CUDA,
 fp32 MFMAs on CDNA), the loops pipelined on sm90 and sm100 (but the one-stage range dK/dV of configs/
 sparse.py), no pipelined-load hazard and no i32 stride product on a pointer offset. Their 16- to 64-row
@@ -61,15 +62,21 @@ SPILL_FREE = {(arch, dims) for arch in ARCHS for dims in DIMS[arch]}
 CDNA_DIMS = {arch: ("64/64", "128/128", "192/128", "256/256") for arch in ("gfx942", "gfx950")}
 CDNA_DIMS["gfx90a"] = ("64/64", "64/64+max_logit", "128/128", "256/256")
 # the sparse kernels (tests/kernels/kernel_structure.py's ``s`` specs: compiler.sparse_problem_of), a subset of the
-# sweep's configuration classes (bench/compile_sweep.py: every class, run by hand per release): absorbed 576/512 with 8 q heads (16-row slot tiles, range tiles of 4 tokens x
-# 8 heads) and 128 (32- and 64-row tiles), per-head K/V at 576/512 (a separate 512-wide V), GQA 4 at 256/256 in
-# fp16 and per-head 256/256 in fp32 (the widest fp32 the tables run: configs/sparse.py FP32_MAX_WIDTH)
-SPARSE_DIMS = {"sm90": ("s576/512a8", "s576/512a128", "s576/512p16", "s256/256g4@fp16", "s256/256p16@fp32"),
+# sweep's configuration classes (bench/compile_sweep.py: every class, run by hand per release): absorbed 576/512 with
+# 8 q heads (16-row slot tiles, range tiles of 4 tokens x 8 heads), 16 and 128 (32- and 64-row tiles), per-head K/V
+# at 576/512 (a separate 512-wide V), GQA 4 at 128 and at 256/256 in fp16, per-head 256/256 in fp32 (the widest fp32
+# the tables run: configs/sparse.py FP32_MAX_WIDTH), and the block mode at MiniMax-M3's dims (64 q heads of 128 on 4
+# kv heads, blocks of 128) on sm90 and gfx942: the sweep has the other archs, dims and releases
+SPARSE_DIMS = {"sm90": ("s576/512a8", "s576/512a16", "s576/512a128", "s576/512p16", "s128/128g4", "s256/256g4@fp16",
+                        "s256/256p16@fp32", "s128/128g16b128"),
                "sm100": ("s576/512a128", "s576/512p16")}
-SPARSE_CDNA_DIMS = {arch: ("s576/512a128", "s576/512p16", "s256/256p16@fp32") for arch in ("gfx942", "gfx950")}
+SPARSE_CDNA_DIMS = {arch: ("s576/512a128", "s576/512p16", "s128/128g4", "s256/256p16@fp32")
+                    for arch in ("gfx942", "gfx950")}
+SPARSE_CDNA_DIMS["gfx942"] += ("s128/128g16b128",)
 MMA_INPUTS = {"bf16": {"bf16", "kind::f16"}, "fp16": {"f16", "kind::f16"}}  # PTX operand types of a 16-bit MMA
 SPARSE_KERNELS = {"sparse_fwd", "sparse_pre", "sparse_dq", "sparse_dkv", "sparse_dkv[atomic]", "sparse_reduce",
                   "sparse_fwd[range]", "sparse_dq[range]", "sparse_dkv[range]"}
+BLOCK_KERNELS = {"sparse_fwd[block]", "sparse_pre", "sparse_dq[block]", "sparse_dkv[block]"}
 
 
 def _has_backend(name: str) -> bool:
@@ -142,7 +149,8 @@ def sparse_rows(request):
 
 
 def _sparse_kernel(r: dict) -> str:
-    return r["kernel"] + ("[atomic]" if r.get("atomic") else "[range]" if r.get("range") else "")
+    return r["kernel"] + ("[atomic]" if r.get("atomic") else "[range]" if r.get("range") else
+                          "[block]" if r.get("blocks") else "")
 
 
 def _where() -> str:
@@ -226,7 +234,8 @@ def test_sparse_kernels_spill_free_pipelined_mmas_of_the_input_type(sparse_rows,
     problems = {r["problem"] for r in mine}
     assert len(problems) == len(SPARSE_DIMS[arch])
     for problem in problems:
-        assert SPARSE_KERNELS <= {_sparse_kernel(r) for r in mine if r["problem"] == problem}, problem
+        want = BLOCK_KERNELS if "-blocks" in problem else SPARSE_KERNELS
+        assert want <= {_sparse_kernel(r) for r in mine if r["problem"] == problem}, problem
     spills = [(_label(r), r["spill_stores"], r["spill_loads"]) for r in mine if r["spill_stores"] or r["spill_loads"]]
     assert not spills, "spills" + _where()
     limit = ARCHS[arch].smem_per_block
@@ -260,6 +269,7 @@ def _assert_sparse_addresses(mine: list[dict]) -> None:
 def test_cdna_sparse_kernels_fit_without_spills_and_use_mfma_of_the_input_type(sparse_rows, arch):
     mine = sparse_rows(arch)
     assert SPARSE_KERNELS <= {_sparse_kernel(r) for r in mine}
+    assert arch != "gfx942" or BLOCK_KERNELS <= {_sparse_kernel(r) for r in mine}
     limit = CDNA_ARCHS[arch].lds_per_workgroup
     assert not [(_label(r), r["smem"]) for r in mine if r["smem"] > limit], f"over {limit} bytes of LDS" + _where()
     spilled = [(_label(r), r["vgpr_spills"], r["spill_stores"], r["scratch"]) for r in mine

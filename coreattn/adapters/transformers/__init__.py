@@ -7,11 +7,13 @@
 
 Owns: ``attention.py`` (``attention_forward``, the attention function, and the tables of the
 keyword arguments it honours, ignores and rejects), ``masks.py`` (``padding_mask``, the mask
-builder, and the models and mask patterns it refuses) and ``dsa.py`` (DeepSeek Sparse Attention
-models: their mask, indexer and sparse attention). ``register()`` adds ``attention_forward`` to
+builder, and the models and mask patterns it refuses), ``dsa.py`` (DeepSeek Sparse Attention
+models: their mask, indexer and sparse attention) and ``models/`` (one module per model family
+coreattn runs with its own code: ``models/minimax_m3.py``, MiniMax-M3). ``register()`` adds ``attention_forward`` to
 transformers' ``AttentionInterface`` and ``padding_mask`` to its ``AttentionMaskInterface`` under the
-same name, and wraps the DSA models' indexers (``dsa.install_indexers``: they run coreattn's top-k
-when handed coreattn's mask, transformers' own code otherwise). transformers is imported only by
+same name, and wraps the DSA models' and MiniMax-M3's indexers (``dsa.install_indexers``,
+``models.minimax_m3.install``: they run coreattn's top-k under coreattn, transformers' own code
+otherwise). transformers is imported only by
 ``register()`` and the functions it installs.
 
 What a call runs (q ``[B, Hq, Sq, Dqk]``, k ``[B, Hkv, Sk, Dqk]``, v ``[B, Hkv, Sk, Dv]`` as the
@@ -27,7 +29,9 @@ model passes them; GQA/MQA and Dv != Dqk natively, the inputs used in place as b
   cu_seqlens from them when it runs. With B > 1, q/k/v are copied into the packed layout;
 - neither: ``coreattn.padded_attn`` on the whole rows;
 - DeepSeek-V3.2 and GLM-5 (``dsa.SERVED``): the indexer's ``indices`` through
-  ``coreattn.sparse_padded_attn``, the mask as per-query key bounds (``dsa.py``).
+  ``coreattn.sparse_padded_attn``, the mask as per-query key bounds (``dsa.py``);
+- MiniMax-M3 (``models/minimax_m3.py``): its indexer's ``block_indices`` through
+  ``coreattn.sparse_padded_attn``'s block mode, the same key bounds.
 
 Raises (NotImplementedError or ValueError, naming the feature and the model): keyword arguments
 coreattn does not implement (``attention.REJECTED`` and any it does not know), a 4D attention mask
@@ -59,6 +63,8 @@ def register(name: str = NAME, *, backend=None) -> str:
 
     from coreattn.adapters.transformers import v4
     from coreattn.adapters.transformers.dsa import install_indexers
+    from coreattn.adapters.transformers.masks import _sparse_backend
+    from coreattn.adapters.transformers.models import minimax_m3
 
     def coreattn_attention(module, query, key, value, attention_mask, **kwargs):
         return attention_forward(module, query, key, value, attention_mask, backend=backend, **kwargs)
@@ -70,6 +76,7 @@ def register(name: str = NAME, *, backend=None) -> str:
     AttentionMaskInterface.register(name, coreattn_mask)
     install_indexers()
     v4.install()
+    minimax_m3.install(name, _sparse_backend(backend))
     return name
 
 
