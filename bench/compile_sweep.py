@@ -85,7 +85,7 @@ def _jit_sources(fn, seen: dict) -> None:
 
 def _launch_configs(archs) -> list:
     """Every launch config the sweep's problems take on each arch (configs/sparse.py, configs/indexer.py)."""
-    from bench.kernels import HADAMARD_SWEEP, INDEXER_SWEEP, sweep_problems
+    from bench.kernels import BLOCKS_SWEEP, HADAMARD_SWEEP, INDEXER_SWEEP, sweep_problems
     from coreattn.kernels.configs.base import head_blocks
     from coreattn.kernels.configs.indexer import block_scores_config, hadamard_config, topk_config, topk_refusal
     from coreattn.kernels.configs.sparse import KERNELS, SparseRefused, sparse_config
@@ -109,7 +109,12 @@ def _launch_configs(archs) -> list:
             refused = topk_refusal(target, heads, dim, elem)
             out.append((arch, "topk", heads, dim, topk, dtype, refused or list(
                 topk_config(target, topk_blocks(topk, 16), heads, dim, elem))))
-        out += [(arch, "hadamard", list(hadamard_config(target))), (arch, "blocks", list(block_scores_config(target)))]
+        for heads, dim, block, dtype in BLOCKS_SWEEP:
+            elem = DTYPES[dtype].itemsize
+            refused = topk_refusal(target, heads, dim, elem)
+            out.append((arch, "blocks", heads, dim, block, dtype,
+                        refused or list(block_scores_config(target, heads, dim, elem))))
+        out += [(arch, "hadamard", list(hadamard_config(target)))]
     return out
 
 
@@ -196,7 +201,16 @@ def compile_arch(arch: str, problems, topk_cases, hadamard_cases, log, refused: 
         else:
             for r in indexer_rows(arch, topk_cases=[case], hadamard_cases=[], block_cases=[]):
                 add(r, r["dtype"])
-    for r in indexer_rows(arch, topk_cases=[], hadamard_cases=hadamard_cases, block_cases=list(block_cases)):
+    for case in block_cases:
+        heads, dim, block, dtype = case
+        refused = topk_refusal(target, heads, dim, DTYPES[dtype].itemsize)
+        if refused:
+            refused_cases.append(dict(problem=f"indexer-h{heads}xd{dim}-block{block}-{dtype}", arch=arch,
+                                      reason=refused))
+        else:
+            for r in indexer_rows(arch, topk_cases=[], hadamard_cases=[], block_cases=[case]):
+                add(r, r["dtype"])
+    for r in indexer_rows(arch, topk_cases=[], hadamard_cases=hadamard_cases, block_cases=[]):
         add(r, r["dtype"])
     log(f"{arch} indexer and Hadamard: {time.time() - start:.0f} s")
     out = list(rows.values())

@@ -127,10 +127,10 @@ INDEXER_SWEEP = (*((64, 128, 2048, dtype, True) for dtype in SWEEP_DTYPES), (32,
                  (64, 128, 2048, "bf16", True, True))
 HADAMARD_SWEEP = tuple((dim, dtype) for dim in (64, 128, 192, 256) for dtype in SWEEP_DTYPES)
 # the block-max scores (MiniMax-M3's indexer) as INDEXER_BLOCKS: its 4 x 128 in blocks of 128 in every dtype, 16 x 64
-# in blocks of 64, and the q tiles the top-k kernel's limit allows (32 KB: 128 x 128 and 64 x 256 in 16 bits, 64 x
-# 128 in fp32)
+# in blocks of 64, the q tiles the top-k kernel's limit allows (32 KB: 128 x 128 and 64 x 256 in 16 bits, 64 x
+# 128 in fp32) and the kernel's largest (128 x 256), which that limit refuses
 BLOCKS_SWEEP = (*((4, 128, 128, dtype) for dtype in SWEEP_DTYPES), (16, 64, 64, "bf16"), (128, 128, 128, "bf16"),
-                (64, 256, 128, "fp16"), (64, 128, 128, "fp32"))
+                (64, 256, 128, "fp16"), (64, 128, 128, "fp32"), (128, 256, 128, "bf16"))
 
 
 def indexer_rows(arch: str, quick: bool = False, blocks: int | None = None, topk_cases=INDEXER_TOPK,

@@ -407,7 +407,7 @@ def test_bad_arguments(case):
 def test_a_topk_call_the_kernel_refuses_runs_on_the_torch_backend(monkeypatch, caplog):
     """Where the Triton top-k kernel refuses a call (configs/indexer.py ``topk_refusal``: past 128 heads or dim 256,
     or on CUDA and CDNA a q tile past 32 KB, which spills), the default is the torch backend with the reason
-    logged, and backend="triton" raises naming it."""
+    logged, and backend="triton" raises naming it; the block mode's score kernel likewise."""
     from coreattn.layers.dsa.indexer import ops
 
     reason = "128 heads x 256 of 2-byte inputs on sm90: (stand-in)"
@@ -421,3 +421,12 @@ def test_a_topk_call_the_kernel_refuses_runs_on_the_torch_backend(monkeypatch, c
     assert any("torch backend" in r.message and reason in r.message for r in caplog.records)
     with pytest.raises(RuntimeError, match=r"backend='triton' cannot run this indexer top-k call: 128 heads"):
         ix.indexer_topk(*args, **cu, backend="triton")
+    # the block mode's scores (kernels/indexer_blocks.py) hold the same q tile: the same refusal
+    blocks = dict(cu, block_size=3)
+    with caplog.at_level("INFO", logger="coreattn"):
+        got = ix.indexer_topk(q[0], k[0], None, 2, **blocks)
+    assert torch.equal(got.indices, ix.indexer_topk(q[0], k[0], None, 2, **blocks, backend="torch").indices)
+    assert any("indexer block top-k on the torch backend" in r.message and reason in r.message
+               for r in caplog.records)
+    with pytest.raises(RuntimeError, match=r"backend='triton' cannot run this indexer block top-k call: 128 heads"):
+        ix.indexer_topk(q[0], k[0], None, 2, **blocks, backend="triton")

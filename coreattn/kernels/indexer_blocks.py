@@ -109,7 +109,7 @@ def indexer_block_scores(q: torch.Tensor, k: torch.Tensor, key_lo: torch.Tensor,
         raise ValueError(f"the Triton block-score kernel takes up to {MAX_TOPK_HEADS} heads of dim up to "
                          f"{MAX_TOPK_DIM}, got {heads} x {dim}; use backend='torch'")
     target = target_of(q.device)
-    cfg = block_scores_config(target)
+    cfg = block_scores_config(target, heads, dim, q.element_size())
     options = cfg.launch(target)
     for r0, r1 in slices(target, row1 - row0, options.get("num_warps")):  # launches within the grid limits
         launch(target, _indexer_block_scores_kernel, (r1 - r0,), q, k, key_lo, key_hi, out[r0:r1], row0 + r0,

@@ -122,11 +122,27 @@ def hadamard_config(target: str) -> IndexerConfig:
 
 
 # The block-max scores kernel (kernels/indexer_blocks.py, MiniMax-M3's indexer): one program per query token, the
-# top-k kernel's [heads, dim] x [dim, BLOCK_N] key step and warps, without its candidate sets (a running max per
-# head instead).
-_BLOCK_SCORES = {"interpreter": IndexerConfig(16, 1, 1), "cuda": IndexerConfig(64, 4, 2),
-                 "cdna": IndexerConfig(64, 4, 1, 16), "ascend": IndexerConfig(64, 1, 1)}
+# top-k kernel's [heads, dim] x [dim, BLOCK_N] key step, without its candidate sets (a running max per head
+# instead), keyed by the q tile's bytes as the top-k's (the same limit: ``topk_refusal``). CUDA: a 64-key step on 4
+# warps up to 16 KB (MiniMax-M3's 4 x 128: 164-172 registers on sm90 and sm100 under Triton 3.7.1); past it the
+# [heads, 64] scores beside the q tile spilled (128 x 128 in bf16: 60 B on sm90; 64 x 128 in fp32's FMA dot: 2 KB on
+# sm90 and sm100), so up to 32 KB a 32-key step on 8 warps (128 x 128 in bf16: 139-148 registers, sm90's wgmma and
+# sm100's tcgen05) and fp32 a 16-key step on 8 warps, one stage (94). CDNA: a 64-key step on 4 waves up to 32 KB
+# (75-191 VGPRs on gfx942, no spill).
+_BLOCK_SCORES = {"interpreter": ((1 << 30, IndexerConfig(16, 1, 1)),),
+                 "cuda": ((16 << 10, IndexerConfig(64, 4, 2)), (32 << 10, IndexerConfig(32, 8, 2))),
+                 "cuda_fp32": ((16 << 10, IndexerConfig(64, 4, 2)), (32 << 10, IndexerConfig(16, 8, 1))),
+                 "cdna": ((32 << 10, IndexerConfig(64, 4, 1, 16)),), "ascend": ((1 << 30, IndexerConfig(64, 1, 1)),)}
 
 
-def block_scores_config(target: str) -> IndexerConfig:
-    return _BLOCK_SCORES[_family(target)]
+def block_scores_config(target: str, heads: int = 4, dim: int = 128, elem: int = 2) -> IndexerConfig:
+    """The block-score kernel's config for a q tile of ``heads`` x ``dim`` of ``elem`` bytes (``topk_refusal``
+    first: a refused one raises ValueError naming why)."""
+    family = _family(target)
+    if family != "interpreter":
+        refused = topk_refusal(target, heads, dim, elem)
+        if refused:
+            raise ValueError(refused.replace("top-k kernel", "top-k and block-score kernels"))
+    table = _BLOCK_SCORES["cuda_fp32" if family == "cuda" and elem == 4 else family]
+    tile = topk_tile_bytes(heads, dim, elem)
+    return next(cfg for bound, cfg in table if tile <= bound)

@@ -142,7 +142,8 @@ def _block_topk(q, k, weights, topk, layout, cu_seqlens, causal, causal_alignmen
                                           causal_alignment=causal_alignment, bounds=key_bounds,
                                           max_seqlen=checks.check_span(max_seqlen, tokens))
     chosen = indexer_backend(q.device, backend, what="indexer block top-k", ops=NPU_TOPK_OPS,
-                             unfit=lambda: "npu_lightning_indexer has no block-max scoring (block_size)")
+                             unfit=lambda: "npu_lightning_indexer has no block-max scoring (block_size)",
+                             triton_unfit=lambda: triton_topk_refusal(q.device, q.dtype, q.shape[-2], q.shape[-1]))
     options = dict(block_size=block_size, local_blocks=local_blocks, relu=relu, return_scores=return_scores,
                    index_dtype=index_dtype)
     scorer = None
