@@ -106,7 +106,7 @@ def _launch_configs(archs) -> list:
                 out.append((arch, p.id, str(exc)))
         for heads, dim, topk, dtype, *_ in INDEXER_SWEEP:
             elem = DTYPES[dtype].itemsize
-            refused = topk_refusal(target, heads, dim, elem)
+            refused = topk_refusal(target, heads, dim, elem, topk)
             out.append((arch, "topk", heads, dim, topk, dtype, refused or list(
                 topk_config(target, topk_blocks(topk, 16), heads, dim, elem))))
         for heads, dim, block, dtype in BLOCKS_SWEEP:
@@ -195,7 +195,7 @@ def compile_arch(arch: str, problems, topk_cases, hadamard_cases, log, refused: 
     target = arch_target(arch)
     for case in topk_cases:
         heads, dim, topk, dtype, *_ = case
-        refused = topk_refusal(target, heads, dim, DTYPES[dtype].itemsize)
+        refused = topk_refusal(target, heads, dim, DTYPES[dtype].itemsize, topk)
         if refused:  # the launcher would raise: recorded with the reason, nothing compiled
             refused_cases.append(dict(problem=topk_problem_name(*case), arch=arch, reason=refused))
         else:

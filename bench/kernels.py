@@ -117,14 +117,15 @@ INDEXER_BLOCKS = ((4, 128, 128, "bf16"), (4, 128, 128, "fp16"), (4, 128, 128, "f
 
 
 # The sweep's: every dtype at DeepSeek-V3.2's shape (64 heads x 128, top-k 2048) and GLM-5's (32 heads, no ReLU),
-# the largest q tile each dtype runs (32 KB: 128 x 128 and 64 x 256 in 16 bits, 64 x 128 in fp32) at the largest
-# top-k (4096), the kernel's limits (128 heads of 256), which configs/indexer.py refuses, a top-k of 256 (the
-# smallest table row) and the scores' output (RETURN_SCORES); the Hadamard at each padded width (64-256, and 192: a
+# the largest q tile each dtype runs (32 KB: 128 x 128 and 64 x 256 in 16 bits, 64 x 128 in fp32: CUDA refuses it
+# and fp32 at top-k 4096, and runs 32 x 128 at 2048) at the largest top-k (4096), the kernel's limits (128 heads of
+# 256), which configs/indexer.py refuses, a top-k of 256 (the smallest table row) and the scores' output
+# (RETURN_SCORES); the Hadamard at each padded width (64-256, and 192: a
 # dim below its power of two) in every dtype.
 INDEXER_SWEEP = (*((64, 128, 2048, dtype, True) for dtype in SWEEP_DTYPES), (32, 128, 2048, "bf16", False),
                  (128, 128, 4096, "bf16", True), (64, 256, 4096, "fp16", True), (64, 128, 4096, "fp32", True),
                  *((128, 256, 4096, dtype, True) for dtype in SWEEP_DTYPES), (64, 128, 256, "bf16", True),
-                 (64, 128, 2048, "bf16", True, True))
+                 (64, 128, 2048, "bf16", True, True), (32, 128, 2048, "fp32", True))
 HADAMARD_SWEEP = tuple((dim, dtype) for dim in (64, 128, 192, 256) for dtype in SWEEP_DTYPES)
 # the block-max scores (MiniMax-M3's indexer) as INDEXER_BLOCKS: its 4 x 128 in blocks of 128 in every dtype, 16 x 64
 # in blocks of 64, the q tiles the top-k kernel's limit allows (32 KB: 128 x 128 and 64 x 256 in 16 bits, 64 x

@@ -203,7 +203,7 @@ def indexer_topk_fwd(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ke
     if n_rows == 0 or width == 0:
         return idx, scores
     target = target_of(q.device)
-    refused = topk_refusal(target, heads, dim, q.element_size())
+    refused = topk_refusal(target, heads, dim, q.element_size(), topk)
     if refused:
         raise ValueError(f"{refused}; use backend='torch'")
     # the requested top-k: short samples do not recompile

@@ -22,3 +22,16 @@ def test_the_tables_refuse_float32_past_256_columns_on_cuda_and_cdna():
         with pytest.raises(SparseRefused, match=f"on {target}"):
             sparse_config(target, "dkv", 576, 512, 4, 16, True)
     assert refusal("interpreter", 576, 512, 4) is None and refusal("ascend", 576, 512, 4) is None
+
+
+def test_the_indexer_tables_refuse_what_spills():
+    """configs/indexer.py ``topk_refusal``: a q tile past 32 KB on CUDA and CDNA (both the top-k and the block-score
+    kernel), and on CUDA float32's top-k kernel past a 16 KB tile or top-k 2048; not the block-score kernel there."""
+    from coreattn.kernels.configs.indexer import topk_refusal
+
+    assert topk_refusal("sm90", 128, 256, 2, 2048) and topk_refusal("gfx942", 128, 256, 2) and \
+        topk_refusal("sm90", 128, 256, 2) is not None
+    assert topk_refusal("sm90", 128, 128, 2, 4096) is None and topk_refusal("gfx942", 64, 128, 4, 4096) is None
+    assert "float32 64 heads x 128 at top-k 2048 on sm100" in topk_refusal("sm100", 64, 128, 4, 2048)
+    assert topk_refusal("sm90", 32, 128, 4, 4096) and topk_refusal("sm90", 32, 128, 4, 2048) is None
+    assert topk_refusal("sm90", 64, 128, 4) is None and topk_refusal("interpreter", 64, 128, 4, 4096) is None

@@ -57,6 +57,12 @@ _TOPK_ASCEND = ((4096, 1 << 30, IndexerConfig(64, 1, 1)),)
 # registers and spilled 4-212 B on sm90 under Triton 3.9.0 at every step (16-64 keys), warp count (8; 16 with 128
 # registers a thread) and stage count tried; fp32 128 x 256 (128 KB) 8 B to 17 KB
 MAX_TOPK_TILE_BYTES = 32 << 10
+# CUDA float32 (the top-k kernel's FMA dot on 16 keys, 8 warps, one stage): 64 heads x 128 (32 KB) spilled 4-12 B on
+# sm90 and 96-108 B on sm100 at top-k 2048-4096 under Triton 3.7.1 (8-48 B on sm90 under 3.9.0; 32 keys, 4 warps or
+# two stages as much or more; 16 warps: no launch), and at top-k 4096 32 x 128 and 64 x 64 (16 KB) spilled 12-80 B;
+# 32 x 128 at top-k 2048: 226-236 registers, none. Past either bound float32 runs on the torch backend.
+FP32_TOPK_TILE_BYTES = 16 << 10
+FP32_MAX_BLOCK_K = 2048
 _HADAMARD = {"cuda": IndexerConfig(16, 4), "cdna": IndexerConfig(16, 4), "ascend": IndexerConfig(16, 1)}
 MAX_BLOCK_K = 4096  # top-k up to 4096 in the kernel (DeepSeek-V3.2 and GLM-5 use 2048)
 MAX_TOPK_HEADS = 128
@@ -75,9 +81,11 @@ def topk_tile_bytes(heads: int, dim: int, elem: int) -> int:
     return max(16, triton.next_power_of_2(heads)) * max(16, triton.next_power_of_2(dim)) * elem
 
 
-def topk_refusal(target: str, heads: int, dim: int, elem: int) -> str | None:
-    """Why the Triton top-k kernel does not run ``heads`` x ``dim`` of ``elem``-byte inputs on ``target``, or
-    None: past its heads or dim, or (CUDA, CDNA) past the q tile it runs without spilling registers."""
+def topk_refusal(target: str, heads: int, dim: int, elem: int, topk: int | None = None) -> str | None:
+    """Why the Triton top-k kernel (``topk``: its requested top-k) or, ``topk`` None, the block-score kernel does
+    not run ``heads`` x ``dim`` of ``elem``-byte inputs on ``target``, or None: past its heads or dim, or (CUDA,
+    CDNA) past the q tile it runs without spilling registers; on CUDA in float32 the top-k kernel's FMA dot beside
+    its candidate sets also past ``FP32_TOPK_TILE_BYTES`` or a BLOCK_K of ``FP32_MAX_BLOCK_K``."""
     if heads > MAX_TOPK_HEADS or dim > MAX_TOPK_DIM:
         return f"the Triton top-k kernel takes up to {MAX_TOPK_HEADS} heads of dim up to {MAX_TOPK_DIM}, got {heads} x {dim}"
     tile = topk_tile_bytes(heads, dim, elem)
@@ -85,10 +93,16 @@ def topk_refusal(target: str, heads: int, dim: int, elem: int) -> str | None:
         return (f"{heads} heads x {dim} of {elem}-byte inputs on {target}: a {tile >> 10} KB q tile, past the "
                 f"{MAX_TOPK_TILE_BYTES >> 10} KB the Triton top-k kernel holds in registers without spilling "
                 f"(coreattn/kernels/configs/indexer.py); the torch backend runs it")
+    block_k = triton.next_power_of_2(max(topk, 16)) if topk is not None else 0
+    if _family(target) == "cuda" and elem == 4 and topk is not None and (tile > FP32_TOPK_TILE_BYTES
+                                                                        or block_k > FP32_MAX_BLOCK_K):
+        return (f"float32 {heads} heads x {dim} at top-k {topk} on {target}: the Triton top-k kernel's float32 "
+                f"(FMA) dot spills registers past a {FP32_TOPK_TILE_BYTES >> 10} KB q tile or top-k "
+                f"{FP32_MAX_BLOCK_K} (coreattn/kernels/configs/indexer.py); the torch backend runs it")
     return None
 
 
-def triton_topk_refusal(device, dtype, heads: int, dim: int) -> str | None:
+def triton_topk_refusal(device, dtype, heads: int, dim: int, topk: int | None = None) -> str | None:
     """``topk_refusal`` for an indexer call's tensors (float64 never reaches the kernel: None)."""
     import torch
 
@@ -96,7 +110,7 @@ def triton_topk_refusal(device, dtype, heads: int, dim: int) -> str | None:
 
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None
-    return topk_refusal(target_of(device), heads, dim, dtype.itemsize)
+    return topk_refusal(target_of(device), heads, dim, dtype.itemsize, topk)
 
 
 def topk_config(target: str, block_k: int, heads: int = 64, dim: int = 128, elem: int = 2) -> IndexerConfig:
@@ -105,7 +119,7 @@ def topk_config(target: str, block_k: int, heads: int = 64, dim: int = 128, elem
     family = _family(target)
     if family == "interpreter":
         return _INTERPRETER_TOPK
-    refused = topk_refusal(target, heads, dim, elem)
+    refused = topk_refusal(target, heads, dim, elem, block_k)
     if refused:
         raise ValueError(refused)
     table = {"cuda": _TOPK_CUDA_FP32 if elem == 4 else _TOPK_CUDA, "cdna": _TOPK_CDNA, "ascend": _TOPK_ASCEND}[family]

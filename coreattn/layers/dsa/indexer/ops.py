@@ -58,7 +58,7 @@ def _topk_backend(tokens, q, k, weights, topk, relu, return_scores, mode, backen
     width = min(topk, tokens.seqlen_k)
     return indexer_backend(q.device, backend, what="indexer top-k", ops=NPU_TOPK_OPS,
                            unfit=lambda: topk_unfit(q, k, weights, width, relu, return_scores, mode),
-                           triton_unfit=lambda: triton_topk_refusal(q.device, q.dtype, q.shape[-2], q.shape[-1]))
+                           triton_unfit=lambda: triton_topk_refusal(q.device, q.dtype, q.shape[-2], q.shape[-1], topk))
 
 
 def _select(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, chosen: Backend, index_dtype, mode,
