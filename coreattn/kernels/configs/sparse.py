@@ -146,6 +146,9 @@ _CDNA_RANGE_DKV = ((256, 1 << 30, _W(16, 32, 2, 1)), (1024, 1 << 30, _W(16, 16, 
 # DeepSeek-V4's 512/512 (K = V): the slot-mode dK/dV on 2 waves spilled 1 VGPR (256 VGPRs, AGPRs to spare) on
 # gfx942 under Triton 3.6.0 and on gfx90a under 3.7.1; 4 waves
 _CDNA["dkv"] = _CDNA["dkv"][:2] + ((512, 1 << 30, _W(16, 16, 4, 1)),) + _CDNA["dkv"][2:]
+# per-head K/V at 256 (a separate V, one head per program): 2 waves left 36 B of scratch in the atomic variant at
+# 256/256 in fp16 on gfx942 under Triton 3.7.1; 4 waves: 126-152 VGPRs on gfx90a, gfx942 and gfx950, no scratch
+_CDNA["dkv"] = _CDNA["dkv"][:1] + ((256, 1, _W(16, 16, 4, 1), False),) + _CDNA["dkv"][1:]
 for _kernel, _rows in _CDNA.items():
     for _target in CDNA_TARGETS:
         _TABLES[_kernel][_target] = _rows
