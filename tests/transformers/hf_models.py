@@ -86,7 +86,8 @@ def family_config(name: str, layers: int | None = None, **overrides):
     32 + 16 rope, v 32, 4 heads; an indexer of 16 heads of 32 with top-k 4; dense MLPs. Layer
     sharing: Hy4 (-VL) reuses layer 0's top-k in layer 1; Mistral Large 4's layer 1 reuses layer 0's
     latent K/V and top-k, layers 2-3 are NoPE and layer 3 reuses layer 2's K/V with its own indexer;
-    dots3-note's layer 1 is a sliding-window layer (window 4); GLM-5.3-Flash runs a linear-attention
+    dots3-note's layer 1 is a sliding-window layer (window 4) and layer 2 a dense one without an
+    indexer (a checkpoint's ``use_dsa=False`` layer type); GLM-5.3-Flash runs a linear-attention
     layer, then a DSA layer and one reusing its rows. ``layers``: keep the first ``layers`` only;
     ``overrides``: text config fields."""
     import transformers as tf
@@ -99,7 +100,7 @@ def family_config(name: str, layers: int | None = None, **overrides):
     rope = dict(rope_type="default", rope_theta=10000.0)
     plan = {
         "axk2": dict(layer_types=["indexed_attention"] * 2),
-        "dots3_note": dict(layer_types=["indexed_attention", "sliding_attention"], sliding_window=4,
+        "dots3_note": dict(layer_types=["indexed_attention", "sliding_attention", "full_attention"], sliding_window=4,
                            per_layer_config={1: dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
                                                      kv_lora_rank=16, head_dim=48, qk_nope_head_dim=32,
                                                      qk_rope_head_dim=16, v_head_dim=32)}),
