@@ -30,7 +30,7 @@ HONOURED = {
     "scaling": "the softmax scale",
     "sliding_window": "a causal window of that many keys including the query (bidirectional: that many each side)",
     "is_causal": "causal or bidirectional attention",
-    "s_aux": "per-head attention sinks (gpt-oss), as a differentiable softmax_offset",
+    "s_aux": "per-head attention sinks (gpt-oss, Hy4, DeepSeek-V4), as a differentiable softmax_offset",
     "cu_seq_lens_q": "packed sequences (with cu_seq_lens_k and max_length_q/k)",
     "cu_seq_lens_k": "packed sequences",
     "max_length_q": "packed sequences (bounds the argument checks only)",
