@@ -3,8 +3,8 @@ or a one-layer DeepSeek-V4 (``--model v4``: a CSA layer) under ``attn_implementa
 "eager": peak memory growth of one forward + backward over the token count, each (implementation, T)
 in its own process.
 
-``python -m bench.hf_dsa [--model v32|v4|axk2|dots3_note|hy_v4|mistral_large4|glm5_next] [--tokens 2048
-4096 8192] [--eager-tokens 1024 2048 4096] [--dtype bfloat16]``
+``python -m bench.hf_dsa [--model v32|v4|minimax_m3|axk2|dots3_note|hy_v4|mistral_large4|glm5_next]
+[--tokens 2048 4096 8192] [--eager-tokens 1024 2048 4096] [--dtype bfloat16]``
 
 The layer is DeepSeek-V3.2's with its real indexer (64 heads of 128, top-k 2,048) and attention head
 dims (q/k 192 = 128 + 64 rope, v 128, kv_lora_rank 512), scaled down in width (hidden 1,024, 16
@@ -30,6 +30,13 @@ narrower elsewhere (hidden 1,024, 16 query heads, a dense MLP of 1,024, vocabula
 backward of the last hidden state's sum; ``eager_index_scores_mib`` is eager's ``[1, T, index heads,
 T]`` float32 scores alone (GLM-5.3-Flash: ``[1, T, 32, T / 16]`` over pools, and ``eager_mask_mib``
 its ``[1, 1, T, T]`` float32 mask).
+
+``--model minimax_m3``: ``MiniMaxM3VLForCausalLM`` (MiniMax-M3's text model) with one block-sparse
+layer at its attention widths (heads of 128, an indexer of 4 heads of 128 on 4 kv heads, blocks of
+128 keys, the top 16 blocks and the own block), scaled down elsewhere (hidden 1,024, 16 query heads on
+4 kv heads: group 4 where the model's is 16, a small MoE, vocabulary 256), ``logits.sum()``'s
+backward; ``eager_mask_mib`` is eager's ``[1, 16, T, T]`` block mask alone, in the model's dtype (its
+indexer's ``[1, 4, T, T]`` float32 scores and the attention's ``[1, 16, T, T]`` come on top).
 """
 
 from __future__ import annotations
@@ -129,6 +136,39 @@ def run_family_worker(model: str, impl: str, tokens: int, dtype: str) -> dict:
     return row
 
 
+MINIMAX_HEADS = 16
+
+
+def _minimax_config(tokens: int):
+    from transformers import MiniMaxM3VLTextConfig
+
+    return MiniMaxM3VLTextConfig(vocab_size=256, hidden_size=1024, num_hidden_layers=1,
+                                 num_attention_heads=MINIMAX_HEADS, num_key_value_heads=4, head_dim=128,
+                                 intermediate_size=256, dense_intermediate_size=1024, shared_intermediate_size=256,
+                                 num_local_experts=4, num_experts_per_tok=2, index_n_heads=4, index_head_dim=128,
+                                 index_block_size=128, index_topk_blocks=16, index_local_blocks=1,
+                                 layer_types=["minimax_m3_sparse"], mlp_layer_types=["sparse"],
+                                 max_position_embeddings=max(tokens, 64), bos_token_id=1, eos_token_id=2)
+
+
+def run_minimax_worker(impl: str, tokens: int, dtype: str) -> dict:
+    import coreattn.adapters.transformers as coreattn_hf
+    from transformers import AutoModelForCausalLM
+
+    coreattn_hf.register("coreattn_torch", backend="torch")
+    torch.manual_seed(0)
+    config = _minimax_config(tokens)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="coreattn_torch" if impl == "coreattn"
+                                             else "eager", experts_implementation="eager").to(getattr(torch, dtype))
+    ids = torch.randint(0, config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
+    _reset_peak()
+    before = _status_kib("VmRSS")
+    model(input_ids=ids, use_cache=False).logits.float().sum().backward()
+    peak = _status_kib("VmHWM")
+    return dict(model="minimax_m3", impl=impl, tokens=tokens, dtype=dtype, grown_mib=round((peak - before) / 1024, 1),
+                eager_mask_mib=MINIMAX_HEADS * tokens * tokens * torch.finfo(getattr(torch, dtype)).bits / 8 / 2**20)
+
+
 def run_worker(impl: str, tokens: int, dtype: str) -> dict:
     import coreattn.adapters.transformers as coreattn_hf
     from transformers.models.deepseek_v32 import modeling_deepseek_v32 as mod
@@ -157,7 +197,7 @@ def run_worker(impl: str, tokens: int, dtype: str) -> dict:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.hf_dsa", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="v32", choices=["v32", "v4", *FAMILIES])
+    p.add_argument("--model", default="v32", choices=["v32", "v4", "minimax_m3", *FAMILIES])
     p.add_argument("--tokens", nargs="*", type=int, default=[2048, 4096, 8192])
     p.add_argument("--eager-tokens", nargs="*", type=int, default=[1024, 2048, 4096])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -168,7 +208,8 @@ def main(argv: list[str]) -> int:
         if args.model in FAMILIES:
             row = run_family_worker(args.model, args.worker[0], int(args.worker[1]), args.dtype)
         else:
-            row = (run_v4_worker if args.model == "v4" else run_worker)(args.worker[0], int(args.worker[1]), args.dtype)
+            worker = {"v4": run_v4_worker, "minimax_m3": run_minimax_worker}.get(args.model, run_worker)
+            row = worker(args.worker[0], int(args.worker[1]), args.dtype)
         print(json.dumps(row))
         return 0
     for impl, counts in (("coreattn", args.tokens), ("eager", args.eager_tokens)):

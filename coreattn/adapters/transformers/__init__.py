@@ -11,9 +11,9 @@ builder, and the models and mask patterns it refuses), ``dsa.py`` (what the spar
 share: their masks, the wrapping of their indexers, their sparse attention), ``sources.py`` (the
 source guard of the wrapped methods) and ``models/`` (one module per model family whose methods
 coreattn wraps: DeepSeek-V3.2 / GLM-5, A.X-K2, dots3-note, Hy4 / Hy4-VL, Mistral Large 4,
-GLM-5.3-Flash, DeepSeek-V4). ``register()`` adds ``attention_forward`` to transformers'
-``AttentionInterface`` and ``padding_mask`` to its ``AttentionMaskInterface`` under the same name,
-and wraps those methods (``models.install``: they run coreattn's path when handed coreattn's mask or
+GLM-5.3-Flash, DeepSeek-V4, MiniMax-M3). ``register()`` adds ``attention_forward`` to
+transformers' ``AttentionInterface`` and ``padding_mask`` to its ``AttentionMaskInterface`` under
+the same name, and wraps those methods (``models.install``: they run coreattn's path when handed coreattn's mask or
 under a coreattn implementation, transformers' own code otherwise). transformers is imported only
 by ``register()`` and the functions it installs.
 
@@ -32,7 +32,9 @@ model passes them; GQA/MQA and Dv != Dqk natively, the inputs used in place as b
 - the DSA models (``models.SPARSE_MASK_TYPES``): the indexer's ``indices`` through
   ``coreattn.sparse_padded_attn``, the mask as per-query key bounds, sinks as ``softmax_offset``
   (``dsa.py``); GLM-5.3-Flash: its layer's own index rows (``dsa.IndexRows``); DeepSeek-V4: its
-  window and compressed entries as index rows (``models/deepseek_v4.py``).
+  window and compressed entries as index rows (``models/deepseek_v4.py``); MiniMax-M3: its
+  indexer's ``block_indices`` through ``coreattn.sparse_padded_attn``'s block mode, the same key
+  bounds (``models/minimax_m3.py``).
 
 Raises (NotImplementedError or ValueError, naming the feature and the model): keyword arguments
 coreattn does not implement (``attention.REJECTED`` and any it does not know), a 4D attention mask

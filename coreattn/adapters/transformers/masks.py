@@ -3,7 +3,8 @@
 ``padding_mask`` runs once per model forward (per layer type). It hands the attention function a
 ``[B, kv_length]`` bool keep mask, or None when nothing is padded; the DSA models whose attention
 layers run their indexer on it (``models.SPARSE_MASK_TYPES``) get a ``dsa.SparseMask`` (their
-sliding-window layers, dots3-note's, the keep mask) and DeepSeek-V4 a ``deepseek_v4.HybridMask``.
+sliding-window layers, dots3-note's, the keep mask), DeepSeek-V4 a ``deepseek_v4.HybridMask`` and
+MiniMax-M3 a ``minimax_m3.BlockMask``.
 It raises, naming the feature, for mask patterns coreattn cannot run and for models whose layers
 change K/V or the mask after it was built (``unsupported_model``), among them a served model under a
 transformers whose wrapped methods differ from those its module was written against.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from coreattn.adapters.transformers import dsa, models
-from coreattn.adapters.transformers.models import deepseek_v4
+from coreattn.adapters.transformers.models import deepseek_v4, minimax_m3
 
 _SUPPORTED_PARTS = {
     "sliding_window_overlay.<locals>.inner_mask": "sliding window",
@@ -92,6 +93,8 @@ def _bounds_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_func
     parts = _parts(mask_function) if mask_function is not None else [mu.causal_mask_function]
     names = [getattr(p, "__qualname__", "") for p in parts]
     hybrid = config.model_type == deepseek_v4.MODEL_TYPE
+    if any(name in _WINDOWS for name in names) and not hybrid:  # the DSA models' window layers never come here
+        raise NotImplementedError(f"coreattn's sparse path has no sliding window ({config.model_type}); {_USE_EAGER}")
     sequence_ids = next((_closure(p)["packed_sequence_mask"] for p, n in zip(parts, names) if n == _SEQUENCE_IDS),
                         None)
     causal = mu.bidirectional_mask_function not in parts
@@ -140,6 +143,16 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         parts = _unsupported_parts(mask_function)
         if parts:
             raise NotImplementedError(f"coreattn cannot run this mask pattern: {', '.join(parts)}; {_USE_EAGER}")
+    model_type = getattr(config, "model_type", None)
+    if model_type in minimax_m3.MODEL_TYPES:  # bounds for its sparse layers, the padding mask (as any model's)
+        # for its dense ones
+        bounds = _bounds_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                              config, sparse_backend(backend), kwargs.get("device") or torch.device("cpu"))
+        dense = minimax_m3.BOUNDS  # a static cache (a mask narrower than its keys): the bounds serve them too
+        if attention_mask is None or attention_mask.shape[-1] >= kv_length:
+            dense = padding_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                                 use_vmap, None, backend, **kwargs)
+        return minimax_m3.BlockMask(bounds.lo, bounds.hi, dense, bounds.backend)
     model_type = getattr(config, "model_type", None)
     if model_type == deepseek_v4.MODEL_TYPE or (model_type in models.SPARSE_MASK_TYPES
                                                 and not _has_window(mask_function)):

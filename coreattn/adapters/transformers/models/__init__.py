@@ -13,7 +13,12 @@ without the model is skipped).
   ``hy_v4``: Hy4 and Hy4-VL; ``mistral_large4``: Mistral Large 4 (DSA indexers inside the attention
   layer, top-k passed as ``indices=``: the mask builder hands them a ``dsa.SparseMask``);
 - ``glm5_next``: GLM-5.3-Flash (a pooled indexer whose layer builds its own mask: ``dsa.IndexRows``);
-- ``deepseek_v4``: DeepSeek-V4's hybrid attention (``HybridMask``).
+- ``deepseek_v4``: DeepSeek-V4's hybrid attention (``HybridMask``);
+- ``minimax_m3``: MiniMax-M3 (``minimax_m3_vl``, text and VL): its indexer's block-max top-k passed
+  as ``block_indices=``, run by the sparse op's block mode (``BlockMask``).
+
+The shared machinery (the attention function, the mask builder, ``dsa.py``, ``sources.py``) is the
+package root's.
 
 May import: ``coreattn.layers`` and ``coreattn.adapters.transformers``; transformers inside
 functions only.
@@ -22,9 +27,9 @@ functions only.
 from __future__ import annotations
 
 from coreattn.adapters.transformers.models import (axk2, deepseek_v4, deepseek_v32, dots3_note, glm5_next, hy_v4,
-                                                   mistral_large4)
+                                                   minimax_m3, mistral_large4)
 
-FAMILIES = (deepseek_v32, axk2, dots3_note, hy_v4, mistral_large4, glm5_next, deepseek_v4)
+FAMILIES = (deepseek_v32, axk2, dots3_note, hy_v4, mistral_large4, glm5_next, deepseek_v4, minimax_m3)
 # the families whose attention layers run their indexer on the mask builder's SparseMask
 SPARSE_MASK_FAMILIES = (deepseek_v32, axk2, dots3_note, hy_v4, mistral_large4)
 SPARSE_MASK_TYPES = tuple(t for family in SPARSE_MASK_FAMILIES for t in family.MODEL_TYPES)
