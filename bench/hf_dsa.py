@@ -3,8 +3,8 @@ or a one-layer DeepSeek-V4 (``--model v4``: a CSA layer) under ``attn_implementa
 "eager": peak memory growth of one forward + backward over the token count, each (implementation, T)
 in its own process.
 
-``python -m bench.hf_dsa [--model v32|v4] [--tokens 2048 4096 8192] [--eager-tokens 1024 2048 4096]
-[--dtype bfloat16]``
+``python -m bench.hf_dsa [--model v32|v4|minimax_m3|axk2|dots3_note|hy_v4|mistral_large4|glm5_next]
+[--tokens 2048 4096 8192] [--eager-tokens 1024 2048 4096] [--dtype bfloat16]``
 
 The layer is DeepSeek-V3.2's with its real indexer (64 heads of 128, top-k 2,048) and attention head
 dims (q/k 192 = 128 + 64 rope, v 128, kv_lora_rank 512), scaled down in width (hidden 1,024, 16
@@ -20,6 +20,16 @@ indexer of 64 heads of 128 choosing 512 entries, partial RoPE on 64 dims), scale
 (hidden 1,024, 4 query heads, a small MoE, vocabulary 256), the model's loss-free ``logits.sum()``
 backward; ``eager_mask_mib`` is eager's ``[1, 1, T, T + T/4]`` float32 mask alone, and eager's
 scores are ``[1, 4, T, T + T/4]`` float32 per copy.
+
+The other sparse-attention families (``--model axk2``, ``dots3_note``, ``hy_v4``, ``mistral_large4``,
+``glm5_next``): the family's text model with one DSA layer at its config's attention and indexer
+defaults (A.X-K2: q/k 96, v 64, 16 index heads of 128; dots3-note: 192/128, 64 index heads; Hy4:
+256/256, 16 index heads, sinks, 4 hyper-connection streams; Mistral Large 4: 128/128, 32 index
+heads; GLM-5.3-Flash: NoPE 256/256, 32 index heads over pools of 16, 4 streams; top-k 2,048 each),
+narrower elsewhere (hidden 1,024, 16 query heads, a dense MLP of 1,024, vocabulary 256), forward +
+backward of the last hidden state's sum; ``eager_index_scores_mib`` is eager's ``[1, T, index heads,
+T]`` float32 scores alone (GLM-5.3-Flash: ``[1, T, 32, T / 16]`` over pools, and ``eager_mask_mib``
+its ``[1, 1, T, T]`` float32 mask).
 
 ``--model minimax_m3``: ``MiniMaxM3VLForCausalLM`` (MiniMax-M3's text model) with one block-sparse
 layer at its attention widths (heads of 128, an indexer of 4 heads of 128 on 4 kv heads, blocks of
@@ -37,7 +47,7 @@ import sys
 
 import torch
 
-from bench.cpu_attention import _reset_peak, _status_kib, worker_row
+from bench.cpu_attention import _reset_peak, _status_kib, worker_json
 
 INDEX_HEADS, INDEX_DIM, TOPK = 64, 128, 2048
 
@@ -79,6 +89,51 @@ def run_v4_worker(impl: str, tokens: int, dtype: str) -> dict:
     keys = tokens + tokens // 4
     return dict(model="v4", impl=impl, tokens=tokens, dtype=dtype, grown_mib=round((peak - before) / 1024, 1),
                 eager_mask_mib=tokens * keys * 4 / 2**20)
+
+
+FAMILIES = ("axk2", "dots3_note", "hy_v4", "mistral_large4", "glm5_next")
+
+
+def _family(model: str, tokens: int):
+    """(text model class, config) of one of ``FAMILIES`` with one DSA layer (see the module docstring)."""
+    import transformers as tf
+
+    common = dict(vocab_size=256, hidden_size=1024, num_attention_heads=16, num_key_value_heads=16,
+                  intermediate_size=1024, num_hidden_layers=1, mlp_layer_types=["dense"],
+                  max_position_embeddings=max(tokens, 64), pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    if model == "axk2":
+        return tf.AXK2Model, tf.AXK2Config(**common, layer_types=["indexed_attention"])
+    if model == "dots3_note":
+        return tf.Dots3NoteTextModel, tf.Dots3NoteTextConfig(**common, layer_types=["indexed_attention"])
+    if model == "hy_v4":
+        return tf.HYV4Model, tf.HYV4Config(**common, indexer_types=["full"])
+    if model == "mistral_large4":
+        return tf.MistralLarge4TextModel, tf.MistralLarge4TextConfig(
+            **common, indexer_types=["full"], no_rope_layers=[1], kv_source_layers=[0],
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    return tf.Glm5NextTextModel, tf.Glm5NextTextConfig(**common, layer_types=["indexed_attention"],
+                                                         indexer_types=["full"])
+
+
+def run_family_worker(model: str, impl: str, tokens: int, dtype: str) -> dict:
+    import coreattn.adapters.transformers as coreattn_hf
+
+    coreattn_hf.register("coreattn_torch", backend="torch")
+    torch.manual_seed(0)
+    cls, config = _family(model, tokens)
+    net = cls._from_config(config, attn_implementation="coreattn_torch" if impl == "coreattn" else "eager",
+                           dtype=getattr(torch, dtype))
+    ids = torch.randint(0, config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
+    _reset_peak()
+    before = _status_kib("VmRSS")
+    net(input_ids=ids, use_cache=False).last_hidden_state.float().sum().backward()
+    peak = _status_kib("VmHWM")
+    keys = -(-tokens // config.index_kpool) if model == "glm5_next" else tokens
+    row = dict(model=model, impl=impl, tokens=tokens, dtype=dtype, grown_mib=round((peak - before) / 1024, 1),
+               eager_index_scores_mib=tokens * config.index_n_heads * keys * 4 / 2**20)
+    if model == "glm5_next":
+        row["eager_mask_mib"] = tokens * tokens * 4 / 2**20
+    return row
 
 
 MINIMAX_HEADS = 16
@@ -142,7 +197,7 @@ def run_worker(impl: str, tokens: int, dtype: str) -> dict:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.hf_dsa", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="v32", choices=["v32", "v4", "minimax_m3"])
+    p.add_argument("--model", default="v32", choices=["v32", "v4", "minimax_m3", *FAMILIES])
     p.add_argument("--tokens", nargs="*", type=int, default=[2048, 4096, 8192])
     p.add_argument("--eager-tokens", nargs="*", type=int, default=[1024, 2048, 4096])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -150,15 +205,21 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.worker:
         torch.set_num_threads(1)
-        worker = {"v4": run_v4_worker, "minimax_m3": run_minimax_worker}.get(args.model, run_worker)
-        print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.dtype)))
+        if args.model in FAMILIES:
+            row = run_family_worker(args.model, args.worker[0], int(args.worker[1]), args.dtype)
+        else:
+            worker = {"v4": run_v4_worker, "minimax_m3": run_minimax_worker}.get(args.model, run_worker)
+            row = worker(args.worker[0], int(args.worker[1]), args.dtype)
+        print(json.dumps(row))
         return 0
     for impl, counts in (("coreattn", args.tokens), ("eager", args.eager_tokens)):
         for tokens in counts:
             row = dict(model=args.model, impl=impl, tokens=tokens)
-            print(json.dumps(worker_row(["-m", "bench.hf_dsa", "--model", args.model, "--dtype", args.dtype,
-                                         "--worker", impl, str(tokens)],
-                                        row)), flush=True)
+            # one run, under the memory benches' allocator settings (bench/cpu_attention.py MEMORY_ENV)
+            result = worker_json(["-m", "bench.hf_dsa", "--model", args.model, "--dtype", args.dtype, "--worker",
+                                  impl, str(tokens)], 3600, memory=True)
+            row.update(dict(status="error", reason=result["error"]) if "error" in result else dict(result, status="ok"))
+            print(json.dumps(row), flush=True)
     return 0
 
 

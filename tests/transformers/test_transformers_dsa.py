@@ -16,7 +16,6 @@ pytest.importorskip("transformers")
 import coreattn.adapters.transformers as coreattn_hf  # noqa: E402
 import hf_models as hm  # noqa: E402
 from attn_cases import assert_flash_criterion  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 TORCH_IMPL = "coreattn_torch"
 
@@ -53,14 +52,7 @@ def test_unpadded_batch_matches_eager(name):
 
 
 def _generate(name, impl, cache_implementation=None):
-    model = hm.build(name, torch.float32, impl).eval()
-    ids = torch.randint(2, hm.VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones(2, 6, dtype=torch.long)
-    mask[1, :2] = 0  # left padding, as generate wants it
-    extra = {} if cache_implementation is None else {"cache_implementation": cache_implementation}
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True, pad_token_id=0, **extra)
-    return out.sequences, torch.stack(out.scores)
+    return hm.greedy(hm.build(name, torch.float32, impl), cache_implementation)
 
 
 @pytest.mark.parametrize("name, cache", [("deepseek_v32", None), ("glm_moe_dsa", None), ("deepseek_v32", "static")])
@@ -73,21 +65,6 @@ def test_generate_with_cache_matches_eager(name, cache):
     torch.testing.assert_close(got_scores, want_scores, rtol=0, atol=1e-5)
 
 
-class _LargestOutput(TorchDispatchMode):
-    """The largest number of elements of any op's output while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.numel = max(self.numel, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("name", hm.DSA_MODELS)
 def test_nothing_sequence_by_sequence(name, monkeypatch):
     """One sequence of 1,024 tokens, forward and backward: no op outputs S x S / 2 elements under
@@ -97,7 +74,7 @@ def test_nothing_sequence_by_sequence(name, monkeypatch):
     seqlen = 1024
     ids = torch.randint(0, hm.VOCAB, (1, seqlen), generator=torch.Generator().manual_seed(5))
     model = hm.build(name, torch.float32, "eager")
-    with _LargestOutput() as eager:
+    with hm.LargestOutput() as eager:
         model(input_ids=ids, use_cache=False).logits.sum().backward()
     assert eager.numel >= seqlen * seqlen
     indexer = type(model.model.layers[0].self_attn.indexer)
@@ -105,27 +82,9 @@ def test_nothing_sequence_by_sequence(name, monkeypatch):
     monkeypatch.setenv("COREATTN_INDEXER_CHUNK_BYTES", str(256 << 10))
     monkeypatch.setenv("COREATTN_SPARSE_TORCH_CHUNK_BYTES", str(256 << 10))
     model = hm.build(name, torch.float32, TORCH_IMPL)
-    with _LargestOutput() as ours:
+    with hm.LargestOutput() as ours:
         model(input_ids=ids, use_cache=False).logits.sum().backward()
     assert ours.numel < seqlen * seqlen // 2, ours.numel
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
-def _peak_growth(run) -> int:
-    """Bytes the process's peak resident memory grows by while ``run()`` runs (skips where the peak
-    cannot be reset)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets the peak (VmHWM) to the current resident size
-    except OSError as exc:
-        pytest.skip(f"no resettable peak RSS here ({exc})")
-    before = _rss_kib("VmRSS")
-    run()
-    return (_rss_kib("VmHWM") - before) * 1024
 
 
 def test_one_layer_at_8k_tokens_grows_far_less_than_eager_indexer_scores():
@@ -141,7 +100,7 @@ def test_one_layer_at_8k_tokens_grows_far_less_than_eager_indexer_scores():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=TORCH_IMPL, experts_implementation="eager")
     ids = torch.randint(0, hm.VOCAB, (1, seqlen), generator=torch.Generator().manual_seed(6))
-    grown = _peak_growth(lambda: model(input_ids=ids, use_cache=False).logits.sum().backward())
+    grown = hm.peak_growth(lambda: model(input_ids=ids, use_cache=False).logits.sum().backward())
     eager_scores = seqlen * index_heads * seqlen * 4
     assert grown < eager_scores // 8, f"grew {grown / 2**20:.0f} MiB"
 
@@ -158,20 +117,23 @@ def test_deepseek_v4_layer_at_16k_tokens_grows_less_than_a_quarter_of_eager_mask
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=TORCH_IMPL, experts_implementation="eager")
     ids = torch.randint(0, hm.VOCAB, (1, seqlen), generator=torch.Generator().manual_seed(11))
-    grown = _peak_growth(lambda: model(input_ids=ids, use_cache=False).logits.sum().backward())
+    grown = hm.peak_growth(lambda: model(input_ids=ids, use_cache=False).logits.sum().backward())
     eager_mask = seqlen * (seqlen + seqlen // 4) * 4
     assert grown < eager_mask // 4, f"grew {grown / 2**20:.0f} MiB"
 
 
 def test_bench_hf_dsa_worker_runs():
     """``python -m bench.hf_dsa`` (docs/transformers.md's memory tables): one worker row of each kind and
-    model, tiny."""
+    model, tiny (the other families on coreattn, GLM-5.3-Flash also on eager)."""
     from bench import hf_dsa
 
     for impl in ("coreattn", "eager"):
         for worker in (hf_dsa.run_worker, hf_dsa.run_v4_worker):
             row = worker(impl, 32, "float32")
             assert row["impl"] == impl and isinstance(row["grown_mib"], float)  # tiny: RSS counters lag by pages
+    for model, impl in [(model, "coreattn") for model in hf_dsa.FAMILIES] + [("glm5_next", "eager")]:
+        row = hf_dsa.run_family_worker(model, impl, 32, "float32")
+        assert (row["model"], row["impl"]) == (model, impl) and isinstance(row["grown_mib"], float)
 
 
 def test_padding_with_holes_raises_for_dsa_models():
@@ -262,13 +224,13 @@ def test_deepseek_v4_nothing_sequence_by_sequence(monkeypatch):
     seqlen = 1024
     ids = torch.randint(0, hm.VOCAB, (1, seqlen), generator=torch.Generator().manual_seed(10))
     model = _v4("all", "eager", rates=(4, 64))
-    with _LargestOutput() as eager:
+    with hm.LargestOutput() as eager:
         model(input_ids=ids, use_cache=False).logits.sum().backward()
     assert eager.numel >= seqlen * seqlen
     monkeypatch.setenv("COREATTN_INDEXER_CHUNK_BYTES", str(32 << 10))
     monkeypatch.setenv("COREATTN_SPARSE_TORCH_CHUNK_BYTES", str(32 << 10))
     model = _v4("all", TORCH_IMPL, rates=(4, 64))
-    with _LargestOutput() as ours:
+    with hm.LargestOutput() as ours:
         model(input_ids=ids, use_cache=False).logits.sum().backward()
     assert ours.numel < seqlen * seqlen // 4, ours.numel
 
@@ -276,7 +238,7 @@ def test_deepseek_v4_nothing_sequence_by_sequence(monkeypatch):
 def test_deepseek_v4_refused_under_another_transformers(monkeypatch):
     """coreattn's V4 path restates transformers' compressors: under a release whose V4 methods differ it
     raises naming the method instead of computing something else."""
-    from coreattn.adapters.transformers import v4
+    from coreattn.adapters.transformers.models import deepseek_v4 as v4
 
     v4.check_source.cache_clear()
     monkeypatch.setitem(v4.KNOWN_SOURCES, "DeepseekV4CSACompressor.forward", "0" * 64)
@@ -292,8 +254,8 @@ def test_unserved_dsa_indexer_models_raise():
     mask builder, naming it."""
     from types import SimpleNamespace
 
-    config = SimpleNamespace(model_type="hy_v4", index_topk=2048)
-    with pytest.raises(NotImplementedError, match="'hy_v4'.*indices="):
+    config = SimpleNamespace(model_type="kolibri1_1", index_topk=2048)
+    with pytest.raises(NotImplementedError, match="'kolibri1_1'.*not one coreattn restates"):
         coreattn_hf.padding_mask(1, 4, 4, attention_mask=None, config=config)
 
 
@@ -316,11 +278,15 @@ def _paths():
         "position-ids": (None, dict(position_ids=torch.tensor([[0, 1, 2, 0, 1]] * 2))),
         "cu-seq-lens": (None, dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=3, max_length_k=3)),
         "dsa": (sparse, dict(indices=torch.zeros(2, 5, 2, dtype=torch.int32))),
+        "index-rows": (coreattn_hf.IndexRows(torch.zeros(2, 5, 2, dtype=torch.int32), "torch"), {}),
     }
 
 
-@pytest.mark.parametrize("path", ["whole-rows", "padding", "position-ids", "cu-seq-lens", "dsa"])
+@pytest.mark.parametrize("path", ["whole-rows", "padding", "position-ids", "cu-seq-lens", "dsa", "index-rows"])
 def test_arguments_coreattn_does_not_implement_raise_in_every_path(path):
+    """Every path of the attention function: the ignored arguments are ignored, the rejected and unknown
+    ones raise, ``indices`` raises without a DSA mask and ``input_ids`` (GLM-5.3-Flash's layers pass it)
+    is accepted only with index rows."""
     mask, kwargs = _paths()[path]
     q, k, v = _qkv()
     if path == "cu-seq-lens":
@@ -338,3 +304,9 @@ def test_arguments_coreattn_does_not_implement_raise_in_every_path(path):
     if path != "dsa":
         with pytest.raises(NotImplementedError, match="indices .*without coreattn's DSA mask"):
             run(indices=torch.zeros(2, 5, 2, dtype=torch.int32))
+    input_ids = torch.zeros(2, 5, dtype=torch.long)
+    if path == "index-rows":  # accepted where the rows stand for the mask: it cannot change the result
+        torch.testing.assert_close(run(input_ids=input_ids)[0], out, rtol=0, atol=0)
+    else:
+        with pytest.raises(NotImplementedError, match="'input_ids'"):
+            run(input_ids=input_ids)

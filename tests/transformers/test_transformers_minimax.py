@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 import coreattn.adapters.transformers as coreattn_hf  # noqa: E402
 from attn_cases import assert_flash_criterion  # noqa: E402
 from coreattn.adapters.transformers.models import minimax_m3  # noqa: E402
-from test_transformers_dsa import _LargestOutput, _peak_growth  # noqa: E402
+from hf_models import LargestOutput, peak_growth  # noqa: E402
 
 TORCH_IMPL = "coreattn_torch"
 VOCAB = 61
@@ -164,7 +164,7 @@ def test_nothing_sequence_by_sequence(monkeypatch):
     config = text_config(block=16, topk_blocks=4, seqlen=seqlen)
     ids = torch.randint(0, VOCAB, (1, seqlen), generator=torch.Generator().manual_seed(9))
     model = build(torch.float32, "eager", config)
-    with _LargestOutput() as eager:
+    with LargestOutput() as eager:
         model(input_ids=ids, use_cache=False).logits.sum().backward()
     assert eager.numel >= seqlen * seqlen
     monkeypatch.setattr(mm.MiniMaxM3VLIndexer.forward, "coreattn_wrapped",
@@ -174,7 +174,7 @@ def test_nothing_sequence_by_sequence(monkeypatch):
     monkeypatch.setenv("COREATTN_INDEXER_CHUNK_BYTES", str(256 << 10))
     monkeypatch.setenv("COREATTN_SPARSE_TORCH_CHUNK_BYTES", str(256 << 10))
     model = build(torch.float32, TORCH_IMPL, config)
-    with _LargestOutput() as ours:
+    with LargestOutput() as ours:
         model(input_ids=ids, use_cache=False).logits.sum().backward()
     assert ours.numel < seqlen * seqlen // 2, ours.numel
 
@@ -188,7 +188,7 @@ def test_one_layer_at_8k_tokens_grows_less_than_a_quarter_of_eager_mask():
     config = text_config(layers=("minimax_m3_sparse",), block=128, topk_blocks=4, seqlen=seqlen)
     model = build(torch.float32, TORCH_IMPL, config)
     ids = torch.randint(0, VOCAB, (1, seqlen), generator=torch.Generator().manual_seed(10))
-    grown = _peak_growth(lambda: model(input_ids=ids, use_cache=False).logits.sum().backward())
+    grown = peak_growth(lambda: model(input_ids=ids, use_cache=False).logits.sum().backward())
     eager_mask = heads * seqlen * seqlen * 4
     assert grown < eager_mask // 4, f"grew {grown / 2**20:.0f} MiB"
     print(f"one MiniMax-M3 layer at {seqlen} tokens grew {grown / 2**20:.0f} MiB (eager's mask alone: "

@@ -7,14 +7,15 @@
 
 Owns: ``attention.py`` (``attention_forward``, the attention function, and the tables of the
 keyword arguments it honours, ignores and rejects), ``masks.py`` (``padding_mask``, the mask
-builder, and the models and mask patterns it refuses), ``dsa.py`` (DeepSeek Sparse Attention
-models: their mask, indexer and sparse attention) and ``models/`` (one module per model family
-coreattn runs with its own code: ``models/minimax_m3.py``, MiniMax-M3). ``register()`` adds ``attention_forward`` to
-transformers' ``AttentionInterface`` and ``padding_mask`` to its ``AttentionMaskInterface`` under the
-same name, and wraps the DSA models' and MiniMax-M3's indexers (``dsa.install_indexers``,
-``models.minimax_m3.install``: they run coreattn's top-k under coreattn, transformers' own code
-otherwise). transformers is imported only by
-``register()`` and the functions it installs.
+builder, and the models and mask patterns it refuses), ``dsa.py`` (what the sparse-attention models
+share: their masks, the wrapping of their indexers, their sparse attention), ``sources.py`` (the
+source guard of the wrapped methods) and ``models/`` (one module per model family whose methods
+coreattn wraps: DeepSeek-V3.2 / GLM-5, A.X-K2, dots3-note, Hy4 / Hy4-VL, Mistral Large 4,
+GLM-5.3-Flash, DeepSeek-V4, MiniMax-M3). ``register()`` adds ``attention_forward`` to
+transformers' ``AttentionInterface`` and ``padding_mask`` to its ``AttentionMaskInterface`` under
+the same name, and wraps those methods (``models.install``: they run coreattn's path when handed coreattn's mask or
+under a coreattn implementation, transformers' own code otherwise). transformers is imported only
+by ``register()`` and the functions it installs.
 
 What a call runs (q ``[B, Hq, Sq, Dqk]``, k ``[B, Hkv, Sk, Dqk]``, v ``[B, Hkv, Sk, Dv]`` as the
 model passes them; GQA/MQA and Dv != Dqk natively, the inputs used in place as bshd views):
@@ -28,16 +29,19 @@ model passes them; GQA/MQA and Dv != Dqk natively, the inputs used in place as b
   the position ids do not go up by one (transformers' own packed-sequence rule); the op derives
   cu_seqlens from them when it runs. With B > 1, q/k/v are copied into the packed layout;
 - neither: ``coreattn.padded_attn`` on the whole rows;
-- DeepSeek-V3.2 and GLM-5 (``dsa.SERVED``): the indexer's ``indices`` through
-  ``coreattn.sparse_padded_attn``, the mask as per-query key bounds (``dsa.py``);
-- MiniMax-M3 (``models/minimax_m3.py``): its indexer's ``block_indices`` through
-  ``coreattn.sparse_padded_attn``'s block mode, the same key bounds.
+- the DSA models (``models.SPARSE_MASK_TYPES``): the indexer's ``indices`` through
+  ``coreattn.sparse_padded_attn``, the mask as per-query key bounds, sinks as ``softmax_offset``
+  (``dsa.py``); GLM-5.3-Flash: its layer's own index rows (``dsa.IndexRows``); DeepSeek-V4: its
+  window and compressed entries as index rows (``models/deepseek_v4.py``); MiniMax-M3: its
+  indexer's ``block_indices`` through ``coreattn.sparse_padded_attn``'s block mode, the same key
+  bounds (``models/minimax_m3.py``).
 
 Raises (NotImplementedError or ValueError, naming the feature and the model): keyword arguments
 coreattn does not implement (``attention.REJECTED`` and any it does not know), a 4D attention mask
 or BlockMask (a custom mask), a padding mask together with packed sequences, mask patterns other
-than causal / bidirectional / sliding window / padding / packing, DeepSeek-V4's compressed layers
-and the DSA indexers of other models (``masks.unsupported_model``). Under torch.compile the mask
+than causal / bidirectional / sliding window / padding / packing, the sparse-attention models
+coreattn does not serve and a served model under a transformers whose wrapped methods differ
+(``masks.unsupported_model``). Under torch.compile the mask
 builder cannot inspect transformers' mask closures: it still rejects overlays (``use_vmap``) and
 chunked masks (``local_size``), but a blockwise overlay is detected in eager mode only.
 
@@ -48,7 +52,7 @@ transformers inside functions only.
 from __future__ import annotations
 
 from coreattn.adapters.transformers.attention import HONOURED, IGNORED, REJECTED, attention_forward
-from coreattn.adapters.transformers.dsa import SparseMask
+from coreattn.adapters.transformers.dsa import IndexRows, SparseMask
 from coreattn.adapters.transformers.masks import padding_mask
 
 NAME = "coreattn"
@@ -61,10 +65,8 @@ def register(name: str = NAME, *, backend=None) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from coreattn.adapters.transformers import v4
-    from coreattn.adapters.transformers.dsa import install_indexers
-    from coreattn.adapters.transformers.masks import _sparse_backend
-    from coreattn.adapters.transformers.models import minimax_m3
+    from coreattn.adapters.transformers import models
+    from coreattn.adapters.transformers.masks import sparse_backend
 
     def coreattn_attention(module, query, key, value, attention_mask, **kwargs):
         return attention_forward(module, query, key, value, attention_mask, backend=backend, **kwargs)
@@ -72,12 +74,12 @@ def register(name: str = NAME, *, backend=None) -> str:
     def coreattn_mask(*args, **kwargs):
         return padding_mask(*args, backend=backend, **kwargs)
 
+    coreattn_attention.coreattn_backend = sparse_backend(backend)  # what dsa.attention_backend reads
     AttentionInterface.register(name, coreattn_attention)
     AttentionMaskInterface.register(name, coreattn_mask)
-    install_indexers()
-    v4.install()
-    minimax_m3.install(name, _sparse_backend(backend))
+    models.install()
     return name
 
 
-__all__ = ["NAME", "HONOURED", "IGNORED", "REJECTED", "SparseMask", "attention_forward", "padding_mask", "register"]
+__all__ = ["NAME", "HONOURED", "IGNORED", "REJECTED", "IndexRows", "SparseMask", "attention_forward", "padding_mask",
+           "register"]

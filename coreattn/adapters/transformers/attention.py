@@ -4,7 +4,9 @@ Every keyword argument a model passes is in one of three tables: ``HONOURED`` (c
 it), ``IGNORED`` (it does not change the attention's result) and ``REJECTED`` (coreattn does not
 implement it: ``NotImplementedError`` naming it whenever it is not None). Any other keyword argument
 that is not None raises ``NotImplementedError`` too: an argument coreattn does not know may change
-the result, and a silently different result is worse than an error.
+the result, and a silently different result is worse than an error. ``WITH_INDEX_ROWS`` holds the
+arguments accepted only when the mask is coreattn's ``dsa.IndexRows`` (a layer that selected its
+keys itself: the rows hold every key a query attends to, so the argument cannot change the result).
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import logging
 
 import torch
 
-from coreattn.adapters.transformers import dsa, v4
-from coreattn.adapters.transformers.models import minimax_m3
+from coreattn.adapters.transformers import dsa
+from coreattn.adapters.transformers.models import deepseek_v4, minimax_m3
 from coreattn.layers.function import POSITION_IDS
 from coreattn.layers.padded_attn import padded_attn
 from coreattn.layers.varlen_attn import varlen_attn
@@ -28,13 +30,13 @@ HONOURED = {
     "scaling": "the softmax scale",
     "sliding_window": "a causal window of that many keys including the query (bidirectional: that many each side)",
     "is_causal": "causal or bidirectional attention",
-    "s_aux": "per-head attention sinks (gpt-oss), as a differentiable softmax_offset",
+    "s_aux": "per-head attention sinks (gpt-oss, Hy4, DeepSeek-V4), as a differentiable softmax_offset",
     "cu_seq_lens_q": "packed sequences (with cu_seq_lens_k and max_length_q/k)",
     "cu_seq_lens_k": "packed sequences",
     "max_length_q": "packed sequences (bounds the argument checks only)",
     "max_length_k": "packed sequences (bounds the argument checks only)",
     "position_ids": "packed sequences where the ids do not go up by one",
-    "indices": "the DSA indexer's top-k [B, S, K] (DeepSeek-V3.2, GLM-5)",
+    "indices": "a DSA indexer's top-k [B, S, K] (with coreattn's SparseMask: the DSA models of models/)",
     "block_indices": "MiniMax-M3's block selection [B, Hkv, S, blocks]: block-sparse attention",
     "output_attentions": "warns once: no attention weights are returned",
     "softcap": "raises unless None",
@@ -48,6 +50,9 @@ IGNORED = {
     "num_items_in_batch": "the loss's normalization",
     "seq_idx": "packed sequences come from position_ids or cu_seq_lens_q/k, as in transformers' flash path",
     "deterministic": "coreattn's forward and backward are deterministic",
+}
+WITH_INDEX_ROWS = {
+    "input_ids": "the model's token ids (GLM-5.3-Flash's layers pass them on; the index rows stand for the mask)",
 }
 REJECTED = {
     "position_bias": "position_bias (a learned additive attention bias)",
@@ -67,19 +72,21 @@ def _model(module) -> str:
     return getattr(config, "model_type", None) or type(module).__name__
 
 
-def check_kwargs(module, softcap, kwargs, sparse: bool) -> None:
-    """Raises ``NotImplementedError`` for what coreattn does not implement (``sparse``: the attention
-    has coreattn's DSA mask, so ``indices`` is consumed)."""
+def check_kwargs(module, softcap, kwargs, mask) -> None:
+    """Raises ``NotImplementedError`` for what coreattn does not implement (with a ``dsa.SparseMask``
+    ``indices`` is consumed; with ``dsa.IndexRows`` ``WITH_INDEX_ROWS`` is accepted)."""
     if softcap is not None:
         raise NotImplementedError(f"softcap={softcap} is not supported by coreattn ({_model(module)}); {_USE_EAGER}")
     for key, value in kwargs.items():
-        if value is None or key in IGNORED:
+        if value is None or key in IGNORED or (key in WITH_INDEX_ROWS and isinstance(mask, dsa.IndexRows)):
             continue
         if key in REJECTED:
             raise NotImplementedError(f"{REJECTED[key]} is not supported by coreattn ({_model(module)}); {_USE_EAGER}")
-        if key == "indices" and not sparse:
+        if key == "indices" and not isinstance(mask, dsa.SparseMask):
+            from coreattn.adapters.transformers.models import SPARSE_MASK_TYPES
+
             raise NotImplementedError(f"indices (a sparse-attention top-k) passed without coreattn's DSA mask "
-                                      f"({_model(module)}): coreattn serves DSA for {', '.join(dsa.SERVED)}; "
+                                      f"({_model(module)}): coreattn serves DSA for {', '.join(SPARSE_MASK_TYPES)}; "
                                       f"{_USE_EAGER}")
         if key == "block_indices":  # consumed with coreattn's MiniMax-M3 mask (attention_forward)
             raise NotImplementedError(f"block_indices (block-sparse attention) passed without coreattn's MiniMax-M3 "
@@ -150,7 +157,8 @@ def _packed_position_ids(q, k, v, position_ids: torch.Tensor, opts):
 
 
 def _check_mask(module, attention_mask) -> None:
-    if attention_mask is None or isinstance(attention_mask, (dsa.SparseMask, v4.HybridMask, minimax_m3.BlockMask)):
+    if attention_mask is None or isinstance(attention_mask, (dsa.SparseMask, dsa.IndexRows, deepseek_v4.HybridMask,
+                                                             minimax_m3.BlockMask)):
         return
     if not isinstance(attention_mask, torch.Tensor):
         raise ValueError(f"coreattn takes a [batch, seq] padding mask, got a {type(attention_mask).__name__} "
@@ -171,12 +179,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if isinstance(attention_mask, minimax_m3.BlockMask):
         block_indices = kwargs.pop("block_indices", None)
         if block_indices is None and attention_mask.dense is minimax_m3.BOUNDS:  # dense layers, a static cache
-            check_kwargs(module, softcap, kwargs, False)
+            check_kwargs(module, softcap, kwargs, attention_mask)
             return minimax_m3.dense_attention(module, query, key, value, attention_mask, scaling, dropout), None
         if block_indices is None:  # MiniMax-M3's dense layers: the padding mask, as any model's
             return attention_forward(module, query, key, value, attention_mask.dense, dropout, scaling, sliding_window,
                                      softcap, is_causal, s_aux, backend, **kwargs)
-        check_kwargs(module, softcap, kwargs, False)
+        check_kwargs(module, softcap, kwargs, attention_mask)
         for name, value_ in (("sliding_window", sliding_window), ("s_aux", s_aux)):
             if value_ is not None:
                 raise NotImplementedError(f"{name} with block-sparse attention is not supported by coreattn "
@@ -184,18 +192,24 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = minimax_m3.block_sparse_attention(module, query, key, value, attention_mask, block_indices, scaling,
                                                 dropout)
         return out, None
-    sparse = isinstance(attention_mask, dsa.SparseMask)
-    check_kwargs(module, softcap, kwargs, sparse)
+    check_kwargs(module, softcap, kwargs, attention_mask)
     _check_mask(module, attention_mask)
-    if isinstance(attention_mask, v4.HybridMask):
-        out = v4.hybrid_attention(query, key, attention_mask, scaling, dropout, sliding_window, s_aux)
+    if isinstance(attention_mask, deepseek_v4.HybridMask):
+        out = deepseek_v4.hybrid_attention(query, key, attention_mask, scaling, dropout, sliding_window, s_aux)
         return out, None
-    if sparse:
-        for name, value_ in (("sliding_window", sliding_window), ("s_aux", s_aux)):
-            if value_ is not None:
-                raise NotImplementedError(f"{name} with DSA sparse attention is not supported by coreattn "
-                                          f"({_model(module)}); {_USE_EAGER}")
-        out = dsa.sparse_attention(query, key, value, attention_mask, kwargs.get("indices"), scaling, dropout)
+    if (isinstance(attention_mask, dsa.SparseMask) and kwargs.get("indices") is None
+            and getattr(module, "indexer", None) is None):
+        attention_mask = attention_mask.keep  # a DSA model's layer without an indexer: dense attention
+    elif isinstance(attention_mask, (dsa.SparseMask, dsa.IndexRows)):
+        if sliding_window is not None:
+            raise NotImplementedError(f"sliding_window with DSA sparse attention is not supported by coreattn "
+                                      f"({_model(module)}); {_USE_EAGER}")
+        if isinstance(attention_mask, dsa.IndexRows):
+            out = dsa.sparse_attention(query, key, value, attention_mask.indices, scaling, dropout, s_aux,
+                                       backend=attention_mask.backend)
+        else:
+            out = dsa.sparse_attention(query, key, value, kwargs.get("indices"), scaling, dropout, s_aux,
+                                       mask=attention_mask)
         return out, None
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     opts = dict(dropout_p=float(dropout), softmax_scale=scaling, causal=causal,

@@ -1,53 +1,49 @@
-"""DeepSeek Sparse Attention models of transformers (DeepSeek-V3.2, GLM-5) under "coreattn".
+"""The DSA machinery the model modules (``models/``) share: the masks coreattn hands sparse-attention
+models, their layers' attention, and the wrapping of their indexers.
 
-Their attention layer runs the lightning indexer itself (``attention_mask[:, 0, :, :]`` is its
-``[B, S, T]`` mask) and passes the top-k to the attention function as ``indices=`` ``[B, S, K]``.
-Under coreattn:
+- ``SparseMask``: what the mask builder hands a model whose attention layer runs a DSA indexer on
+  ``attention_mask[:, 0]`` and passes its top-k as ``indices=`` (DeepSeek-V3.2 and the models built
+  like it): per query token the key positions ``[lo, hi)`` it may see (causality, left or right
+  padding, packed sequences and a KV cache's offsets folded in; built on the device, ``[B, S]``
+  each), never a ``[B, 1, S, T]`` tensor. A layer of such a model without an indexer (none passes
+  ``indices``) runs dense attention on the mask's ``keep``.
+- ``IndexRows``: what coreattn hands the attention function in place of the ``[B, 1, S, T]`` mask a
+  layer builds itself from its indexer's rows (GLM-5.3-Flash): the rows.
+- ``wrap_indexer``: an indexer's forward that, handed a ``SparseMask``, computes q and k with the
+  model's own projections, norm and RoPE (the family's ``project``) and scores them with
+  ``coreattn.indexer_topk`` (``score_topk``: chunked, ``sum_h w_h * relu(scale * q_h . k)``, top-k
+  among the visible keys, -1 where a row has fewer); handed anything else it runs transformers' code.
+- ``sparse_attention``: ``coreattn.sparse_padded_attn`` on the bshd views with the indices (set
+  semantics: a key named twice counts once; a row that names no key outputs zeros), the bounds and
+  the model's per-head sinks (``s_aux``) as ``softmax_offset``.
 
-- the mask builder hands these models a ``SparseMask``: per query token the key positions
-  ``[lo, hi)`` it may see (causality, left or right padding, packed sequences and a KV cache's
-  offsets folded in; built on the device, ``[B, S]`` each), never a ``[B, 1, S, T]`` tensor;
-- ``register()`` wraps the models' indexer classes: given a ``SparseMask``, the indexer keeps its
-  own projections, norm and RoPE and scores with ``coreattn.indexer_topk`` (chunked, the same math:
-  ``sum_h w_h * relu(scale * q_h . k)``, top-k among the visible keys, -1 where a row has fewer);
-  given anything else it runs as transformers wrote it;
-- the attention function runs ``coreattn.sparse_padded_attn`` on the bshd views with the indices and
-  the mask's bounds (set semantics: a key named twice counts once; a padded query row outputs zeros).
-
-Nothing on this path is S x S: the indexer's scores exist one chunk of queries at a time, the
-attention gathers K keys per query.
+Nothing here is S x S: the indexer's scores exist one chunk of queries at a time, the attention
+gathers K keys per query.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
+import inspect
 
 import torch
 
 from coreattn.layers.dsa.indexer import indexer_topk
 from coreattn.layers.dsa.sparse_attn import sparse_padded_attn
 
-# model_type -> (the indexer's class in the model's module, the name of the RoPE function it applies)
-INDEXERS = {
-    "deepseek_v32": ("transformers.models.deepseek_v32.modeling_deepseek_v32", "DeepseekV32Indexer",
-                     "apply_rotary_pos_emb"),  # half-split RoPE
-    "glm_moe_dsa": ("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa", "GlmMoeDsaIndexer",
-                    "apply_rotary_pos_emb_interleave"),
-}
-SERVED = tuple(INDEXERS)
-
 
 class SparseMask:
     """The attention mask coreattn builds for a DSA model: query token (b, s) sees the key positions
     ``lo[b, s] <= j < hi[b, s]`` (int32 ``[B, S]``; ``lo == hi``: a padded query, which sees
-    nothing). ``backend``: the coreattn backend pinned by ``register(backend=...)`` for the sparse
-    attention and the indexer (None: per device; a dense-only pin such as npu_fused becomes None)."""
+    nothing); ``keep``: the ``[B, kv_length]`` bool padding mask over the keys (None: none given),
+    for the model's layers without an indexer. ``backend``: the coreattn backend pinned by
+    ``register(backend=...)`` for the sparse attention and the indexer (None: per device; a
+    dense-only pin such as npu_fused becomes None)."""
 
-    __slots__ = ("lo", "hi", "backend")
+    __slots__ = ("lo", "hi", "backend", "keep")
 
-    def __init__(self, lo: torch.Tensor, hi: torch.Tensor, backend=None):
-        self.lo, self.hi, self.backend = lo, hi, backend
+    def __init__(self, lo: torch.Tensor, hi: torch.Tensor, backend=None, keep: torch.Tensor | None = None):
+        self.lo, self.hi, self.backend, self.keep = lo, hi, backend, keep
 
     def __getitem__(self, item):
         # the models hand their indexer attention_mask[:, 0, :, :]: the same bounds serve it
@@ -55,6 +51,20 @@ class SparseMask:
 
     def __repr__(self) -> str:
         return f"SparseMask(batch={self.lo.shape[0]}, queries={self.lo.shape[1]}, backend={self.backend!r})"
+
+
+class IndexRows:
+    """The attention mask of a layer that selects its keys itself (GLM-5.3-Flash): ``indices``
+    ``[B, S, W]`` key positions per query (-1 unused; only keys the query may see), ``backend``
+    the coreattn backend pinned by ``register(backend=...)``."""
+
+    __slots__ = ("indices", "backend")
+
+    def __init__(self, indices: torch.Tensor, backend=None):
+        self.indices, self.backend = indices, backend
+
+    def __repr__(self) -> str:
+        return f"IndexRows(shape={tuple(self.indices.shape)}, backend={self.backend!r})"
 
 
 def key_bounds(batch: int, q_length: int, kv_length: int, q_offset, kv_offset, causal: bool,
@@ -98,8 +108,11 @@ def has_holes(keep: torch.Tensor) -> torch.Tensor:
     return (runs > 1).any()
 
 
-def sparse_attention(query, key, value, mask: SparseMask, indices, scaling, dropout: float):
-    """The attention of a DSA layer: ``[B, S, Hq, Dv]`` through ``coreattn.sparse_padded_attn``."""
+def sparse_attention(query, key, value, indices, scaling, dropout: float, s_aux=None, mask: SparseMask | None = None,
+                     backend=None):
+    """The attention of a DSA layer, ``[B, S, Hq, Dv]``, through ``coreattn.sparse_padded_attn``: q/k/v
+    as the model passes them (``[B, H, S, D]``), ``indices`` ``[B, S, K]`` key positions (-1 unused),
+    within ``mask``'s bounds (None: the indices hold only visible keys), ``s_aux`` per-head sinks."""
     if indices is None:
         raise ValueError("coreattn's DSA mask needs the indexer's top-k (indices=[batch, seq, topk]); the attention "
                          "layer passed none")
@@ -110,59 +123,85 @@ def sparse_attention(query, key, value, mask: SparseMask, indices, scaling, drop
         raise ValueError(f"indices must be the indexer's [batch, seq, topk] tensor, got "
                          f"{tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices).__name__}")
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, S, H, D] views
-    return sparse_padded_attn(q, k, v, indices, layout="bshd", key_bounds=(mask.lo, mask.hi), causal=False,
-                              softmax_scale=scaling, backend=mask.backend)
+    bounds = None if mask is None else (mask.lo, mask.hi)
+    return sparse_padded_attn(q, k, v, indices, layout="bshd", key_bounds=bounds, causal=False, softmax_scale=scaling,
+                              softmax_offset=s_aux, backend=mask.backend if mask is not None else backend)
 
 
-def _indexer_topk(indexer, rope, hidden_states, q_resid, position_embeddings, mask: SparseMask, cache):
-    """The DSA indexer's top-k ``[B, S, K]`` int32 with the model's own projections, norm and RoPE,
-    scored by ``coreattn.indexer_topk`` within the mask's bounds."""
-    batch, seqlen, _ = hidden_states.shape
-    rope_dim, dim = indexer.qk_rope_head_dim, indexer.head_dim
-    cos, sin = position_embeddings
-    q = indexer.wq_b(q_resid).view(batch, seqlen, indexer.n_heads, dim)  # [B, S, H, D]
-    k = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2)  # [B, S, 1, D]
-    q_rot, k_rot = rope(q[..., :rope_dim], k[..., :rope_dim], cos, sin, unsqueeze_dim=2)
-    q = torch.cat([q_rot, q[..., rope_dim:]], dim=-1)
-    k = torch.cat([k_rot, k[..., rope_dim:]], dim=-1).squeeze(2)  # [B, S, D]
+def head_weights(indexer, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The indexer's head weights ``[B, S, H]`` float32 as transformers' DSA indexers compute them
+    (``weights_proj`` in its weight's dtype, times ``n_heads ** -0.5``), with the softmax scale
+    folded in: ``relu(scale * x) = scale * relu(x)`` for the positive scale."""
+    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
+    return weights * (indexer.n_heads ** -0.5 * indexer.softmax_scale)
+
+
+def score_topk(indexer, q: torch.Tensor, k: torch.Tensor, hidden_states: torch.Tensor, mask: SparseMask,
+               cache) -> torch.Tensor:
+    """The DSA indexer's top-k ``[B, S, K]`` int32 (K = min(index_topk, keys), -1 unused) of q
+    ``[B, S, H, D]`` against k ``[B, S, D]`` (appended to the layer's indexer cache first), scored
+    by ``coreattn.indexer_topk`` within the mask's bounds."""
     if cache is not None:
         k = cache.update_indexer(k, indexer.layer_idx)  # [B, T, D]
-    # relu(scale * x) = scale * relu(x): the softmax scale joins the head weights
-    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
-    weights = weights * (indexer.n_heads ** -0.5 * indexer.softmax_scale)  # [B, S, H]
-    return indexer_topk(q, k, weights, indexer.index_topk, layout="bshd", key_bounds=(mask.lo, mask.hi),
-                        index_dtype=torch.int32, backend=mask.backend).indices
+    return indexer_topk(q, k, head_weights(indexer, hidden_states), indexer.index_topk, layout="bshd",
+                        key_bounds=(mask.lo, mask.hi), index_dtype=torch.int32, backend=mask.backend).indices
 
 
-def _wrap(forward, rope_name: str):
-    @functools.wraps(forward)
-    def indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None,
-                        cache=None, **kwargs):
-        if not isinstance(attention_mask, SparseMask):
-            return indexer_forward.coreattn_wrapped(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids,
-                           cache=cache, **kwargs)
-        cache = kwargs.pop("past_key_values", cache)
-        if kwargs:
-            raise TypeError(f"{type(self).__name__}.forward got unexpected arguments {sorted(kwargs)}")
-        rope = getattr(sys.modules[type(self).__module__], rope_name)
-        with torch.no_grad():
-            return _indexer_topk(self, rope, hidden_states, q_resid, position_embeddings, attention_mask, cache)
+def wrap_indexer(project):
+    """The wrapper of a DSA indexer's ``forward`` (for ``sources.wrap_method``): handed a
+    ``SparseMask``, ``project(indexer, arguments)`` (the forward's arguments by name) gives q
+    ``[B, S, H, D]`` and k ``[B, S, D]`` as the model computes them and ``score_topk`` selects;
+    handed anything else, transformers' forward runs."""
+    def wrap(forward):
+        signature = inspect.signature(forward)
 
-    indexer_forward.coreattn_wrapped = forward
-    return indexer_forward
+        @functools.wraps(forward)
+        def indexer_forward(self, *args, **kwargs):
+            original = indexer_forward.coreattn_wrapped
+            if "past_key_values" in kwargs and "cache" not in kwargs:  # transformers' deprecated name
+                kwargs["cache"] = kwargs.pop("past_key_values")
+            try:
+                call = signature.bind(self, *args, **kwargs)
+            except TypeError:
+                return original(self, *args, **kwargs)  # raises as transformers' forward does
+            call.apply_defaults()
+            arguments = call.arguments
+            mask = arguments["attention_mask"]
+            if not isinstance(mask, SparseMask):
+                return original(self, *args, **kwargs)
+            with torch.no_grad():
+                q, k = project(self, arguments)
+                return score_topk(self, q, k, arguments["hidden_states"], mask, arguments.get("cache"))
+
+        return indexer_forward
+
+    return wrap
 
 
-def install_indexers() -> list[str]:
-    """Wrap the DSA indexers of the models this transformers ships (idempotent); returns their model types."""
+def attention_backend(config) -> tuple[bool, object]:
+    """(True, its backend pin) when ``config``'s attention implementation is one ``register()``
+    added, else (False, None)."""
+    from transformers import AttentionInterface
+
+    function = AttentionInterface().get(getattr(config, "_attn_implementation", None) or "")
+    if function is None or not hasattr(function, "coreattn_backend"):
+        return False, None
+    return True, function.coreattn_backend
+
+
+def install_indexers(indexers: dict) -> list[str]:
+    """Wrap the indexer classes ``{model_type: (module name, class name, project)}`` that this
+    transformers ships with ``wrap_indexer(project)`` (idempotent); returns their model types."""
     import importlib
 
+    from coreattn.adapters.transformers.sources import wrap_method
+
     installed = []
-    for model_type, (module_name, class_name, rope_name) in INDEXERS.items():
+    for model_type, (module_name, class_name, project) in indexers.items():
         try:
             cls = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError):
-            continue  # an older transformers without this model
-        if not hasattr(cls.forward, "coreattn_wrapped"):
-            cls.forward = _wrap(cls.forward, rope_name)
+            continue  # a transformers without this model
+        wrap_method(cls, "forward", wrap_indexer(project))
         installed.append(model_type)
     return installed

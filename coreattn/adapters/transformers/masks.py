@@ -1,18 +1,21 @@
 """coreattn's mask builder for transformers (``AttentionMaskInterface``), and what it refuses.
 
-``padding_mask`` runs once per model forward. It hands the attention function a ``[B, kv_length]``
-bool keep mask, or None when nothing is padded; DSA models (``dsa.SERVED``) get a ``dsa.SparseMask``,
-DeepSeek-V4 a ``v4.HybridMask`` and MiniMax-M3 a ``models.minimax_m3.BlockMask``.
+``padding_mask`` runs once per model forward (per layer type). It hands the attention function a
+``[B, kv_length]`` bool keep mask, or None when nothing is padded; the DSA models whose attention
+layers run their indexer on it (``models.SPARSE_MASK_TYPES``) get a ``dsa.SparseMask`` (their
+sliding-window layers, dots3-note's, the keep mask), DeepSeek-V4 a ``deepseek_v4.HybridMask`` and
+MiniMax-M3 a ``minimax_m3.BlockMask``.
 It raises, naming the feature, for mask patterns coreattn cannot run and for models whose layers
-change K/V or the mask after it was built (``unsupported_model``).
+change K/V or the mask after it was built (``unsupported_model``), among them a served model under a
+transformers whose wrapped methods differ from those its module was written against.
 """
 
 from __future__ import annotations
 
 import torch
 
-from coreattn.adapters.transformers import dsa, v4
-from coreattn.adapters.transformers.models import minimax_m3
+from coreattn.adapters.transformers import dsa, models
+from coreattn.adapters.transformers.models import deepseek_v4, minimax_m3
 
 _SUPPORTED_PARTS = {
     "sliding_window_overlay.<locals>.inner_mask": "sliding window",
@@ -59,35 +62,39 @@ def _unsupported_parts(fn) -> list[str]:
 
 
 def unsupported_model(config) -> str | None:
-    """Why coreattn cannot run this model's attention (None: it can): DeepSeek-V4 under a transformers
-    whose V4 code differs from the one coreattn's V4 path restates, and DSA indexers coreattn does not serve."""
+    """Why coreattn cannot run this model's attention (None: it can): a model coreattn serves by wrapping
+    its methods under a transformers whose methods differ from those its module restates, and the
+    sparse-attention models coreattn does not serve (any other config with ``index_topk``)."""
     if config is None:
         return None
     model_type = getattr(config, "model_type", "")
-    if model_type in minimax_m3.MODEL_TYPES:
-        reason = minimax_m3.check_source()
-        return None if reason is None else f"MiniMax-M3's block-sparse attention with this transformers: {reason}"
-    if model_type == v4.MODEL_TYPE:
-        reason = v4.check_source()
-        return None if reason is None else (f"DeepSeek-V4's hybrid attention with this transformers: {reason} (its "
-                                            "compressed layers append entries to K/V after the mask is built)")
-    if getattr(config, "index_topk", None) is not None and model_type not in dsa.SERVED:
-        return (f"the sparse attention of {model_type!r} (its indexer reads a [B, S, T] mask and passes a top-k "
-                f"as indices=); coreattn serves DSA for {', '.join(dsa.SERVED)}")
+    family = models.family(model_type)
+    if family is not None:
+        reason = family.check_source(model_type)
+        if reason is None:
+            return None
+        if family is deepseek_v4:
+            return (f"DeepSeek-V4's hybrid attention with this transformers: {reason} (its compressed layers append "
+                    "entries to K/V after the mask is built)")
+        return f"{family.NAME}'s sparse attention ({model_type}) with this transformers: {reason}"
+    if getattr(config, "index_topk", None) is not None:
+        return (f"the sparse attention of {model_type!r} (its indexer is not one coreattn restates: the layer would "
+                f"select keys on its own [B, S, T] scores); coreattn serves DSA for "
+                f"{', '.join(models.SPARSE_MASK_TYPES + models.glm5_next.MODEL_TYPES)}")
     return None
 
 
 def _bounds_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, config,
                  backend, device):
-    """A ``dsa.SparseMask`` (DSA models) or a ``v4.HybridMask`` (DeepSeek-V4, whose sliding window the
-    attention call adds): per query the keys it sees as bounds, built on the device."""
+    """A ``dsa.SparseMask`` (DSA models) or a ``deepseek_v4.HybridMask`` (DeepSeek-V4, whose sliding
+    window the attention call adds): per query the keys it sees as bounds, built on the device."""
     from transformers import masking_utils as mu
 
     parts = _parts(mask_function) if mask_function is not None else [mu.causal_mask_function]
     names = [getattr(p, "__qualname__", "") for p in parts]
-    hybrid = config.model_type == v4.MODEL_TYPE
-    if any(name in _WINDOWS for name in names) and not hybrid:
-        raise NotImplementedError(f"coreattn's DSA path has no sliding window ({config.model_type}); {_USE_EAGER}")
+    hybrid = config.model_type == deepseek_v4.MODEL_TYPE
+    if any(name in _WINDOWS for name in names) and not hybrid:  # the DSA models' window layers never come here
+        raise NotImplementedError(f"coreattn's sparse path has no sliding window ({config.model_type}); {_USE_EAGER}")
     sequence_ids = next((_closure(p)["packed_sequence_mask"] for p, n in zip(parts, names) if n == _SEQUENCE_IDS),
                         None)
     causal = mu.bidirectional_mask_function not in parts
@@ -109,8 +116,8 @@ def _bounds_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_func
         col = (q_offset + torch.arange(q_length, device=device) - kv_offset)[None].expand(batch_size, -1)
         start = dsa.key_bounds(batch_size, q_length, kv_length, q_offset, kv_offset, causal, None, sequence_ids,
                                device)[0]
-        return v4.HybridMask(start, col.to(torch.int32), keep, backend)
-    return dsa.SparseMask(lo, hi, backend)
+        return deepseek_v4.HybridMask(start, col.to(torch.int32), keep, backend)
+    return dsa.SparseMask(lo, hi, backend, keep)
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
@@ -136,18 +143,21 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         parts = _unsupported_parts(mask_function)
         if parts:
             raise NotImplementedError(f"coreattn cannot run this mask pattern: {', '.join(parts)}; {_USE_EAGER}")
-    if getattr(config, "model_type", None) in minimax_m3.MODEL_TYPES:  # bounds for its sparse layers, the
-        # padding mask (as any model's) for its dense ones
+    model_type = getattr(config, "model_type", None)
+    if model_type in minimax_m3.MODEL_TYPES:  # bounds for its sparse layers, the padding mask (as any model's)
+        # for its dense ones
         bounds = _bounds_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
-                              config, _sparse_backend(backend), kwargs.get("device") or torch.device("cpu"))
+                              config, sparse_backend(backend), kwargs.get("device") or torch.device("cpu"))
         dense = minimax_m3.BOUNDS  # a static cache (a mask narrower than its keys): the bounds serve them too
         if attention_mask is None or attention_mask.shape[-1] >= kv_length:
             dense = padding_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                                  use_vmap, None, backend, **kwargs)
         return minimax_m3.BlockMask(bounds.lo, bounds.hi, dense, bounds.backend)
-    if getattr(config, "model_type", None) in dsa.SERVED + (v4.MODEL_TYPE,):
+    model_type = getattr(config, "model_type", None)
+    if model_type == deepseek_v4.MODEL_TYPE or (model_type in models.SPARSE_MASK_TYPES
+                                                and not _has_window(mask_function)):
         return _bounds_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, config,
-                            _sparse_backend(backend), kwargs.get("device") or torch.device("cpu"))
+                            sparse_backend(backend), kwargs.get("device") or torch.device("cpu"))
     if attention_mask is None:
         return None
     if attention_mask.dim() != 2:
@@ -161,7 +171,12 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     return None if bool(keep.all()) else keep
 
 
-def _sparse_backend(backend):
+def _has_window(mask_function) -> bool:
+    """Whether transformers' mask function has a sliding window (a DSA model's sliding layers: dots3-note's)."""
+    return mask_function is not None and any(getattr(p, "__qualname__", "") in _WINDOWS for p in _parts(mask_function))
+
+
+def sparse_backend(backend):
     """The pin the sparse attention and the indexer take: a dense-only pin (``npu_fused``, dense
     attention's torch_npu operator) leaves them at their per-call default, as CoreDSAttention does."""
     from coreattn.layers.backends import Backend, parse_backend

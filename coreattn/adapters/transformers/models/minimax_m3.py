@@ -9,11 +9,12 @@ eager and SDPA expand them into a ``[B, H, S, T]`` mask (``build_block_mask``). 
 - the mask builder hands these models a ``BlockMask``: per query token the key positions ``[lo, hi)``
   it may see (causality, left or right padding, a cache's offsets; built on the device, ``[B, S]``
   each) for the sparse layers, and the padding mask the dense layers take as any model's;
-- ``install()`` (run by ``register()``) wraps ``MiniMaxM3VLIndexer.forward``: on a model whose
-  attention implementation is coreattn's, the indexer keeps its own projections, norms, RoPE and
-  cache update and scores with ``coreattn.indexer_topk``'s block mode (the same math: raw q . k,
-  block max, the local blocks forced, ``key_hi = position + 1`` as the model's ``token_future``,
-  per head), never the ``[B, H, S, T]`` scores; on any other it runs as transformers wrote it;
+- ``install()`` (run by ``register()`` through ``models.install``) wraps ``MiniMaxM3VLIndexer.forward``:
+  on a model whose attention implementation is one ``register()`` added (``dsa.attention_backend``),
+  the indexer keeps its own projections, norms, RoPE and cache update and scores with
+  ``coreattn.indexer_topk``'s block mode (the same math: raw q . k, block max, the local blocks
+  forced, ``key_hi = position + 1`` as the model's ``token_future``, per head), never the
+  ``[B, H, S, T]`` scores; on any other it runs as transformers wrote it;
 - the attention function runs ``coreattn.sparse_padded_attn(..., block_size=index_block_size)`` on
   the bshd views with the block indices (a kv head's row per index head) and the mask's bounds: each
   named block's keys read as contiguous rows, memory O(S x blocks), never a ``[B, H, S, T]`` mask.
@@ -28,23 +29,21 @@ then the attention call with ``block_indices``; ``build_block_mask`` for eager a
 from __future__ import annotations
 
 import functools
-import hashlib
-import inspect
 import sys
 
 import torch
 
+from coreattn.adapters.transformers import dsa, sources
 from coreattn.layers.dsa.indexer import indexer_topk
 from coreattn.layers.dsa.sparse_attn import sparse_padded_attn
 
+NAME = "MiniMax-M3"
 MODEL_TYPES = ("minimax_m3_vl_text", "minimax_m3_vl")
 MODULE = "transformers.models.minimax_m3_vl.modeling_minimax_m3_vl"
 KNOWN_SOURCES = {
     "MiniMaxM3VLIndexer.forward": "83606351ef7f4edcb9d3ec56e0f9861f34fb85c1065dfb5ba95c013d24dfad8a",
     "MiniMaxM3VLAttention.forward": "513b464442143bf9550df42483eec40702c194362bff3685783a7833aca324c8",
 }
-# attn_implementation names registered by coreattn -> the sparse backend pin their indexer takes
-_NAMES: dict[str, object] = {}
 BOUNDS = "bounds"  # BlockMask.dense for a static cache: the dense layers take the bounds too (dense_attention)
 
 
@@ -65,23 +64,10 @@ class BlockMask:
         return f"BlockMask(batch={self.lo.shape[0]}, queries={self.lo.shape[1]}, backend={self.backend!r})"
 
 
-def _source_hash(cls, name: str) -> str:
-    method = getattr(cls, name)
-    return hashlib.sha256(inspect.getsource(getattr(method, "coreattn_wrapped", method)).encode()).hexdigest()
-
-
 @functools.lru_cache(maxsize=None)
-def check_source() -> str | None:
+def check_source(model_type: str) -> str | None:
     """None if this transformers' MiniMax-M3 methods are the ones this module was written against, else why not."""
-    import importlib
-
-    module = importlib.import_module(MODULE)
-    for qualname, want in KNOWN_SOURCES.items():
-        cls_name, method = qualname.split(".")
-        if _source_hash(getattr(module, cls_name), method) != want:
-            return (f"{qualname} differs from the transformers release (5.25.0) coreattn's MiniMax-M3 path was "
-                    "checked against")
-    return None
+    return sources.check_sources(MODULE, KNOWN_SOURCES, NAME)
 
 
 def _heads_for(indices: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
@@ -151,32 +137,27 @@ def _indexer_blocks(indexer, rope, hidden_states, position_embeddings, cache, po
 def _wrap(forward):
     @functools.wraps(forward)
     def indexer_forward(self, hidden_states, position_embeddings, cache=None, position_ids=None, **kwargs):
-        implementation = getattr(self.config, "_attn_implementation", None)
+        served, backend = dsa.attention_backend(self.config)
         cache = kwargs.pop("past_key_values", cache)
-        if implementation not in _NAMES:
+        if not served:
             return indexer_forward.coreattn_wrapped(self, hidden_states, position_embeddings, cache, position_ids,
                                                     **kwargs)
         if kwargs:
             raise TypeError(f"{type(self).__name__}.forward got unexpected arguments {sorted(kwargs)}")
         rope = getattr(sys.modules[type(self).__module__], "apply_rotary_pos_emb")
         with torch.no_grad():
-            return _indexer_blocks(self, rope, hidden_states, position_embeddings, cache, position_ids,
-                                   _NAMES[implementation])
+            return _indexer_blocks(self, rope, hidden_states, position_embeddings, cache, position_ids, backend)
 
-    indexer_forward.coreattn_wrapped = forward
     return indexer_forward
 
 
-def install(name: str, backend=None) -> bool:
-    """Wrap MiniMax-M3's indexer (idempotent) and mark ``name`` as coreattn's implementation, its indexer
-    pinned to ``backend``; False when this transformers has no MiniMax-M3."""
+def install() -> list[str]:
+    """Wrap MiniMax-M3's indexer (idempotent); [] when this transformers has no MiniMax-M3."""
     import importlib
 
     try:
-        cls = importlib.import_module(MODULE).MiniMaxM3VLIndexer
-    except (ImportError, AttributeError):
-        return False
-    if not hasattr(cls.forward, "coreattn_wrapped"):
-        cls.forward = _wrap(cls.forward)
-    _NAMES[name] = backend
-    return True
+        module = importlib.import_module(MODULE)
+    except ImportError:
+        return []
+    sources.wrap_method(module.MiniMaxM3VLIndexer, "forward", _wrap)
+    return list(MODEL_TYPES)

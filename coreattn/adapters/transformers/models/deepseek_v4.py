@@ -1,4 +1,4 @@
-"""DeepSeek-V4's hybrid attention (transformers' ``DeepseekV4ForCausalLM``) under "coreattn".
+"""DeepSeek-V4's hybrid attention (``deepseek_v4``, ``DeepseekV4ForCausalLM``) under "coreattn".
 
 Every V4 layer attends, in one softmax with a learnable per-head sink, to a sliding window of its
 raw tokens and (CSA / HCA layers) to compressed KV entries the layer's compressor appends to the
@@ -26,28 +26,32 @@ Memory: the index rows, O(S x (W + K)) on CSA layers and O(S x (W + S / rate)) o
 128: 256 entries per token at 16k tokens), never S x S. Handed anything else, the wrapped methods
 run transformers' code unchanged.
 
-``_compress`` and the indexer path restate transformers' math; ``check_source`` compares the
-wrapped methods' source with the transformers release they were written against and refuses to run
-V4 otherwise (a changed compressor would otherwise give silently different results).
+Wraps ``DeepseekV4Attention.forward``, ``DeepseekV4CSACompressor.forward`` and
+``DeepseekV4HCACompressor.forward``; ``_compress`` and the indexer path restate transformers' math
+(of those and of ``DeepseekV4Indexer.forward`` / ``DeepseekV4IndexerScorer.forward``).
+``check_source`` compares these methods' source with the hashes below (transformers 5.24.0 and
+5.25.0: the same sources) and the mask builder refuses V4 otherwise (a changed compressor would
+otherwise give silently different results).
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
-import hashlib
-import inspect
 from typing import NamedTuple
 
 import torch
 
+from coreattn.adapters.transformers import sources
 from coreattn.layers.dsa.indexer import indexer_topk
 from coreattn.layers.dsa.sparse_attn import sparse_padded_attn
 
+NAME = "DeepSeek-V4"
 MODEL_TYPE = "deepseek_v4"
+MODEL_TYPES = (MODEL_TYPE,)
 MODULE = "transformers.models.deepseek_v4.modeling_deepseek_v4"
 # sha256 of the source of the methods whose math this module restates or whose order it relies on
-# (transformers 5.24.0); another source makes check_source refuse the V4 path
+# (transformers 5.24.0 and 5.25.0); another source makes check_source refuse the V4 path
 KNOWN_SOURCES = {
     "DeepseekV4Attention.forward": "7e61a222ad0603b76b2d97582fe04d0cf1a62c7f9383a5cb35ed86faeee06e8c",
     "DeepseekV4CSACompressor.forward": "3644b0ea966e20d264a990cde2e85ea85ede5d7d645373531de26a0f39864725",
@@ -95,23 +99,11 @@ class _Call:
 _CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("coreattn_deepseek_v4_call", default=None)
 
 
-def _source_hash(cls, name: str) -> str:
-    method = getattr(cls, name)
-    return hashlib.sha256(inspect.getsource(getattr(method, "coreattn_wrapped", method)).encode()).hexdigest()
-
-
 @functools.lru_cache(maxsize=None)
-def check_source() -> str | None:
+def check_source(model_type: str) -> str | None:
     """None if this transformers' V4 methods are the ones coreattn's V4 path was written against,
     else why not."""
-    import importlib
-
-    module = importlib.import_module(MODULE)
-    for qualname, want in KNOWN_SOURCES.items():
-        cls_name, method = qualname.split(".")
-        if _source_hash(getattr(module, cls_name), method) != want:
-            return f"{qualname} differs from the transformers release coreattn's DeepSeek-V4 path was checked against"
-    return None
+    return sources.check_sources(MODULE, KNOWN_SOURCES, NAME)
 
 
 def _positions(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
@@ -191,7 +183,6 @@ def _compressor_forward(forward, select):
         entries, call.selection = select(self, call, hidden_states, q_residual, cache, layer_idx)
         return entries.unsqueeze(1), None
 
-    compressor_forward.coreattn_wrapped = forward
     return compressor_forward
 
 
@@ -227,25 +218,21 @@ def _attention_forward(forward):
         finally:
             _CALL.reset(token)
 
-    attention_forward.coreattn_wrapped = forward
     return attention_forward
 
 
-def install() -> bool:
-    """Wrap DeepSeek-V4's attention layer and compressors (idempotent); False without the model."""
+def install() -> list[str]:
+    """Wrap DeepSeek-V4's attention layer and compressors (idempotent); [] without the model."""
     import importlib
 
     try:
         module = importlib.import_module(MODULE)
     except ImportError:
-        return False
-    for cls_name, wrap in (("DeepseekV4Attention", _attention_forward),
-                           ("DeepseekV4CSACompressor", lambda f: _compressor_forward(f, _csa_select)),
-                           ("DeepseekV4HCACompressor", lambda f: _compressor_forward(f, _hca_select))):
-        cls = getattr(module, cls_name)
-        if not hasattr(cls.forward, "coreattn_wrapped"):
-            cls.forward = wrap(cls.forward)
-    return True
+        return []
+    sources.wrap_method(module.DeepseekV4Attention, "forward", _attention_forward)
+    sources.wrap_method(module.DeepseekV4CSACompressor, "forward", lambda f: _compressor_forward(f, _csa_select))
+    sources.wrap_method(module.DeepseekV4HCACompressor, "forward", lambda f: _compressor_forward(f, _hca_select))
+    return list(MODEL_TYPES)
 
 
 def hybrid_attention(query, key_value, mask: HybridMask, scaling, dropout: float, sliding_window, s_aux):
