@@ -6,7 +6,7 @@ input-dtype values, P rounded to the input dtype before P @ V, output rounded.
 Both are differentiable so gradients can be compared the same way.
 
 Optional features, written from their definitions: a softmax offset (sink) adds ``exp(offset[h])``
-to each row's denominator (a virtual key with a zero value; lse includes it); dropout multiplies
+(or ``exp(offset[i, h])``, one per row) to each row's denominator (a virtual key with a zero value; lse includes it); dropout multiplies
 the normalized probabilities by ``keep / (1 - p)``, where ``keep_fn(head, query id, key id)``
 materializes the keep mask (broadcast [H, 1, 1], [1, Lq, 1], [1, 1, Lk]) on the tokens' ids.
 """
@@ -42,8 +42,8 @@ def _one_sequence(qs, ks, vs, m, scale, dtype, upcast, offset=None, keep=None, d
     [H, Lq, Lk] dropout keep mask. Returns out [Lq, H, Dv] and lse [H, Lq]."""
     s = (torch.einsum("ihd,jhd->hij", qs, ks) * scale).masked_fill(~m, float("-inf"))  # [H, Lq, Lk]
     row_max = s.amax(-1, keepdim=True) if ks.shape[0] > 0 else s.new_full(s.shape[:-1] + (1,), float("-inf"))
-    if offset is not None:
-        sink = offset.to(s.dtype)[:, None, None]
+    if offset is not None:  # [H] per head, or [H, Lq] per row
+        sink = offset.to(s.dtype)[:, None, None] if offset.dim() == 1 else offset.to(s.dtype)[:, :, None]
         row_max = torch.maximum(row_max, sink)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
     e = torch.exp(s - row_max)
@@ -62,7 +62,7 @@ def attention_ref(q, k, v, cu_q, cu_k, *, causal=False, window=(-1, -1), bottom_
                   softmax_scale=None, upcast=True, softmax_offset=None, dropout_p=0.0, keep_fn=None,
                   q_ids=None, k_ids=None):
     """Returns out [Tq, Hq, Dv] and lse [Hq, Tq] (float64 when upcast, else out in q.dtype).
-    ``softmax_offset`` [Hq] sink logits (may require grad); dropout with ``keep_fn`` on the token
+    ``softmax_offset`` [Hq] or per token [Tq, Hq] sink logits (may require grad); dropout with ``keep_fn`` on the token
     ids ``q_ids`` [Tq] / ``k_ids`` [Tk] (default: the rows of q and k)."""
     dtype = q.dtype
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -82,7 +82,8 @@ def attention_ref(q, k, v, cu_q, cu_k, *, causal=False, window=(-1, -1), bottom_
         if dropout_p > 0:
             keep = keep_fn(torch.arange(q.shape[1])[:, None, None], q_ids[cu_q[b]:cu_q[b + 1]][None, :, None],
                            k_ids[cu_k[b]:cu_k[b + 1]][None, None, :])
-        out, lse = _one_sequence(qs, ks, vs, m, scale, dtype, upcast, offset, keep, dropout_p)
+        off = offset if offset is None or offset.dim() == 1 else offset[cu_q[b]:cu_q[b + 1]].t()
+        out, lse = _one_sequence(qs, ks, vs, m, scale, dtype, upcast, off, keep, dropout_p)
         outs.append(out)
         lses.append(lse)
     out = torch.cat(outs) if outs else q.new_zeros((0, q.shape[1], v.shape[-1]), dtype=work)
@@ -115,6 +116,8 @@ def padded_attention_ref(q, k, v, q_keep, k_keep, *, causal=False, window=(-1, -
             keep = keep_fn(torch.arange(q.shape[2])[:, None, None], (b * sq + torch.arange(sq))[None, :, None],
                            (b * sk + torch.arange(sk))[None, None, :])
         offset = None if softmax_offset is None else softmax_offset.to(work)
+        if offset is not None and offset.dim() == 3:  # [B, H, S]: per row
+            offset = offset[b]
         out = _one_sequence(qs, ks, vs, m, scale, dtype, upcast, offset, keep, dropout_p)[0]
         outs.append(out * (q_keep[b] != 0).to(work)[:, None, None])  # a dropped query row outputs zeros
     out = torch.stack(outs)

@@ -171,7 +171,8 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
               PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
               DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, HAS_SINK: tl.constexpr, RETURN_MAX: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr, INT64_LANES: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr, INT64_LANES: tl.constexpr,
+              SINK_ROWS: tl.constexpr):
     """Task ``task`` of the (query tile, q head) grid, heads fastest. TMA: k and v are read through
     the descriptors ``k_desc`` (``k2_desc`` for a split q/k dim) and ``v_desc`` (packed thd only)."""
     head = task % heads
@@ -250,7 +251,13 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
                 tl.store(max_ptr + head.to(tl.int64) * n_tiles + tile,
                          tl.max(tl.where(row_ok, m_i, float("-inf")), 0) * 0.6931471805599453)
             if HAS_SINK:  # the sink: one more key with logit offset[head] (log2 domain here) and a zero value
-                sink = tl.load(sink_ptr + head).to(tl.float32) * 1.4426950408889634
+                if SINK_ROWS:  # one logit per row and head, in lse's layout (and strides)
+                    sink_rows = (sink_ptr + head.to(tl.int64) * stride_lh + seq64 * stride_lb
+                                 + q_start.to(tl.int64) + tl.cast(m0, tl.int64))
+                    sink = tl.load(sink_rows + tl.minimum(offs_m, seqlen_q - 1 - m0)).to(tl.float32)
+                    sink = sink * 1.4426950408889634
+                else:
+                    sink = tl.load(sink_ptr + head).to(tl.float32) * 1.4426950408889634
                 m_fin = tl.maximum(m_i, sink)
                 alpha = tl.math.exp2(m_i - m_fin)
                 l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
@@ -293,6 +300,7 @@ def _varlen_attn_fwd_kernel(
     PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_GID: tl.constexpr, HAS_SINK: tl.constexpr, RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PERSISTENT: tl.constexpr, INT64_LANES: tl.constexpr, TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
+    SINK_ROWS: tl.constexpr = False,
 ):
     # grid: n_tiles * heads programs (CUDA, interpreter), or PERSISTENT (Ascend): a core-count 1D
     # grid whose programs run those same tasks in turn. seqlen_*_total is the token count T (thd)
@@ -309,7 +317,7 @@ def _varlen_attn_fwd_kernel(
                       stride_qkb, stride_qks, stride_kkb, stride_kks, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
                       BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
                       PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, HAS_SINK, RETURN_MAX, DOT_PRECISION, TMA,
-                      WARP_SPEC, INT64_LANES)
+                      WARP_SPEC, INT64_LANES, SINK_ROWS)
     else:
         _fwd_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr,
                   q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr, max_ptr, k_desc, k2_desc, v_desc,
@@ -320,7 +328,7 @@ def _varlen_attn_fwd_kernel(
                   stride_qkb, stride_qks, stride_kkb, stride_kks, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
                   BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
                   PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, HAS_SINK, RETURN_MAX, DOT_PRECISION, TMA,
-                  WARP_SPEC, INT64_LANES)
+                  WARP_SPEC, INT64_LANES, SINK_ROWS)
 
 
 def dot_precision(dtype: torch.dtype, target: str) -> str:
@@ -356,6 +364,14 @@ def lane_flags(rows: int, cols: int, sides) -> dict:
     strides = [keep_args(pack)[2] for pack, _ in sides]
     strides += [seq_strides(x, pack.fmt)[1] for pack, tensors in sides for x in tensors]
     return dict(INT64_LANES=int64_lanes(rows, strides, cols))
+
+
+def sink_arg(softmax_offset: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The sink logits as the forward kernel reads them: ``[Hq]``, or one per row and head in lse's
+    layout (``[Hq, T]`` / ``[B, Hq, S]``), read with lse's strides (copied into them if they differ)."""
+    if softmax_offset.dim() == 1 or softmax_offset.stride() == lse.stride():
+        return softmax_offset
+    return torch.empty_like(lse, dtype=softmax_offset.dtype).copy_(softmax_offset)
 
 
 def kernel_window(window: int, limit: int) -> int:
@@ -403,8 +419,8 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
     the caller (coreattn.layers.checks). ``out``/``lse`` may be given as preallocated buffers.
 
     ``dropout_p``/``rng_state``: dropout with the keep mask of coreattn/kernels/dropout.py (rng_state
-    the int64 [3] tensor it draws). ``softmax_offset``: float [Hq] sink logits (lse includes the
-    sink). ``return_max_logit``: also return the max visible scaled logit per q head, float32 [Hq]
+    the int64 [3] tensor it draws). ``softmax_offset``: float sink logits, [Hq] or one per row and
+    head in lse's layout ([Hq, Tq] / [B, Hq, S]) (lse includes the sink). ``return_max_logit``: also return the max visible scaled logit per q head, float32 [Hq]
     (-inf for a head without a visible pair): the result is then (out, lse, max_logit).
     """
     heads_q, dim_qk = q.shape[-2:]
@@ -436,7 +452,7 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
         _varlen_attn_fwd_kernel[grid](
             q, k, v, out, lse, tile_map, keep_args(q_pack)[0], keep_args(k_pack)[0], k_desc=k_desc, k2_desc=k2_desc,
             v_desc=row_descriptor(v, cfg.block_n, block_dv) if loop["TMA"] else None,
-            sink_ptr=softmax_offset if softmax_offset is not None else q_pack.seq,
+            sink_ptr=sink_arg(softmax_offset, lse) if softmax_offset is not None else q_pack.seq,
             max_ptr=max_logit if return_max_logit else lse,
             batch=batch, heads=heads_q, n_tiles=n_tiles, seqlen_q_total=seqlen_q_total, seqlen_k_total=seqlen_k_total,
             group=heads_q // heads_kv, sm_scale_log2=softmax_scale * LOG2E, window_left=window_left,
@@ -450,7 +466,8 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
             **dict(zip(("stride_kkb", "stride_kks"), keep_args(k_pack)[1:])),
             HEAD_DIM_QK=dim_qk, HEAD_DIM_V=dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2, BLOCK_DV=block_dv,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype, target),
-            HAS_SINK=softmax_offset is not None, RETURN_MAX=return_max_logit, PERSISTENT=persistent,
+            HAS_SINK=softmax_offset is not None, SINK_ROWS=softmax_offset is not None and softmax_offset.dim() > 1,
+            RETURN_MAX=return_max_logit, PERSISTENT=persistent,
             **lane_flags(max(cfg.block_m, cfg.block_n), max(block_dqk + block_dqk2, block_dv),
                          ((q_pack, (q, out)), (k_pack, (k, v)))),
             **dropout_args(dropout_p, rng_state, q_pack, k_pack),

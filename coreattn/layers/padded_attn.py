@@ -57,7 +57,7 @@ def padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: st
     k_keep = check_keep_mask("k_keep_mask", k_keep_mask, batch, seqlen_k, q.device)
     out, lse, max_logit = run_attention(q, k, v, Packing(layout, q_start, q_len, q_keep),
                                         Packing(layout, k_start, k_len, k_keep), seqlen_q, seqlen_k, params,
-                                        deterministic, backend, softmax_offset=check_softmax_offset(softmax_offset, q),
+                                        deterministic, backend, softmax_offset=check_softmax_offset(softmax_offset, q, layout),
                                         return_max_logit=check_flag("return_max_logit", return_max_logit),
                                         validate=True)
     return public_result(out, lse, max_logit, return_lse, return_max_logit)

@@ -268,7 +268,10 @@ def blocked_fwd(q, k, v, q_pack: Packing, k_pack: Packing, spans: Spans, params:
         acc[c0:c1].mul_(alpha).add_(torch.matmul(p, vb.index_select(0, kid)))
         m_old.copy_(m_new)
     if softmax_offset is not None:
-        sink = softmax_offset.to(work).view(1, hkv, g, 1).expand(1, hkv, g, tl.bq).reshape(1, hkv, rows, 1)
+        if softmax_offset.dim() == 1:
+            sink = softmax_offset.to(work).view(1, hkv, g, 1).expand(1, hkv, g, tl.bq).reshape(1, hkv, rows, 1)
+        else:  # one per row, in lse's layout
+            sink = rearrange(_lse_rows(softmax_offset, q_pack.fmt, tl.q).to(work), "n b (kv g) -> n kv (g b) 1", kv=hkv)
         m_fin = torch.maximum(m, sink)
         m_use = _neg_inf_to_zero(m_fin)
         alpha = torch.exp(m - m_use)
