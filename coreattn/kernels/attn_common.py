@@ -31,9 +31,13 @@ plus lanes too (``_load_keep``).
 """
 
 import contextlib
+from typing import NamedTuple
 
+import torch
 import triton
 import triton.language as tl
+
+from coreattn.kernels.packing import Packing, seq_strides
 
 # Strides that follow the token count or padded length (lse/delta [H, T] or [B, H, S]; keep masks
 # [B, S]): listed in the kernels' do_not_specialize with the lengths, or Triton would compile a
@@ -63,6 +67,33 @@ def forced_int64_lanes(value: bool):
         yield
     finally:
         _FORCED_LANES.pop()
+
+
+class TableBias(NamedTuple):
+    """An additive attention bias computed in registers (``_bias_scores``): for query i, key j and q
+    head h, with d = i + shift - j (shift as for the causal diagonal: Lk - Lq bottom-right, else 0),
+    ``bias = sum_r coef[i, h, r] * table[h or 0, r, d - lo]`` where ``0 <= d - lo < extent``; outside
+    that the end entries (``clamp``) or 0. Inkling 2's low-rank relative bias is coef = the relative
+    states, table = its projection (one table for every head), lo 0; T5's bucketed bias is no coef and
+    a table per head over d in [-max_distance, max_distance], clamped (coreattn.layers.bias)."""
+
+    table: torch.Tensor  # [Ht, R, E] float32, Ht 1 (shared by the q heads) or Hq; contiguous
+    coef: torch.Tensor | None  # [.., Hq, R] float32 in q's layout (last stride 1), or None (R = 1)
+    lo: int
+    clamp: bool
+
+
+def bias_args(bias: TableBias | None, q_pack: Packing, dummy: torch.Tensor) -> dict:
+    """The attention kernels' bias arguments (BIAS off without one)."""
+    if bias is None:
+        return dict(table_ptr=dummy, coef_ptr=dummy, stride_cb=0, stride_ct=0, stride_ch=0, stride_th=0, bias_lo=0,
+                    bias_extent=1)
+    heads_t, rank, extent = bias.table.shape
+    coef = bias.coef
+    cb, ct, ch = seq_strides(coef, q_pack.fmt) if coef is not None else (0, 0, 0)
+    return dict(table_ptr=bias.table, coef_ptr=coef if coef is not None else bias.table, stride_cb=cb, stride_ct=ct,
+                stride_ch=ch, stride_th=bias.table.stride(0) if heads_t > 1 else 0, bias_lo=bias.lo,
+                bias_extent=extent, BIAS=True, BIAS_RANK=rank, BIAS_COEF=coef is not None, BIAS_CLAMP=bias.clamp)
 
 
 @triton.jit
@@ -282,3 +313,53 @@ def _store_rows(base, stride_t, r0, row_ok, last_row, x, x2, HEAD_DIM: tl.conste
         offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
         tl.store(ptrs + _cols(offs_d2, HEAD_DIM, BLOCK_D + BLOCK_D2)[None, :], x2.to(dtype),
                  mask=row_ok[:, None] & (offs_d2[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _bias_scores(coef_ptrs, table_base, dist, lo, extent, RANK: tl.constexpr, COEF: tl.constexpr,
+                 CLAMP: tl.constexpr):
+    """The additive attention bias (natural-log units, fp32) of a tile of (query, key) pairs whose
+    distances are ``dist`` = i + shift - j (any 2D shape; shift as for the causal diagonal):
+    ``sum_r coef[i, r] * table[r, dist - lo]`` (``coef`` 1 and RANK 1 without COEF), for
+    ``0 <= dist - lo < extent``; outside that the table's end entries (CLAMP) or 0. ``coef_ptrs``
+    holds each query row's coefficients' address (broadcast against ``dist``: [M, 1] or [1, M]),
+    its row clamped into the sequence by the caller; ``table_base`` the head's [RANK, extent] table.
+    Every table address is clamped into the table, so masked lanes stay in bounds too.
+    Cost per pair: RANK gathered table loads and RANK multiply-adds (plus RANK row loads per row)."""
+    at = dist - lo
+    inside = (at >= 0) & (at < extent)
+    at = tl.minimum(tl.maximum(at, 0), extent - 1)
+    bias = at.to(tl.float32) * 0.0
+    for r in tl.static_range(RANK):
+        entry = tl.load(table_base + r * extent + at).to(tl.float32)
+        if COEF:
+            bias += tl.load(coef_ptrs + r).to(tl.float32) * entry
+        else:
+            bias += entry
+    if not CLAMP:
+        bias = tl.where(inside, bias, 0.0)
+    return bias
+
+
+@triton.jit
+def _bias_row_grads(ds, dcoef, far_lo, far_hi, table_base, dist, lo, extent, RANK: tl.constexpr, RB: tl.constexpr,
+                    COEF: tl.constexpr, CLAMP: tl.constexpr):
+    """The dQ kernel's share of a bias's gradient from a tile's ds = dL/d(logit) ([M, N] fp32, 0 at
+    masked pairs; ``dist`` as for ``_bias_scores``): ``dcoef [M, RB] += sum_j ds * table[r, dist - lo]``
+    (COEF), and with CLAMP the sums of each row's ds beyond the table's ends (``far_lo``: dist < lo,
+    ``far_hi``: dist >= lo + extent, [M] each), which join the end entries' gradient; the entries
+    inside come from the bias gradient kernel (kernels/attn_bias.py)."""
+    at = dist - lo
+    if COEF:
+        inside = (at >= 0) & (at < extent)
+        at_in = tl.minimum(tl.maximum(at, 0), extent - 1)
+        r_ids = tl.arange(0, RB)
+        for r in tl.static_range(RANK):
+            entry = tl.load(table_base + r * extent + at_in).to(tl.float32)
+            if not CLAMP:
+                entry = tl.where(inside, entry, 0.0)
+            dcoef += tl.where(r_ids[None, :] == r, tl.sum(ds * entry, 1)[:, None], 0.0)
+    if CLAMP:
+        far_lo += tl.sum(tl.where(at < 0, ds, 0.0), 1)
+        far_hi += tl.sum(tl.where(at >= extent, ds, 0.0), 1)
+    return dcoef, far_lo, far_hi

@@ -223,6 +223,11 @@ _DKDV["gfx90a"] = _DKDV["gfx942"][:3] + ((256, _W(16, 32, 2, 1)),)
 _FP32_CDNA = ((128, _W(32, 32, 2, 1)), (256, _W(16, 16, 1, 1)))
 
 
+# The additive bias (kernels/attn_common.py _bias_scores) adds an [M, N] index and bias tile to each step,
+# and the dQ kernel its coefficients' gradient: where the plain tiles run out of registers, these.
+_BIAS = {"fwd": {}, "dkdv": {}, "dq": {}}
+
+
 def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, elem: int,
                  override: dict | None = None) -> AttnConfig:
     """The entry of the first width class that holds the widest block (``override``'s entry for
@@ -239,15 +244,18 @@ def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, elem: 
 
 
 def shipped_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem: int = 2,
-                   dropout: bool = False, int64_lanes: bool = False) -> AttnConfig:
-    """The table's config of ``kernel`` ("fwd", "dkdv", "dq" or "preprocess") on ``target``:
+                   dropout: bool = False, int64_lanes: bool = False, bias: bool = False) -> AttnConfig:
+    """The table's config of ``kernel`` ("fwd", "dkdv", "dq", "preprocess" or "bias_grad") on ``target``:
     ``block_dqk`` the q/k blocks' total width (192 for 128 + 64), ``elem`` bytes per input element
     (2 for fp16/bf16, 4 for fp32), ``dropout`` the dropout kernels, ``int64_lanes`` the kernels'
-    INT64_LANES variant (``_DQ_DROPOUT_INT64``)."""
+    INT64_LANES variant (``_DQ_DROPOUT_INT64``), ``bias`` the kernels with an additive bias
+    (``_BIAS``, which wins over the dropout tiles where it has an entry)."""
+    if kernel == "bias_grad":
+        return _bias_grad_config(target)
     if kernel == "preprocess":  # the dQ tile's rows and warps: 4 warps on 128 x 256 rows of out and dO would spill
         # and its register ceiling: left to itself, Triton 3.7.1's ptxas gave sm80's (64 and 32 rows, 4 warps) 48
         # registers and spilled 8 B
-        dq = shipped_config(target, "dq", block_dqk, block_dv, elem, dropout)
+        dq = shipped_config(target, "dq", block_dqk, block_dv, elem, dropout, bias=bias)
         return AttnConfig(dq.block_m, 0, dq.num_warps, None, maxnreg=dq.maxnreg, fp_fusion=dq.fp_fusion)
     if target == "ascend":
         step = fwd_step_bytes if kernel == "fwd" else bwd_step_bytes
@@ -257,16 +265,21 @@ def shipped_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem
     table, override = {"fwd": (_FWD, _FWD_DROPOUT), "dkdv": (_DKDV, _DKDV_DROPOUT), "dq": (_DQ, _DQ_DROPOUT)}[kernel]
     if kernel == "dq" and dropout and int64_lanes and target in _DQ_DROPOUT_INT64:
         override = {**override, target: override.get(target, ()) + _DQ_DROPOUT_INT64[target]}
-    return _cuda_config(table, target, block_dqk, block_dv, elem, override if dropout else None)
+    override = dict(override) if dropout else {}
+    if bias:  # the bias tiles, where the table has them, over the dropout ones (later entries win)
+        own = _BIAS[kernel]
+        override = {t: override.get(t, ()) + own.get(t, ()) for t in set(override) | set(own)}
+    return _cuda_config(table, target, block_dqk, block_dv, elem, override or None)
 
 
 def fwd_config(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2,
-               dropout: bool = False, cls=None) -> AttnConfig:
+               dropout: bool = False, cls=None, bias: bool = False) -> AttnConfig:
     """The forward's config: the table's (``shipped_config``), unless the tuner forces one or, on a
     CUDA device, the tuned cache has an entry for the launch's class ``cls`` (kernels/tuned_cache.py
     ``KernelClass``; None: no cache lookup)."""
     target = target_of(device)
-    return pick_config("fwd", device, target, cls, shipped_config(target, "fwd", block_dqk, block_dv, elem, dropout))
+    return pick_config("fwd", device, target, cls,
+                       shipped_config(target, "fwd", block_dqk, block_dv, elem, dropout, bias=bias))
 
 
 def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False, gqa: bool = False) -> bool:
@@ -284,18 +297,36 @@ def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False
     return block_dqk + block_dv > (256 if dropout or (gqa and target == "sm90") else 320)
 
 
-def bwd_configs(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2,
-                dropout: bool = False, cls=None, int64_lanes: bool = False) -> tuple[AttnConfig, AttnConfig]:
+def bwd_configs(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2, dropout: bool = False, cls=None,
+                int64_lanes: bool = False, bias: bool = False) -> tuple[AttnConfig, AttnConfig]:
     """(dK/dV config, dQ config); arguments as for fwd_config, ``int64_lanes`` as for shipped_config."""
     target = target_of(device)
     return tuple(pick_config(kernel, device, target, cls,
-                             shipped_config(target, kernel, block_dqk, block_dv, elem, dropout, int64_lanes))
+                             shipped_config(target, kernel, block_dqk, block_dv, elem, dropout, int64_lanes, bias))
                  for kernel in ("dkdv", "dq"))
 
 
 def preprocess_config(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2,
-                      dropout: bool = False, cls=None) -> AttnConfig:
+                      dropout: bool = False, cls=None, bias: bool = False) -> AttnConfig:
     """The backward preprocess kernel's rows per program (block_m) and warps; arguments as for fwd_config."""
     target = target_of(device)
     return pick_config("preprocess", device, target, cls,
-                       shipped_config(target, "preprocess", block_dqk, block_dv, elem, dropout))
+                       shipped_config(target, "preprocess", block_dqk, block_dv, elem, dropout, bias=bias))
+
+
+def bias_grad_config(device: torch.device) -> AttnConfig:
+    """The bias table's gradient kernel (kernels/attn_bias.py): block_m query rows per step of a
+    program and block_n distances per program (its key window: the next power of two of block_m +
+    block_n - 1 keys). Never tuned: the table's."""
+    return _bias_grad_config(target_of(device))
+
+
+def _bias_grad_config(target: str) -> AttnConfig:
+    """32 rows x 32 distances (a 64-key window) on CUDA and CDNA, 16 x 16 on the interpreter and Ascend;
+    one pipeline stage (its loop holds the tile map read and a branch); 4 warps."""
+    if target in ("interpreter", "ascend"):
+        return AttnConfig(16, 16, 1, 1)
+    cfg = AttnConfig(32, 32, 4, 1)
+    if target in CDNA_TARGETS:
+        return cfg._replace(matrix_instr_nonkdim=16, fp_fusion=FP_FUSION)
+    return cfg._replace(maxnreg=MAXNREG, fp_fusion=FP_FUSION)
