@@ -30,6 +30,8 @@ from coreattn.kernels.packing import Packing, default_gid, seq_len_dim
 from coreattn.kernels import dropout
 from coreattn.layers.checks import VarlenParams
 from coreattn.kernels.softmax_offset import softmax_offset_grad
+from coreattn.layers.torch_backend.bias import tile_bias, tile_bias_grad
+from coreattn.layers.torch_backend.bias import window as bias_window
 from coreattn.layers.torch_backend.spans import Spans
 
 BLOCK_Q = 128  # query rows per block (fewer when every sequence is shorter)
@@ -233,9 +235,21 @@ def _neg_inf_to_zero(m: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(m), torch.zeros_like(m), m)
 
 
+def _bias_coef(bias, fmt: str, tl: Tiles, work) -> torch.Tensor | None:
+    """The query blocks' bias coefficients [Nq, bq, Hq, R] (None without a bias or coefficients)."""
+    return None if bias is None or bias.coef is None else _gather(bias.coef, fmt, tl.q, work)
+
+
+def _step_bias(bias, coef_b, tl: Tiles, c0: int, c1: int, kid, hq: int, work):
+    """(window, [A, Hq, bq, bk] bias) of a step's tiles (coreattn/layers/torch_backend/bias.py)."""
+    win = bias_window(bias, tl.q.first[c0:c1], tl.k.first[kid], tl.shift[c0:c1], tl.bq, tl.bk, work)
+    coef = None if coef_b is None else coef_b[c0:c1]
+    return win, tile_bias(bias, coef, win, hq, tl.bq, tl.bk)
+
+
 def blocked_fwd(q, k, v, q_pack: Packing, k_pack: Packing, spans: Spans, params: VarlenParams, rng_state,
-                softmax_offset, return_max_logit: bool):
-    """(out, lse, max_logit or None) as attn_torch_fwd returns them."""
+                softmax_offset, return_max_logit: bool, bias=None):
+    """(out, lse, max_logit or None) as attn_torch_fwd returns them; ``bias`` a TableBias or None."""
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     hq, hkv = q.shape[-2], k.shape[-2]
     g = hq // hkv
@@ -250,9 +264,13 @@ def blocked_fwd(q, k, v, q_pack: Packing, k_pack: Packing, spans: Spans, params:
     max_logit = torch.full((hkv, g), float("-inf"), dtype=work, device=q.device) if return_max_logit else None
     if params.dropout_p > 0:
         ids_q, ids_k = _token_ids(q_pack, q), _token_ids(k_pack, k)
-    for t, c0, c1 in tl.steps(hq * tl.bq * tl.bk):
+    coef_b = _bias_coef(bias, q_pack.fmt, tl, work)
+    for t, c0, c1 in tl.steps(hq * tl.bq * tl.bk * (3 if bias is not None else 1)):
         kid = tl.k_first[c0:c1] + t
         s = torch.matmul(qb[c0:c1], kb.index_select(0, kid).transpose(-1, -2)).mul_(params.softmax_scale)
+        if bias is not None:
+            s.view(c1 - c0, hkv, g, tl.bq, tl.bk).add_(
+                _step_bias(bias, coef_b, tl, c0, c1, kid, hq, work)[1].view(c1 - c0, hkv, g, tl.bq, tl.bk))
         vis = _visible(tl, c0, c1, t, kid, params)
         s.view(c1 - c0, hkv, g, tl.bq, tl.bk).masked_fill_(~vis[:, None, None], float("-inf"))
         if max_logit is not None:
@@ -286,9 +304,11 @@ def blocked_fwd(q, k, v, q_pack: Packing, k_pack: Packing, spans: Spans, params:
 
 
 def blocked_bwd(dout, q, k, v, out, lse, q_pack: Packing, k_pack: Packing, spans: Spans, params: VarlenParams,
-                rng_state, softmax_offset=None):
+                rng_state, softmax_offset=None, bias=None):
     """(dq, dk, dv, d_offset) from the saved out and lse, as attn_torch_bwd returns them; the softmax
-    offset's gradient from rowsum(P * dP) accumulated over the key blocks."""
+    offset's gradient from rowsum(P * dP) accumulated over the key blocks. With ``bias`` (a
+    TableBias): (dq, dk, dv, d_offset, d_table, d_coef), the bias's gradients in its tensors'
+    shapes (d_coef None without coefficients)."""
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     hq, hkv = q.shape[-2], k.shape[-2]
     g = hq // hkv
@@ -308,10 +328,18 @@ def blocked_bwd(dout, q, k, v, out, lse, q_pack: Packing, k_pack: Packing, spans
     rowsum = torch.zeros_like(delta) if softmax_offset is not None else None  # rowsum(P * dP)
     if params.dropout_p > 0:
         ids_q, ids_k = _token_ids(q_pack, q), _token_ids(k_pack, k)
-    for t, c0, c1 in tl.steps(hq * tl.bq * tl.bk):
+    coef_b = _bias_coef(bias, fmt_q, tl, work)
+    if bias is not None:
+        d_table = torch.zeros_like(bias.table, dtype=work)
+        d_coef_b = None if coef_b is None else torch.zeros_like(coef_b)
+    for t, c0, c1 in tl.steps(hq * tl.bq * tl.bk * (4 if bias is not None else 1)):
         kid = tl.k_first[c0:c1] + t
         k_t, v_t = kb.index_select(0, kid), vb.index_select(0, kid)
         s = torch.matmul(qb[c0:c1], k_t.transpose(-1, -2)).mul_(params.softmax_scale)
+        if bias is not None:
+            win, b_t = _step_bias(bias, coef_b, tl, c0, c1, kid, hq, work)
+            s.view(c1 - c0, hkv, g, tl.bq, tl.bk).add_(b_t.view(c1 - c0, hkv, g, tl.bq, tl.bk))
+            del b_t
         vis = _visible(tl, c0, c1, t, kid, params)
         s.view(c1 - c0, hkv, g, tl.bq, tl.bk).masked_fill_(~vis[:, None, None], float("-inf"))
         p = s.sub_(lse_b[c0:c1]).exp_()  # [A, Hkv, G*bq, bk]
@@ -323,7 +351,12 @@ def blocked_bwd(dout, q, k, v, out, lse, q_pack: Packing, k_pack: Packing, spans
             p_drop = p * scale
         if rowsum is not None:
             rowsum[c0:c1].add_((p * dp).sum(-1, keepdim=True))
-        ds = dp.sub_(delta[c0:c1]).mul_(p).mul_(params.softmax_scale)
+        ds = dp.sub_(delta[c0:c1]).mul_(p)  # dL/d(logit)
+        if bias is not None:
+            tile_bias_grad(bias, None if coef_b is None else coef_b[c0:c1], win,
+                           ds.view(c1 - c0, hq, tl.bq, tl.bk), d_table,
+                           None if d_coef_b is None else d_coef_b[c0:c1])
+        ds.mul_(params.softmax_scale)
         dv_t = torch.matmul(p_drop.transpose(-1, -2), dob[c0:c1])  # [A, Hkv, bk, Dv], G summed in the rows
         dk_t = torch.matmul(ds.transpose(-1, -2), qb[c0:c1])
         dqb[c0:c1].add_(torch.matmul(ds, k_t))
@@ -336,4 +369,7 @@ def blocked_bwd(dout, q, k, v, out, lse, q_pack: Packing, k_pack: Packing, spans
     if rowsum is not None:
         rows = _lse_to_layout(_q_rows(rowsum, tl.bq)[..., 0], fmt_q, tl.q, q, fill=0.0)
         d_offset = softmax_offset_grad(softmax_offset, lse, rows, q_pack)
-    return dq, dk, dv, d_offset
+    if bias is None:
+        return dq, dk, dv, d_offset
+    d_coef = None if d_coef_b is None else _scatter(d_coef_b, fmt_q, tl.q, bias.coef)
+    return dq, dk, dv, d_offset, d_table.to(bias.table.dtype), d_coef
