@@ -145,7 +145,7 @@ def _bias_grad_tile(acc, tile, kb, head, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, d
         diag = tl.gather(ds, offs_m[:, None] - tl.arange(0, BLOCK_KB)[None, :] + (BLOCK_KB - 1), 1)  # [M, KB]
         if BIAS_COEF:
             r_ids = tl.arange(0, BIAS_RB)
-            coef_t = tl.load(coef_ptr + coef_rows[None, :] + r_ids[:, None],
+            coef_t = tl.load(coef_ptr + coef_rows[None, :] + tl.minimum(r_ids, BIAS_RANK - 1)[:, None],
                              mask=(r_ids[:, None] < BIAS_RANK) & row_ok[None, :], other=0.0).to(tl.float32)
             acc += tl.dot(coef_t, diag, input_precision="ieee")  # [RB, KB]
         else:
@@ -196,7 +196,9 @@ def _attn_bwd_bias_kernel(
     r_ids = tl.arange(0, BIAS_RB)
     k_ids = kb * BLOCK_KB + tl.arange(0, BLOCK_KB)
     part = part_ptr + chunk.to(tl.int64) * stride_pc + head.to(tl.int64) * stride_ph
-    tl.store(part + r_ids[:, None] * stride_pr + k_ids[None, :], acc,
+    # addresses inside the buffer for every lane: rows and entries clamped, the mask keeps the values right
+    tl.store(part + tl.minimum(r_ids, BIAS_RANK - 1)[:, None] * stride_pr + tl.minimum(k_ids, bias_extent - 1)[None, :],
+             acc,
              mask=(r_ids[:, None] < BIAS_RANK) & (k_ids[None, :] < bias_extent))
 
 

@@ -395,7 +395,7 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_kv_step(dq, dq2, delta_exact, dcoef, far_lo, far_hi, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base,
+def _dq_kv_step(dq, dq2, delta_exact, dcoef, far, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base,
                 k_keep_base, stride_kt, stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
                 window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale,
                 k_desc, k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs, table_base, bias_lo, bias_extent,
@@ -452,17 +452,17 @@ def _dq_kv_step(dq, dq2, delta_exact, dcoef, far_lo, far_hi, n0, offs_n, q, q2, 
         delta_exact += tl.sum(p * dp, 1)
     ds = p * (dp - delta[:, None])
     if BIAS_GRAD:
-        dcoef, far_lo, far_hi = _bias_row_grads(ds, dcoef, far_lo, far_hi, table_base, dist, bias_lo, bias_extent,
-                                                BIAS_RANK, BIAS_RB, BIAS_COEF, BIAS_CLAMP)
+        dcoef, far = _bias_row_grads(ds, p, dp, dcoef, far, table_base, dist, bias_lo, bias_extent, BIAS_RANK,
+                                     BIAS_RB, BIAS_COEF, BIAS_CLAMP)
     ds = ds.to(k.dtype)
     dq += tl.dot(ds, k, input_precision=DOT_PRECISION)
     if BLOCK_DQK2 > 0:
         dq2 += tl.dot(ds, k2, input_precision=DOT_PRECISION)
-    return dq, dq2, delta_exact, dcoef, far_lo, far_hi
+    return dq, dq2, delta_exact, dcoef, far
 
 
 @triton.jit
-def _dq_kv_steps(dq, dq2, delta_exact, dcoef, far_lo, far_hi, q, q2, do, lse, delta, q_keep, k_base, v_base,
+def _dq_kv_steps(dq, dq2, delta_exact, dcoef, far, q, q2, do, lse, delta, q_keep, k_base, v_base,
                  k_keep_base, stride_kt, stride_vt, stride_kks, rows, n_lo, n_hi, seqlen_q, seqlen_k, shift,
                  window_left, window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold,
                  drop_scale, k_desc, k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs, table_base, bias_lo,
@@ -478,8 +478,8 @@ def _dq_kv_steps(dq, dq2, delta_exact, dcoef, far_lo, far_hi, q, q2, do, lse, de
     offs_n = tl.arange(0, BLOCK_N)
     if WARP_SPEC:
         for n0 in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=True):
-            dq, dq2, delta_exact, dcoef, far_lo, far_hi = _dq_kv_step(
-                dq, dq2, delta_exact, dcoef, far_lo, far_hi, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base,
+            dq, dq2, delta_exact, dcoef, far = _dq_kv_step(
+                dq, dq2, delta_exact, dcoef, far, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base,
                 k_keep_base, stride_kt, stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
                 window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale, k_desc,
                 k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs, table_base, bias_lo, bias_extent, HEAD_DIM_QK,
@@ -488,15 +488,15 @@ def _dq_kv_steps(dq, dq2, delta_exact, dcoef, far_lo, far_hi, q, q2, do, lse, de
                 BIAS_GRAD, BIAS_RB)
     else:
         for n0 in range(n_lo, n_hi, BLOCK_N):
-            dq, dq2, delta_exact, dcoef, far_lo, far_hi = _dq_kv_step(
-                dq, dq2, delta_exact, dcoef, far_lo, far_hi, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base,
+            dq, dq2, delta_exact, dcoef, far = _dq_kv_step(
+                dq, dq2, delta_exact, dcoef, far, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base,
                 k_keep_base, stride_kt, stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
                 window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale, k_desc,
                 k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs, table_base, bias_lo, bias_extent, HEAD_DIM_QK,
                 HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
                 DROPOUT, SINK_GRAD, MASKED, DOT_PRECISION, TMA, INT64_LANES, BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP,
                 BIAS_GRAD, BIAS_RB)
-    return dq, dq2, delta_exact, dcoef, far_lo, far_hi
+    return dq, dq2, delta_exact, dcoef, far
 
 
 @triton.jit
@@ -577,8 +577,7 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
                 dq2 = tl.zeros([BLOCK_M, BLOCK_DQK2], tl.float32)
             delta_exact = tl.zeros([BLOCK_M], tl.float32)
             dcoef = tl.zeros([BLOCK_M, BIAS_RB], tl.float32)
-            far_lo = tl.zeros([BLOCK_M], tl.float32)
-            far_hi = far_lo
+            far = tl.zeros([BLOCK_M, 4], tl.float32)
             lo, full_lo, full_hi, hi = _key_range(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP or HAS_K_KEEP)
             k_col = 0  # TMA: the kv head's first column in the [T, Hkv * D] views
@@ -586,24 +585,24 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
             if TMA:
                 k_col = (kv64 * stride_kh).to(tl.int32)
                 v_col = (kv64 * stride_vh).to(tl.int32)
-            dq, dq2, delta_exact, dcoef, far_lo, far_hi = _dq_kv_steps(
-                dq, dq2, delta_exact, dcoef, far_lo, far_hi, q, q2, do, lse, delta, q_keep, k_base, v_base,
+            dq, dq2, delta_exact, dcoef, far = _dq_kv_steps(
+                dq, dq2, delta_exact, dcoef, far, q, q2, do, lse, delta, q_keep, k_base, v_base,
                 k_keep_base, stride_kt, stride_vt, stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift,
                 window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0, drop_threshold,
                 drop_scale, k_desc, k2_desc, v_desc, k_start, k_col, v_col, coef_ptrs, table_base, bias_lo,
                 bias_extent, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                 HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES, BIAS,
                 BIAS_RANK, BIAS_COEF, BIAS_CLAMP, BIAS_GRAD, BIAS_RB)
-            dq, dq2, delta_exact, dcoef, far_lo, far_hi = _dq_kv_steps(
-                dq, dq2, delta_exact, dcoef, far_lo, far_hi, q, q2, do, lse, delta, q_keep, k_base, v_base,
+            dq, dq2, delta_exact, dcoef, far = _dq_kv_steps(
+                dq, dq2, delta_exact, dcoef, far, q, q2, do, lse, delta, q_keep, k_base, v_base,
                 k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift,
                 window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0, drop_threshold,
                 drop_scale, k_desc, k2_desc, v_desc, k_start, k_col, v_col, coef_ptrs, table_base, bias_lo,
                 bias_extent, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                 HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, False, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES, BIAS,
                 BIAS_RANK, BIAS_COEF, BIAS_CLAMP, BIAS_GRAD, BIAS_RB)
-            dq, dq2, delta_exact, dcoef, far_lo, far_hi = _dq_kv_steps(
-                dq, dq2, delta_exact, dcoef, far_lo, far_hi, q, q2, do, lse, delta, q_keep, k_base, v_base,
+            dq, dq2, delta_exact, dcoef, far = _dq_kv_steps(
+                dq, dq2, delta_exact, dcoef, far, q, q2, do, lse, delta, q_keep, k_base, v_base,
                 k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift,
                 window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0, drop_threshold,
                 drop_scale, k_desc, k2_desc, v_desc, k_start, k_col, v_col, coef_ptrs, table_base, bias_lo,
@@ -618,9 +617,12 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
             if BIAS_GRAD:
                 if BIAS_COEF:
                     r_ids = tl.arange(0, BIAS_RB)
-                    tl.store(dcoef_ptr + coef_rows + r_ids[None, :], dcoef,
+                    tl.store(dcoef_ptr + coef_rows + tl.minimum(r_ids, BIAS_RANK - 1)[None, :], dcoef,
                              mask=row_ok[:, None] & (r_ids[None, :] < BIAS_RANK))
-                if BIAS_CLAMP:
+                if BIAS_CLAMP:  # each row's dS beyond the ends: sum(p * dp) - rowsum(P * dP) * sum(p) (SINK_GRAD)
+                    c = tl.arange(0, 4)[None, :]
+                    far_lo = tl.sum(tl.where(c == 0, far, 0.0), 1) - delta_exact * tl.sum(tl.where(c == 1, far, 0.0), 1)
+                    far_hi = tl.sum(tl.where(c == 2, far, 0.0), 1) - delta_exact * tl.sum(tl.where(c == 3, far, 0.0), 1)
                     far_rows = far_ptr + stat + tl.minimum(rows, seqlen_q - 1)
                     tl.store(far_rows, far_lo, mask=row_ok)
                     tl.store(far_rows + stride_far, far_hi, mask=row_ok)
@@ -784,6 +786,8 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     n_tiles_k = tile_bound(batch, seqlen_k_total, cfg_dkdv.block_n, k_pack.fmt == "thd")
     n_tiles_q = tile_bound(batch, seqlen_q_total, cfg_dq.block_m, q_pack.fmt == "thd")
     run_dkdv, run_dq = has_k and n_tiles_k > 0, has_q and n_tiles_q > 0
+    if has_bias and sink_rowsum is None:  # the table's gradient sums dS over rows: it takes the exact rowsum(P * dP)
+        sink_rowsum = stand_in(new_rowstat(q, q_pack, fill=0.0), -1)
     # a clamped bias table: the dQ kernel's sums of each row's dS beyond its ends, [2, lse's layout]
     far = torch.zeros((2,) + tuple(lse.shape), dtype=torch.float32, device=q.device) if has_bias and bias.clamp else None
     if run_dkdv or run_dq:  # one layout check for both kernels, a map for each
@@ -825,6 +829,6 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                   **lanes_dq, **loop, **cfg_dq.launch(), **common)
     if not has_bias:
         return dq, dk, dv
-    d_table = bias_table_grad(dout, q, k, v, lse, delta, q_pack, k_pack, softmax_scale, window_left, window_right,
-                              bottom_right, bias, far, dropout_p, rng_state) if has_q else done[3]
+    d_table = bias_table_grad(dout, q, k, v, lse, sink_rowsum, q_pack, k_pack, softmax_scale, window_left,
+                              window_right, bottom_right, bias, far, dropout_p, rng_state) if has_q else done[3]
     return dq, dk, dv, d_table, d_coef

@@ -342,13 +342,15 @@ def _bias_scores(coef_ptrs, table_base, dist, lo, extent, RANK: tl.constexpr, CO
 
 
 @triton.jit
-def _bias_row_grads(ds, dcoef, far_lo, far_hi, table_base, dist, lo, extent, RANK: tl.constexpr, RB: tl.constexpr,
+def _bias_row_grads(ds, p, dp, dcoef, far, table_base, dist, lo, extent, RANK: tl.constexpr, RB: tl.constexpr,
                     COEF: tl.constexpr, CLAMP: tl.constexpr):
-    """The dQ kernel's share of a bias's gradient from a tile's ds = dL/d(logit) ([M, N] fp32, 0 at
-    masked pairs; ``dist`` as for ``_bias_scores``): ``dcoef [M, RB] += sum_j ds * table[r, dist - lo]``
-    (COEF), and with CLAMP the sums of each row's ds beyond the table's ends (``far_lo``: dist < lo,
-    ``far_hi``: dist >= lo + extent, [M] each), which join the end entries' gradient; the entries
-    inside come from the bias gradient kernel (kernels/attn_bias.py)."""
+    """The dQ kernel's share of a bias's gradient from a tile's ds = dL/d(logit) = p * (dp - delta)
+    ([M, N] fp32, 0 at masked pairs; ``dist`` as for ``_bias_scores``): ``dcoef [M, RB] += sum_j ds *
+    table[r, dist - lo]`` (COEF); with CLAMP, ``far [M, 4]`` gathers, for the pairs beyond the table's
+    low end (dist < lo) and its high end (dist >= lo + extent), sum(p * dp) and sum(p) per row, from
+    which the caller forms their sums of dS with the exact rowsum(P * dP) (the delta of the rounded
+    output would carry its rounding into a sum over every row). They join the end entries' gradient;
+    the entries inside come from the bias gradient kernel (kernels/attn_bias.py)."""
     at = dist - lo
     if COEF:
         inside = (at >= 0) & (at < extent)
@@ -360,6 +362,11 @@ def _bias_row_grads(ds, dcoef, far_lo, far_hi, table_base, dist, lo, extent, RAN
                 entry = tl.where(inside, entry, 0.0)
             dcoef += tl.where(r_ids[None, :] == r, tl.sum(ds * entry, 1)[:, None], 0.0)
     if CLAMP:
-        far_lo += tl.sum(tl.where(at < 0, ds, 0.0), 1)
-        far_hi += tl.sum(tl.where(at >= extent, ds, 0.0), 1)
-    return dcoef, far_lo, far_hi
+        pdp = p * dp
+        low, high = at < 0, at >= extent
+        c = tl.arange(0, 4)[None, :]
+        far += (tl.where(c == 0, tl.sum(tl.where(low, pdp, 0.0), 1)[:, None], 0.0)
+                + tl.where(c == 1, tl.sum(tl.where(low, p, 0.0), 1)[:, None], 0.0)
+                + tl.where(c == 2, tl.sum(tl.where(high, pdp, 0.0), 1)[:, None], 0.0)
+                + tl.where(c == 3, tl.sum(tl.where(high, p, 0.0), 1)[:, None], 0.0))
+    return dcoef, far

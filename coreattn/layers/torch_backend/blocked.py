@@ -332,10 +332,13 @@ def blocked_bwd(dout, q, k, v, out, lse, q_pack: Packing, k_pack: Packing, spans
     if bias is not None:
         d_table = torch.zeros_like(bias.table, dtype=work)
         d_coef_b = None if coef_b is None else torch.zeros_like(coef_b)
-    for t, c0, c1 in tl.steps(hq * tl.bq * tl.bk * (4 if bias is not None else 1)):
+    per_tile = hq * tl.bq * tl.bk * (4 if bias is not None else 1)
+
+    def probabilities(t, c0, c1):
+        """(key blocks, bias window, P, dP with dropout's keep / (1 - p), P with it) of a step."""
         kid = tl.k_first[c0:c1] + t
-        k_t, v_t = kb.index_select(0, kid), vb.index_select(0, kid)
-        s = torch.matmul(qb[c0:c1], k_t.transpose(-1, -2)).mul_(params.softmax_scale)
+        s = torch.matmul(qb[c0:c1], kb.index_select(0, kid).transpose(-1, -2)).mul_(params.softmax_scale)
+        win = None
         if bias is not None:
             win, b_t = _step_bias(bias, coef_b, tl, c0, c1, kid, hq, work)
             s.view(c1 - c0, hkv, g, tl.bq, tl.bk).add_(b_t.view(c1 - c0, hkv, g, tl.bq, tl.bk))
@@ -343,12 +346,24 @@ def blocked_bwd(dout, q, k, v, out, lse, q_pack: Packing, k_pack: Packing, spans
         vis = _visible(tl, c0, c1, t, kid, params)
         s.view(c1 - c0, hkv, g, tl.bq, tl.bk).masked_fill_(~vis[:, None, None], float("-inf"))
         p = s.sub_(lse_b[c0:c1]).exp_()  # [A, Hkv, G*bq, bk]
-        dp = torch.matmul(dob[c0:c1], v_t.transpose(-1, -2))
+        dp = torch.matmul(dob[c0:c1], vb.index_select(0, kid).transpose(-1, -2))
         p_drop = p
         if params.dropout_p > 0:
             scale = _drop_scale(tl, c0, c1, kid, hkv, g, params, rng_state, ids_q, ids_k, work)
             dp.mul_(scale)
             p_drop = p * scale
+        return kid, win, p, dp, p_drop
+
+    if bias is not None and work != q.dtype:
+        # the bias's gradients sum dS over rows: with 16-bit inputs delta = rowsum(dO * O) carries O's rounding
+        # into them, so a first pass takes the exact rowsum(P * dP) (two more matmuls per tile)
+        exact = torch.zeros_like(delta)
+        for t, c0, c1 in tl.steps(per_tile):
+            _, _, p, dp, _ = probabilities(t, c0, c1)
+            exact[c0:c1].add_((p * dp).sum(-1, keepdim=True))
+        delta = exact
+    for t, c0, c1 in tl.steps(per_tile):
+        kid, win, p, dp, p_drop = probabilities(t, c0, c1)
         if rowsum is not None:
             rowsum[c0:c1].add_((p * dp).sum(-1, keepdim=True))
         ds = dp.sub_(delta[c0:c1]).mul_(p)  # dL/d(logit)
@@ -359,7 +374,7 @@ def blocked_bwd(dout, q, k, v, out, lse, q_pack: Packing, k_pack: Packing, spans
         ds.mul_(params.softmax_scale)
         dv_t = torch.matmul(p_drop.transpose(-1, -2), dob[c0:c1])  # [A, Hkv, bk, Dv], G summed in the rows
         dk_t = torch.matmul(ds.transpose(-1, -2), qb[c0:c1])
-        dqb[c0:c1].add_(torch.matmul(ds, k_t))
+        dqb[c0:c1].add_(torch.matmul(ds, kb.index_select(0, kid)))
         _add_rows(dvb, kid, dv_t)
         _add_rows(dkb, kid, dk_t)
     dq = _scatter(_q_rows(dqb, tl.bq), fmt_q, tl.q, q)
