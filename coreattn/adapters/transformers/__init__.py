@@ -7,8 +7,9 @@
 
 Owns: ``attention.py`` (``attention_forward``, the attention function, and the tables of the
 keyword arguments it honours, ignores and rejects), ``masks.py`` (``padding_mask``, the mask
-builder, and the models and mask patterns it refuses) and ``dsa.py`` (DeepSeek Sparse Attention
-models: their mask, indexer and sparse attention). ``register()`` adds ``attention_forward`` to
+builder, and the models and mask patterns it refuses), ``dsa.py`` (DeepSeek Sparse Attention
+models: their mask, indexer and sparse attention) and ``models/`` (Inkling 2's and the T5 family's
+relative position biases as factors, Inkling 2's per-token sinks and block-attention residuals). ``register()`` adds ``attention_forward`` to
 transformers' ``AttentionInterface`` and ``padding_mask`` to its ``AttentionMaskInterface`` under the
 same name, and wraps the DSA models' indexers (``dsa.install_indexers``: they run coreattn's top-k
 when handed coreattn's mask, transformers' own code otherwise). transformers is imported only by
@@ -27,7 +28,10 @@ model passes them; GQA/MQA and Dv != Dqk natively, the inputs used in place as b
   cu_seqlens from them when it runs. With B > 1, q/k/v are copied into the packed layout;
 - neither: ``coreattn.padded_attn`` on the whole rows;
 - DeepSeek-V3.2 and GLM-5 (``dsa.SERVED``): the indexer's ``indices`` through
-  ``coreattn.sparse_padded_attn``, the mask as per-query key bounds (``dsa.py``).
+  ``coreattn.sparse_padded_attn``, the mask as per-query key bounds (``dsa.py``);
+- Inkling 2 and the T5 family (``models/``): ``position_bias`` as the bias's factors, computed in
+  the kernels (``bias=``), ``sinks`` as per-token ``softmax_offset``, T5's zero cross-attention
+  bias dropped.
 
 Raises (NotImplementedError or ValueError, naming the feature and the model): keyword arguments
 coreattn does not implement (``attention.REJECTED`` and any it does not know), a 4D attention mask
@@ -59,9 +63,12 @@ def register(name: str = NAME, *, backend=None) -> str:
 
     from coreattn.adapters.transformers import v4
     from coreattn.adapters.transformers.dsa import install_indexers
+    from coreattn.adapters.transformers.models import inkling2, t5
 
     def coreattn_attention(module, query, key, value, attention_mask, **kwargs):
         return attention_forward(module, query, key, value, attention_mask, backend=backend, **kwargs)
+
+    coreattn_attention.coreattn = True  # how the wrapped model modules know a call is coreattn's (models/)
 
     def coreattn_mask(*args, **kwargs):
         return padding_mask(*args, backend=backend, **kwargs)
@@ -70,6 +77,8 @@ def register(name: str = NAME, *, backend=None) -> str:
     AttentionMaskInterface.register(name, coreattn_mask)
     install_indexers()
     v4.install()
+    inkling2.install()
+    t5.install()
     return name
 
 

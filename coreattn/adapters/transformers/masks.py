@@ -67,6 +67,12 @@ def unsupported_model(config) -> str | None:
         reason = v4.check_source()
         return None if reason is None else (f"DeepSeek-V4's hybrid attention with this transformers: {reason} (its "
                                             "compressed layers append entries to K/V after the mask is built)")
+    from coreattn.adapters.transformers.models import inkling2, t5
+
+    for family in (inkling2, t5):
+        if model_type in family.MODEL_TYPES:
+            reason = family.check_source(model_type)
+            return None if reason is None else f"{model_type}'s attention with this transformers: {reason}"
     if getattr(config, "index_topk", None) is not None and model_type not in dsa.SERVED:
         return (f"the sparse attention of {model_type!r} (its indexer reads a [B, S, T] mask and passes a top-k "
                 f"as indices=); coreattn serves DSA for {', '.join(dsa.SERVED)}")

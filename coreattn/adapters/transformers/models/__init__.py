@@ -1,0 +1,59 @@
+"""Model-specific paths of coreattn's transformers adapter: the models whose attention needs more
+than the attention function (their own modules wrapped while "coreattn" runs them).
+
+Owns: ``inkling2.py`` (Inkling 2 and Inkling 2 Loop: the low-rank relative bias's factors, the
+per-token sinks, the block-attention residuals) and ``t5.py`` (the T5 family's bucketed relative
+bias, its all-zeros cross-attention bias). Each module names the transformers methods it wraps or
+relies on and the release it was written against, and refuses (``check_source``) a transformers
+whose code there differs. Shared here: ``PositionBias`` (what a wrapped bias module hands the
+attention function instead of its ``[B, H, S, T]`` tensor), ``uses_coreattn`` and ``source_hash``.
+
+May import: ``coreattn.kernels``, ``coreattn.layers`` and ``coreattn.adapters.transformers``;
+transformers inside functions only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import textwrap
+
+
+class PositionBias:
+    """A bias module's output under coreattn: ``bias``, a ``coreattn.LowRankRelativeBias`` or
+    ``coreattn.BucketedRelativeBias`` (q's bshd token layout), computed in the attention kernels'
+    registers. ``model``: the model type, for messages."""
+
+    __slots__ = ("bias", "model")
+
+    def __init__(self, bias, model: str):
+        self.bias, self.model = bias, model
+
+    def __repr__(self) -> str:
+        return f"PositionBias({type(self.bias).__name__}, model={self.model!r})"
+
+
+def uses_coreattn(config) -> bool:
+    """Whether this model config's attention implementation is one ``register()`` installed."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = getattr(config, "_attn_implementation", None)
+    return name is not None and getattr(ALL_ATTENTION_FUNCTIONS.get(name), "coreattn", False)
+
+
+def source_hash(obj) -> str:
+    """sha256 of a function's or method's source, dedented (the original of a coreattn wrapper)."""
+    obj = getattr(obj, "coreattn_wrapped", obj)
+    return hashlib.sha256(textwrap.dedent(inspect.getsource(obj)).encode()).hexdigest()
+
+
+def source_differs(module, known: dict) -> str | None:
+    """None if every ``known`` qualified name (``Class.method`` or ``function``) of ``module`` has its
+    recorded source hash, else the first that differs."""
+    for qualname, want in known.items():
+        obj = module
+        for part in qualname.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None or source_hash(obj) != want:
+            return qualname
+    return None

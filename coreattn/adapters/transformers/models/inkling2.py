@@ -1,0 +1,150 @@
+"""Inkling 2 (transformers' ``inkling2``, ``inkling2_loop``) under "coreattn".
+
+Written against transformers 5.25.0 (these methods' code is the same in 5.24.0); ``check_source``
+refuses another release whose code here differs (``KNOWN_SOURCES``: sha256 of each method's
+source). What each attention call of the model passes, and what coreattn does with it:
+
+- ``position_bias``: ``Inkling2RelativePositionBias`` (``Inkling2LoopRelativePositionBias``)
+  builds ``[B, H, S, T]``: ``relative_states[b, i, h, :] . proj[:, i - j]`` for ``0 <= i - j <
+  rel_extent``. ``install()`` wraps its ``forward``: inside a coreattn call of the attention layers
+  (``Inkling2SlidingAttention``, ``Inkling2FullAttention`` and the Loop model's, wrapped to mark
+  it) it computes the relative states as the model does (its ``linear`` and ``norm``) and returns
+  them with ``proj`` (a ``PositionBias`` holding a ``coreattn.LowRankRelativeBias``): the kernels
+  compute the bias in registers. i - j is counted along the causal diagonal (``i + Lk - Lq - j``),
+  which is the model's ``get_relative_distance`` with and without a cache (checked where reading
+  it is free: on CPU). Outside a coreattn call the wrapped method runs unchanged.
+- ``sinks`` ``[B, H, S, 1]``: one logit per token and head: ``softmax_offset`` ``[B, H, S]``.
+- ``Inkling2BlockAttentionResidual`` (and the Loop model's ``...BlockAttentionResidual`` and
+  ``...MessageAttentionResidual``) call the attention function with the hidden size as the head
+  dim (4,608), over the few block states of each position: ``block_residual`` runs that in torch,
+  exactly as eager (a softmax over at most a dozen entries per position).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import importlib
+
+import torch
+
+from coreattn.adapters.transformers.models import PositionBias, source_differs, uses_coreattn
+from coreattn.layers.bias import LowRankRelativeBias
+from coreattn.layers.checks import reads_values
+
+MODELS = {"inkling2": "Inkling2", "inkling2_loop": "Inkling2Loop"}  # model_type -> class prefix
+# the configs that reach the mask builder and the attention layers: the language models' own
+CONFIG_TYPES = {"inkling2": "inkling2", "inkling2_text": "inkling2", "inkling2_loop": "inkling2_loop",
+                "inkling2_loop_text": "inkling2_loop"}
+MODEL_TYPES = tuple(CONFIG_TYPES)
+RESIDUALS = {"Inkling2BlockAttentionResidual", "Inkling2LoopBlockAttentionResidual",
+             "Inkling2LoopMessageAttentionResidual"}
+# sha256 of the (dedented) source of each method coreattn wraps, restates or relies on (transformers
+# 5.25.0, the same in 5.24.0); the Loop model's methods have the same source as Inkling 2's
+_SHARED = {
+    "{p}RelativePositionBias.forward": "08da7bbe117137673b2a814a66c55696a640e0ff24a49e2e71779b72656ec054",
+    "{p}SlidingAttention.forward": "14dd510353e47a52db16ecd186fd436389a0ae1b433556e062a0a3f0ae572188",
+    "{p}FullAttention.forward": "1621a09d314214420c1bd63477cfc7efe145a029543d98d7ee8dfb6108c78615",
+    "{p}BlockAttentionResidual.forward": "d2be507431a1701acfe64de472d21d4866913b41f80c3d5cc560c018cb105a4e",
+    "eager_attention_forward": "e356c83147edb3b79a901134e147528f1e3f44bc54c0cb016a7a9bf2b245e6ba",
+    "get_relative_distance": "704e9f25a591340a16cc096f7fe72c6418746616d1af5f7f709ddc578cba88cc",
+}
+KNOWN_SOURCES = {
+    "inkling2": {name.format(p="Inkling2"): h for name, h in _SHARED.items()},
+    "inkling2_loop": {**{name.format(p="Inkling2Loop"): h for name, h in _SHARED.items()},
+                      "Inkling2LoopMessageAttentionResidual.forward":
+                      "66d3990a7a4d6553c678603df5818ca8319adf5b4668d1be8b66bde64a464bdf"},
+}
+_IN_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("coreattn_inkling2_call", default=False)
+
+
+def _module(model_type: str):
+    return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+
+
+@functools.lru_cache(maxsize=None)
+def check_source(model_type: str) -> str | None:
+    """None if this transformers' Inkling 2 methods are the ones this module was written against,
+    else why not (naming the method). ``model_type``: a config's (``CONFIG_TYPES``)."""
+    model_type = CONFIG_TYPES[model_type]
+    try:
+        module = _module(model_type)
+    except ImportError:
+        return f"transformers has no {model_type} model"
+    differs = source_differs(module, KNOWN_SOURCES[model_type])
+    if differs is None:
+        return None
+    return (f"{differs} differs from the transformers release (5.25.0) coreattn's {model_type} path was written "
+            "against")
+
+
+def _attention_forward(forward):
+    @functools.wraps(forward)
+    def attention_forward(self, *args, **kwargs):
+        if not uses_coreattn(self.config):
+            return attention_forward.coreattn_wrapped(self, *args, **kwargs)
+        token = _IN_CALL.set(True)
+        try:
+            return attention_forward.coreattn_wrapped(self, *args, **kwargs)
+        finally:
+            _IN_CALL.reset(token)
+
+    attention_forward.coreattn_wrapped = forward
+    return attention_forward
+
+
+def _bias_forward(forward, model_type: str):
+    @functools.wraps(forward)
+    def bias_forward(self, hidden_states, relative_distance, position_ids):
+        if not _IN_CALL.get():
+            return bias_forward.coreattn_wrapped(self, hidden_states, relative_distance, position_ids)
+        q_len = hidden_states.shape[1]
+        k_len = relative_distance.shape[-1]
+        # the model's distances are q_offset + i - (kv_offset + j); coreattn's i + (Lk - Lq) - j: the same
+        # when the query block ends at the last key (a cache's offsets do); read where that is free
+        if reads_values(relative_distance) and int(relative_distance[0, 0]) != k_len - q_len:
+            raise NotImplementedError(f"{model_type}: relative distances whose diagonal is not the keys' last "
+                                      f"(offset {int(relative_distance[0, 0])}, expected {k_len - q_len}) are not "
+                                      "supported by coreattn; use attn_implementation='eager'")
+        # the model's relative states, computed as its forward computes them: [B, S, H, d_rel]
+        states = self.linear(hidden_states).view(*hidden_states.shape[:-1], self.num_heads, -1)
+        states = self.norm(states, position_ids)
+        return PositionBias(LowRankRelativeBias(states, self.proj), model_type)
+
+    bias_forward.coreattn_wrapped = forward
+    return bias_forward
+
+
+def install() -> list[str]:
+    """Wrap the Inkling 2 models' bias modules and attention layers (idempotent); the model types
+    this transformers has."""
+    installed = []
+    for model_type, prefix in MODELS.items():
+        try:
+            module = _module(model_type)
+        except ImportError:
+            continue
+        for name in ("SlidingAttention", "FullAttention"):
+            cls = getattr(module, prefix + name)
+            if not hasattr(cls.forward, "coreattn_wrapped"):
+                cls.forward = _attention_forward(cls.forward)
+        cls = getattr(module, prefix + "RelativePositionBias")
+        if not hasattr(cls.forward, "coreattn_wrapped"):
+            cls.forward = _bias_forward(cls.forward, model_type)
+        installed.append(model_type)
+    return installed
+
+
+def is_residual(module) -> bool:
+    """A block-attention residual (head dim = the hidden size, a few block states per position)."""
+    return type(module).__name__ in RESIDUALS
+
+
+def block_residual(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """The residuals' attention ``[B, S, Q, D]`` as eager computes it: query ``[B, S, Q, D]`` (the
+    positions as eager's heads), key = value ``[B, S, N, D]`` (N block states), float32, no mask."""
+    if attention_mask is not None or dropout:
+        raise NotImplementedError(f"{type(module).__name__} with a mask or dropout is not supported by coreattn")
+    weights = torch.softmax(torch.matmul(query, key.transpose(-1, -2)) * scaling, dim=-1, dtype=torch.float32)
+    out = torch.matmul(weights.to(query.dtype), value)  # [B, S, Q, D]
+    return out.transpose(1, 2).contiguous()
