@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import coreattn
-from attn_cases import (KERNEL_DEVICE, LENS_K, Case, assert_flash_criterion, assert_lse_criterion, cu_from_lens,
+from attn_cases import (KERNEL_DEVICE, Case, assert_flash_criterion, assert_lse_criterion, cu_from_lens,
                         make_inputs)
 from coreattn import BucketedRelativeBias, LowRankRelativeBias
 from coreattn.kernels import dropout
@@ -73,12 +73,12 @@ def _check(out, lse, grads, names, ref_fn, inputs, g):
 CASES = [
     # (backend, dtype, case, kind): kind "rank3" = LowRankRelativeBias with R = 3 over 9 distances;
     # "t5-bi" / "t5-causal" = BucketedRelativeBias with 8 buckets, max_distance 6
-    pytest.param("triton", F32, Case(dqk=32, dv=16, hq=4, hkv=2, causal=True, lens_k=LENS_K), "rank3",
-                 id="triton-fp32-low-rank-gqa-causal-qk-lens-differ"),
+    pytest.param("triton", F32, Case(dqk=32, dv=16, hq=4, hkv=2, causal=True, lens_q=(0, 17, 6), lens_k=(3, 22, 0)),
+                 "rank3", id="triton-fp32-low-rank-gqa-causal-qk-lens-differ"),
     pytest.param("triton", F16, Case(dqk=48, dv=32, hq=2, hkv=1, window=(5, 3), lens_q=(7, 40)), "t5-bi",
                  id="triton-fp16-t5-bidirectional-window"),
-    pytest.param("torch", F32, Case(dqk=32, dv=16, hq=4, hkv=2, causal=True, lens_k=LENS_K), "rank3",
-                 id="torch-fp32-low-rank-gqa-causal-qk-lens-differ"),
+    pytest.param("torch", F32, Case(dqk=32, dv=16, hq=4, hkv=2, causal=True, lens_q=(0, 17, 6), lens_k=(3, 22, 0)),
+                 "rank3", id="torch-fp32-low-rank-gqa-causal-qk-lens-differ"),
     pytest.param("torch", F16, Case(dqk=48, dv=32, hq=2, hkv=1, causal=True, bottom_right=False,
                                     lens_q=(7, 40), lens_k=(9, 30)), "t5-causal",
                  id="torch-fp16-t5-causal-topleft"),
@@ -128,8 +128,9 @@ def test_bias_matches_oracle(backend, dtype, case, kind):
 
     names = ["dq", "dk", "dv"] + (["d_states", "d_proj"] if kind == "rank3" else ["d_embedding"])
     _check(out, lse, grads, names, ref_fn, [q, k, v] + tensors, g)
-    again = torch.autograd.grad(run()[0], [q, k, v] + tensors, g.to(out.device))
-    assert all(torch.equal(a, b) for a, b in zip(grads, again)), "the backward is not bitwise deterministic"
+    if dtype == F16:  # one rerun per backend
+        again = torch.autograd.grad(run()[0], [q, k, v] + tensors, g.to(out.device))
+        assert all(torch.equal(a, b) for a, b in zip(grads, again)), "the backward is not bitwise deterministic"
 
 
 @pytest.mark.parametrize("backend, layout", [("triton", "bshd"), ("torch", "sbhd")])

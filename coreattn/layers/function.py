@@ -267,6 +267,7 @@ _LAYOUT_ARGS = ("fmt", "q_seq", "q_lens", "q_keep", "q_gid", "k_seq", "k_lens", 
                 "dropout_p")
 _FWD_ARGS = ("q", "k", "v") + _LAYOUT_ARGS + ("rng_state", "softmax_offset", "return_max_logit", "backend", "validate",
                                              "bias_table", "bias_coef", "bias_lo", "bias_clamp")
+_FWD_DEFAULTS = dict(bias_table=None, bias_coef=None, bias_lo=0, bias_clamp=False)
 _SAVED = ("q", "k", "v", "q_seq", "q_lens", "q_keep", "q_gid", "k_seq", "k_lens", "k_keep", "k_gid", "rng_state",
           "softmax_offset", "bias_table", "bias_coef")
 
@@ -274,7 +275,7 @@ _SAVED = ("q", "k", "v", "q_seq", "q_lens", "q_keep", "q_gid", "k_seq", "k_lens"
 def _setup_context(ctx, inputs, output):
     """Saves only what flash attention saves: q, k, v, out, lse (O(T*H*D)), the small layout
     tensors, and the dropout RNG state and softmax offset when given."""
-    args = dict(zip(_FWD_ARGS, inputs))
+    args = {**_FWD_DEFAULTS, **dict(zip(_FWD_ARGS, inputs))}  # trailing defaults may be left out of inputs
     out, lse, max_logit = output
     ctx.save_for_backward(out, lse, *(args[name] for name in _SAVED))
     ctx.options = {name: args[name] for name in _LAYOUT_ARGS + ("bias_lo", "bias_clamp")
@@ -289,7 +290,9 @@ def _backward(ctx, dout, dlse, dmax_logit):
     t = dict(zip(_SAVED, saved))
     opts = ctx.options
     grads = {}
-    wants = {name: ctx.needs_input_grad[_FWD_ARGS.index(name)] for name in ("softmax_offset", "bias_table", "bias_coef")}
+    # trailing arguments left at their defaults (no bias) may be missing from needs_input_grad
+    needs = tuple(ctx.needs_input_grad) + (False,) * (len(_FWD_ARGS) - len(ctx.needs_input_grad))
+    wants = {name: needs[_FWD_ARGS.index(name)] for name in ("softmax_offset", "bias_table", "bias_coef")}
     if any(ctx.needs_input_grad[:3]) or any(wants.values()):
         dq, dk, dv, d_offset, d_table, d_coef = attn_bwd(
             dout, t["q"], t["k"], t["v"], out, lse, opts["fmt"], *(t[name] for name in _SAVED[3:11]),

@@ -222,7 +222,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     opts = dict(dropout_p=float(dropout), softmax_scale=scaling, causal=causal,
                 window_size=_window(sliding_window, causal), softmax_offset=s_aux, backend=backend, bias=bias)
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, S, H, D] views
+    # [B, S, H, D] views; copied where the head dim is strided (Inkling 2's float32 keys and values leave its
+    # short convolution transposed), as the kernels read rows of unit stride
+    q, k, v = (x.transpose(1, 2) if x.stride(-1) == 1 else x.transpose(1, 2).contiguous() for x in (query, key, value))
     batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
     packed_kwargs = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
     if packed_kwargs:
