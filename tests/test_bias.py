@@ -138,13 +138,13 @@ def test_padded_low_rank_bias_with_token_sinks_and_window(backend, layout):
     """Inkling 2's attention call: right padding as keep masks, a sliding window, the low-rank bias
     and per-token sinks [B, Hq, S] together, GQA, on a padded batch used in place."""
     gen = torch.Generator().manual_seed(4)
-    b, s, hq, hkv, d, rank, extent = 2, 21, 4, 2, 16, 2, 6
+    b, s, hq, hkv, d, rank, extent = 2, 13, 4, 2, 16, 2, 6
     q, k, v = (torch.randn(b, s, h, d, generator=gen).to(KERNEL_DEVICE) for h in (hq, hkv, hkv))
     states = torch.randn(b, s, hq, rank, generator=gen).to(KERNEL_DEVICE)
     proj = torch.randn(rank, extent, generator=gen).to(KERNEL_DEVICE)
     sinks = torch.randn(b, hq, s, generator=gen).to(KERNEL_DEVICE)
     keep = torch.ones(b, s, dtype=torch.bool)
-    keep[1, 15:] = False
+    keep[1, 9:] = False
     leaves = [t.requires_grad_() for t in (q, k, v, states, proj, sinks)]
 
     def view(x):  # bshd -> the layout

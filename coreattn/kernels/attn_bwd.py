@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import (LENGTH_STRIDES, TableBias, _bias_row_grads, _bias_scores, _cols,
+from coreattn.kernels.attn_common import (LENGTH_STRIDES, TableBias, _bias_near, _bias_row_grads, _bias_scores, _cols,
                                           _dropout_keep, _first_gid, _first_row, _key_range, _lane_offsets, _load_keep,
                                           _load_rows, _poison, _query_range, _store_rows, _tile_visible, _visible,
                                           bias_args)
@@ -141,8 +141,10 @@ def _dkdv_q_step(dk, dk2, dv, head, m0, offs_m, k, k2, v, k_keep, q_seq, do_seq,
     if BIAS:  # the forward's bias, transposed: keys as rows; the step's q head's coefficients and table
         coef_ptrs = (coef_seq + h64 * stride_ch + tl.cast(m0, tl.int64) * stride_ct
                      + _lane_offsets(tl.minimum(offs_m, seqlen_q - 1 - m0)[None, :], stride_ct, INT64_LANES))
-        sT += _bias_scores(coef_ptrs, table_ptr + h64 * stride_th, rows[None, :] + shift - cols[:, None], bias_lo,
-                           bias_extent, BIAS_RANK, BIAS_COEF, BIAS_CLAMP) * 1.4426950408889634
+        if _bias_near(m0 + (BLOCK_M - 1) + shift - tl.min(cols, 0), m0 + shift - tl.max(cols, 0), bias_lo,
+                      bias_extent, BIAS_CLAMP):
+            sT += _bias_scores(coef_ptrs, table_ptr + h64 * stride_th, rows[None, :] + shift - cols[:, None],
+                               bias_lo, bias_extent, BIAS_RANK, BIAS_COEF, BIAS_CLAMP) * 1.4426950408889634
     pT = tl.math.exp2(sT - lse[None, :])
     if MASKED:
         vis = _visible(rows[None, :], cols[:, None], seqlen_k, shift, window_left, window_right, HAS_LEFT,
@@ -436,9 +438,13 @@ def _dq_kv_step(dq, dq2, delta_exact, dcoef, far, n0, offs_n, q, q2, do, lse, de
         s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
     s = s * sm_scale_log2
     dist = rows[:, None] + shift - cols[None, :]  # BIAS: query - key distance of each pair
+    near = n0 == n0  # BIAS: whether the tile meets the bias's band (kernels/attn_common.py _bias_near)
     if BIAS:
-        s += _bias_scores(coef_ptrs, table_base, dist, bias_lo, bias_extent, BIAS_RANK, BIAS_COEF,
-                          BIAS_CLAMP) * 1.4426950408889634
+        near = _bias_near(tl.max(rows, 0) + shift - n0, tl.min(rows, 0) + shift - n0 - (BLOCK_N - 1), bias_lo,
+                          bias_extent, BIAS_CLAMP)
+        if near:
+            s += _bias_scores(coef_ptrs, table_base, dist, bias_lo, bias_extent, BIAS_RANK, BIAS_COEF,
+                              BIAS_CLAMP) * 1.4426950408889634
     p = tl.math.exp2(s - lse[:, None])
     if MASKED:
         vis = _tile_visible(rows, n0, offs_n, q_keep, k_keep_base, stride_kks, seqlen_k, shift, window_left,
@@ -452,8 +458,9 @@ def _dq_kv_step(dq, dq2, delta_exact, dcoef, far, n0, offs_n, q, q2, do, lse, de
         delta_exact += tl.sum(p * dp, 1)
     ds = p * (dp - delta[:, None])
     if BIAS_GRAD:
-        dcoef, far = _bias_row_grads(ds, p, dp, dcoef, far, table_base, dist, bias_lo, bias_extent, BIAS_RANK,
-                                     BIAS_RB, BIAS_COEF, BIAS_CLAMP)
+        if near:
+            dcoef, far = _bias_row_grads(ds, p, dp, dcoef, far, table_base, dist, bias_lo, bias_extent, BIAS_RANK,
+                                         BIAS_RB, BIAS_COEF, BIAS_CLAMP)
     ds = ds.to(k.dtype)
     dq += tl.dot(ds, k, input_precision=DOT_PRECISION)
     if BLOCK_DQK2 > 0:

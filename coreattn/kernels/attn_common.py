@@ -342,6 +342,16 @@ def _bias_scores(coef_ptrs, table_base, dist, lo, extent, RANK: tl.constexpr, CO
 
 
 @triton.jit
+def _bias_near(d_max, d_min, lo, extent, CLAMP: tl.constexpr):
+    """Whether a tile whose pairs' distances lie in [d_min, d_max] has any bias to add: always with a
+    clamped table; without, only where the distances meet [lo, lo + extent) (Inkling 2's full layers:
+    a 1,024-distance band of a long sequence), so the tiles outside skip the bias's work."""
+    if CLAMP:
+        return d_max == d_max
+    return (d_max >= lo) & (d_min < lo + extent)
+
+
+@triton.jit
 def _bias_row_grads(ds, p, dp, dcoef, far, table_base, dist, lo, extent, RANK: tl.constexpr, RB: tl.constexpr,
                     COEF: tl.constexpr, CLAMP: tl.constexpr):
     """The dQ kernel's share of a bias's gradient from a tile's ds = dL/d(logit) = p * (dp - delta)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import (LENGTH_STRIDES, _bias_scores, _cols, _dropout_keep, _first_gid, _first_row,
+from coreattn.kernels.attn_common import (LENGTH_STRIDES, _bias_near, _bias_scores, _cols, _dropout_keep, _first_gid, _first_row,
                                           _key_range, _lane_offsets, _load_keep, _load_rows, _poison, _tile_visible,
                                           TableBias, bias_args, int64_lanes)
 from coreattn.kernels.configs.base import head_blocks
@@ -100,8 +100,10 @@ def _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_ba
     s = _qk_scores(q, q2, k_base, stride_kt, n0, offs_k, col_ok, k_desc, k2_desc, k_row0, k_col, HEAD_DIM_QK,
                    BLOCK_DQK, BLOCK_DQK2, MASKED, DOT_PRECISION, TMA, INT64_LANES) * sm_scale_log2  # [M, N], log2
     if BIAS:  # the additive bias, from the pairs' distances (kernels/attn_common.py _bias_scores)
-        s += _bias_scores(coef_ptrs, table_base, rows[:, None] + shift - cols[None, :], bias_lo, bias_extent,
-                          BIAS_RANK, BIAS_COEF, BIAS_CLAMP) * 1.4426950408889634
+        if _bias_near(tl.max(rows, 0) + shift - n0, tl.min(rows, 0) + shift - n0 - (BLOCK_N - 1), bias_lo,
+                      bias_extent, BIAS_CLAMP):
+            s += _bias_scores(coef_ptrs, table_base, rows[:, None] + shift - cols[None, :], bias_lo, bias_extent,
+                              BIAS_RANK, BIAS_COEF, BIAS_CLAMP) * 1.4426950408889634
     if TMA:
         v = v_desc.load([k_row0 + n0, v_col])  # [N, DV]
         if MASKED:

@@ -62,21 +62,21 @@ def tile_bias(bias: TableBias, coef: torch.Tensor | None, win: Window, heads: in
     return y.gather(-1, idx)
 
 
-def tile_bias_grad(bias: TableBias, coef: torch.Tensor | None, win: Window, ds: torch.Tensor, d_table: torch.Tensor,
-                   d_coef: torch.Tensor | None) -> None:
-    """Adds A tiles' share of the bias gradients from ds = dL/d(logit) [A, Hq, bq, bk]: the table's into
-    ``d_table`` (the table's shape) and, with coefficients, theirs into ``d_coef`` [A, bq, Hq, R]
-    (the query blocks' rows)."""
+def tile_bias_grad(bias: TableBias, coef: torch.Tensor | None, win: Window, ds: torch.Tensor,
+                   d_table: torch.Tensor) -> torch.Tensor | None:
+    """Adds A tiles' share of the table's gradient, from ds = dL/d(logit) [A, Hq, bq, bk], into ``d_table``
+    (the table's shape); returns the coefficients' [A, bq, Hq, R] (None without coefficients)."""
     a, heads, bq, bk = ds.shape
     w = bq + bk - 1
     n = torch.arange(bq, device=ds.device)[:, None] - torch.arange(w, device=ds.device)[None, :] + (bk - 1)  # [bq, W]
     valid = (n >= 0) & (n < bk)
     dy = ds.gather(-1, n.clamp(0, bk - 1).expand(a, heads, bq, w)) * valid.to(ds.dtype)  # [A, Hq, bq, W]
     table = win.table.expand(-1, heads, -1, -1)  # [A, Hq, R, W]
+    d_coef = None
     if coef is None:
         dwin = dy.sum(2, keepdim=True)  # [A, Hq, 1, W]
     else:
-        d_coef.add_(torch.einsum("ahmw,ahrw->amhr", dy, table))
+        d_coef = torch.einsum("ahmw,ahrw->amhr", dy, table)
         dwin = torch.einsum("ahmw,amhr->ahrw", dy, coef)
     heads_t, rank, extent = d_table.shape
     if heads_t == 1:
@@ -92,4 +92,5 @@ def tile_bias_grad(bias: TableBias, coef: torch.Tensor | None, win: Window, ds: 
         flat.index_add_(0, at, vals)
     else:  # index_add_ uses atomics on GPUs; index_put_ accumulates deterministically
         flat.index_put_((at,), vals, accumulate=True)
+    return d_coef
 

@@ -241,10 +241,35 @@ def _bias_coef(bias, fmt: str, tl: Tiles, work) -> torch.Tensor | None:
 
 
 def _step_bias(bias, coef_b, tl: Tiles, c0: int, c1: int, kid, hq: int, work):
-    """(window, [A, Hq, bq, bk] bias) of a step's tiles (coreattn/layers/torch_backend/bias.py)."""
-    win = bias_window(bias, tl.q.first[c0:c1], tl.k.first[kid], tl.shift[c0:c1], tl.bq, tl.bk, work)
+    """(window, [A', Hq, bq, bk] bias, A' tile indices or None for all) of a step's tiles
+    (coreattn/layers/torch_backend/bias.py). On CPU, where reading a tensor is free, an unclamped
+    table's tiles whose distances all lie outside it are left out (Inkling 2's full layers: the
+    extent's band of a long sequence); on a device every tile is computed (no host read)."""
+    first_q, first_k, shift = tl.q.first[c0:c1], tl.k.first[kid], tl.shift[c0:c1]
     coef = None if coef_b is None else coef_b[c0:c1]
-    return win, tile_bias(bias, coef, win, hq, tl.bq, tl.bk)
+    near = None
+    if not bias.clamp and first_q.device.type == "cpu":
+        extent = bias.table.shape[-1]
+        d_max = first_q + (tl.bq - 1) + shift - first_k
+        d_min = first_q + shift - first_k - (tl.bk - 1)
+        hits = (d_max >= bias.lo) & (d_min < bias.lo + extent)
+        if not bool(hits.all()):
+            near = hits.nonzero().view(-1)
+            first_q, first_k, shift = first_q[near], first_k[near], shift[near]
+            coef = None if coef is None else coef[near]
+    win = bias_window(bias, first_q, first_k, shift, tl.bq, tl.bk, work)
+    return win, tile_bias(bias, coef, win, hq, tl.bq, tl.bk), near, coef
+
+
+def _add_bias(s: torch.Tensor, b_t: torch.Tensor, near, hkv: int, g: int, tl: Tiles) -> None:
+    """s [A, Hkv, G * bq, bk] += the tiles' bias [A', Hq, bq, bk] (A' = A, or the tiles ``near``)."""
+    a = s.shape[0]
+    view = s.view(a, hkv, g, tl.bq, tl.bk)
+    b_t = b_t.view(-1, hkv, g, tl.bq, tl.bk)
+    if near is None:
+        view.add_(b_t)
+    else:
+        view.index_add_(0, near, b_t)
 
 
 def blocked_fwd(q, k, v, q_pack: Packing, k_pack: Packing, spans: Spans, params: VarlenParams, rng_state,
@@ -269,8 +294,9 @@ def blocked_fwd(q, k, v, q_pack: Packing, k_pack: Packing, spans: Spans, params:
         kid = tl.k_first[c0:c1] + t
         s = torch.matmul(qb[c0:c1], kb.index_select(0, kid).transpose(-1, -2)).mul_(params.softmax_scale)
         if bias is not None:
-            s.view(c1 - c0, hkv, g, tl.bq, tl.bk).add_(
-                _step_bias(bias, coef_b, tl, c0, c1, kid, hq, work)[1].view(c1 - c0, hkv, g, tl.bq, tl.bk))
+            _, b_t, near, _ = _step_bias(bias, coef_b, tl, c0, c1, kid, hq, work)
+            _add_bias(s, b_t, near, hkv, g, tl)
+            del b_t
         vis = _visible(tl, c0, c1, t, kid, params)
         s.view(c1 - c0, hkv, g, tl.bq, tl.bk).masked_fill_(~vis[:, None, None], float("-inf"))
         if max_logit is not None:
@@ -338,10 +364,11 @@ def blocked_bwd(dout, q, k, v, out, lse, q_pack: Packing, k_pack: Packing, spans
         """(key blocks, bias window, P, dP with dropout's keep / (1 - p), P with it) of a step."""
         kid = tl.k_first[c0:c1] + t
         s = torch.matmul(qb[c0:c1], kb.index_select(0, kid).transpose(-1, -2)).mul_(params.softmax_scale)
-        win = None
+        step = None  # BIAS: (window, tiles near the band or None, their coefficients)
         if bias is not None:
-            win, b_t = _step_bias(bias, coef_b, tl, c0, c1, kid, hq, work)
-            s.view(c1 - c0, hkv, g, tl.bq, tl.bk).add_(b_t.view(c1 - c0, hkv, g, tl.bq, tl.bk))
+            win, b_t, near, coef = _step_bias(bias, coef_b, tl, c0, c1, kid, hq, work)
+            _add_bias(s, b_t, near, hkv, g, tl)
+            step = (win, near, coef)
             del b_t
         vis = _visible(tl, c0, c1, t, kid, params)
         s.view(c1 - c0, hkv, g, tl.bq, tl.bk).masked_fill_(~vis[:, None, None], float("-inf"))
@@ -352,7 +379,7 @@ def blocked_bwd(dout, q, k, v, out, lse, q_pack: Packing, k_pack: Packing, spans
             scale = _drop_scale(tl, c0, c1, kid, hkv, g, params, rng_state, ids_q, ids_k, work)
             dp.mul_(scale)
             p_drop = p * scale
-        return kid, win, p, dp, p_drop
+        return kid, step, p, dp, p_drop
 
     if bias is not None and work != q.dtype:
         # the bias's gradients sum dS over rows: with 16-bit inputs delta = rowsum(dO * O) carries O's rounding
@@ -363,14 +390,18 @@ def blocked_bwd(dout, q, k, v, out, lse, q_pack: Packing, k_pack: Packing, spans
             exact[c0:c1].add_((p * dp).sum(-1, keepdim=True))
         delta = exact
     for t, c0, c1 in tl.steps(per_tile):
-        kid, win, p, dp, p_drop = probabilities(t, c0, c1)
+        kid, step, p, dp, p_drop = probabilities(t, c0, c1)
         if rowsum is not None:
             rowsum[c0:c1].add_((p * dp).sum(-1, keepdim=True))
         ds = dp.sub_(delta[c0:c1]).mul_(p)  # dL/d(logit)
         if bias is not None:
-            tile_bias_grad(bias, None if coef_b is None else coef_b[c0:c1], win,
-                           ds.view(c1 - c0, hq, tl.bq, tl.bk), d_table,
-                           None if d_coef_b is None else d_coef_b[c0:c1])
+            win, near, coef = step
+            ds_t = ds.view(c1 - c0, hq, tl.bq, tl.bk)
+            dc = tile_bias_grad(bias, coef, win, ds_t if near is None else ds_t.index_select(0, near), d_table)
+            if dc is not None and near is not None:
+                d_coef_b[c0:c1].index_add_(0, near, dc)
+            elif dc is not None:
+                d_coef_b[c0:c1].add_(dc)
         ds.mul_(params.softmax_scale)
         dv_t = torch.matmul(p_drop.transpose(-1, -2), dob[c0:c1])  # [A, Hkv, bk, Dv], G summed in the rows
         dk_t = torch.matmul(ds.transpose(-1, -2), qb[c0:c1])

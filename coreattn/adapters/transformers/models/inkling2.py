@@ -4,6 +4,10 @@ Written against transformers 5.25.0 (these methods' code is the same in 5.24.0);
 refuses another release whose code here differs (``KNOWN_SOURCES``: sha256 of each method's
 source). What each attention call of the model passes, and what coreattn does with it:
 
+- ``relative_distance``: the text model (``Inkling2TextModel``, ``Inkling2LoopTextModel``) builds two
+  ``[q_len, kv_len]`` int64 tensors per forward (``get_relative_distance``): inside a coreattn model
+  call the wrapped function returns their offsets instead (``Distances``, computed as it computes
+  them), so no S x S tensor is built outside the attention either.
 - ``position_bias``: ``Inkling2RelativePositionBias`` (``Inkling2LoopRelativePositionBias``)
   builds ``[B, H, S, T]``: ``relative_states[b, i, h, :] . proj[:, i - j]`` for ``0 <= i - j <
   rel_extent``. ``install()`` wraps its ``forward``: inside a coreattn call of the attention layers
@@ -11,8 +15,8 @@ source). What each attention call of the model passes, and what coreattn does wi
   it) it computes the relative states as the model does (its ``linear`` and ``norm``) and returns
   them with ``proj`` (a ``PositionBias`` holding a ``coreattn.LowRankRelativeBias``): the kernels
   compute the bias in registers. i - j is counted along the causal diagonal (``i + Lk - Lq - j``),
-  which is the model's ``get_relative_distance`` with and without a cache (checked where reading
-  it is free: on CPU). Outside a coreattn call the wrapped method runs unchanged.
+  which is the model's ``get_relative_distance`` with and without a cache (checked from the
+  ``Distances``). Outside a coreattn call the wrapped methods run unchanged.
 - ``sinks`` ``[B, H, S, 1]``: one logit per token and head: ``softmax_offset`` ``[B, H, S]``.
 - ``Inkling2BlockAttentionResidual`` (and the Loop model's ``...BlockAttentionResidual`` and
   ``...MessageAttentionResidual``) call the attention function with the hidden size as the head
@@ -55,7 +59,26 @@ KNOWN_SOURCES = {
                       "Inkling2LoopMessageAttentionResidual.forward":
                       "66d3990a7a4d6553c678603df5818ca8319adf5b4668d1be8b66bde64a464bdf"},
 }
+KNOWN_SOURCES["inkling2"]["Inkling2TextModel.forward"] = (
+    "597ed4887a4313bf4b3a7f54edf191ef2458a7297a1e40cb547bafef0936b338")
+KNOWN_SOURCES["inkling2_loop"]["Inkling2LoopTextModel.forward"] = (
+    "0c485c09e1b024799cfa14531839eab0bfcbb3a4e3d1f537cec8088a76ed0b43")
 _IN_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("coreattn_inkling2_call", default=False)
+_IN_MODEL: contextvars.ContextVar[bool] = contextvars.ContextVar("coreattn_inkling2_model", default=False)
+
+
+class Distances:
+    """What ``get_relative_distance`` returns inside a coreattn model call in place of its
+    ``[q_len, kv_len]`` int64 tensor (two of them per forward: S x S each): the query positions'
+    offset from the keys' (``q_offset - kv_offset``) and the shape. The bias module reads these."""
+
+    __slots__ = ("offset", "shape")
+
+    def __init__(self, offset: int, q_len: int, kv_len: int):
+        self.offset, self.shape = offset, (q_len, kv_len)
+
+    def __repr__(self) -> str:
+        return f"Distances(offset={self.offset}, shape={self.shape})"
 
 
 def _module(model_type: str):
@@ -93,19 +116,65 @@ def _attention_forward(forward):
     return attention_forward
 
 
+def _model_forward(forward):
+    @functools.wraps(forward)
+    def model_forward(self, *args, **kwargs):
+        token = _IN_MODEL.set(uses_coreattn(self.config))
+        try:
+            return model_forward.coreattn_wrapped(self, *args, **kwargs)
+        finally:
+            _IN_MODEL.reset(token)
+
+    model_forward.coreattn_wrapped = forward
+    return model_forward
+
+
+def _distances(function):
+    """The model's ``get_relative_distance``: inside a coreattn model call, ``Distances`` (its offsets,
+    computed as it computes them) instead of the [q_len, kv_len] tensor."""
+    @functools.wraps(function)
+    def get_relative_distance(inputs_embeds, cache, is_sliding):
+        if not _IN_MODEL.get():
+            return get_relative_distance.coreattn_wrapped(inputs_embeds, cache, is_sliding)
+        from transformers.masking_utils import find_first_full_attention_index
+
+        q_length = inputs_embeds.shape[1]
+        if cache is None:
+            kv_length, kv_offset, q_offset = q_length, 0, 0
+        else:
+            if not is_sliding:
+                layer_idx = find_first_full_attention_index(cache)
+            elif True in cache.is_sliding:
+                layer_idx = cache.is_sliding.index(True)
+            else:
+                layer_idx = 0
+            kv_length, kv_offset = cache.get_mask_sizes(q_length, layer_idx)
+            q_offset = cache.get_query_offset(layer_idx)
+        return Distances(q_offset - kv_offset, q_length, kv_length)
+
+    get_relative_distance.coreattn_wrapped = function
+    return get_relative_distance
+
+
 def _bias_forward(forward, model_type: str):
     @functools.wraps(forward)
     def bias_forward(self, hidden_states, relative_distance, position_ids):
         if not _IN_CALL.get():
+            if isinstance(relative_distance, Distances):  # an eager attention layer inside a coreattn model
+                relative_distance = _materialize(relative_distance, hidden_states.device)
             return bias_forward.coreattn_wrapped(self, hidden_states, relative_distance, position_ids)
         q_len = hidden_states.shape[1]
         k_len = relative_distance.shape[-1]
         # the model's distances are q_offset + i - (kv_offset + j); coreattn's i + (Lk - Lq) - j: the same
-        # when the query block ends at the last key (a cache's offsets do); read where that is free
-        if reads_values(relative_distance) and int(relative_distance[0, 0]) != k_len - q_len:
+        # when the query block ends at the last key (a cache's offsets do)
+        if isinstance(relative_distance, Distances):
+            offset = relative_distance.offset
+        else:  # a tensor handed by the caller: read where that is free
+            offset = int(relative_distance[0, 0]) if reads_values(relative_distance) else k_len - q_len
+        if offset != k_len - q_len:
             raise NotImplementedError(f"{model_type}: relative distances whose diagonal is not the keys' last "
-                                      f"(offset {int(relative_distance[0, 0])}, expected {k_len - q_len}) are not "
-                                      "supported by coreattn; use attn_implementation='eager'")
+                                      f"(offset {offset}, expected {k_len - q_len}) are not supported by coreattn; "
+                                      "use attn_implementation='eager'")
         # the model's relative states, computed as its forward computes them: [B, S, H, d_rel]
         states = self.linear(hidden_states).view(*hidden_states.shape[:-1], self.num_heads, -1)
         states = self.norm(states, position_ids)
@@ -113,6 +182,13 @@ def _bias_forward(forward, model_type: str):
 
     bias_forward.coreattn_wrapped = forward
     return bias_forward
+
+
+def _materialize(distances: Distances, device) -> torch.Tensor:
+    """The [q_len, kv_len] distances the model's own function would have returned."""
+    q_len, kv_len = distances.shape
+    return (torch.arange(q_len, device=device)[:, None] + distances.offset
+            - torch.arange(kv_len, device=device)[None, :])
 
 
 def install() -> list[str]:
@@ -131,6 +207,11 @@ def install() -> list[str]:
         cls = getattr(module, prefix + "RelativePositionBias")
         if not hasattr(cls.forward, "coreattn_wrapped"):
             cls.forward = _bias_forward(cls.forward, model_type)
+        cls = getattr(module, prefix + "TextModel")
+        if not hasattr(cls.forward, "coreattn_wrapped"):
+            cls.forward = _model_forward(cls.forward)
+        if not hasattr(module.get_relative_distance, "coreattn_wrapped"):
+            module.get_relative_distance = _distances(module.get_relative_distance)
         installed.append(model_type)
     return installed
 
