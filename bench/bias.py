@@ -31,18 +31,16 @@ memory on top of its inputs), ``torch.cuda.max_memory_allocated`` on CUDA. fp32 
 
 from __future__ import annotations
 
-import gc
 import json
 import math
-import statistics
 import sys
-import time
 from typing import Iterable, NamedTuple
 
 import torch
 
-from bench.cpu_attention import _reset_peak, _status_kib, worker_json
 from bench.flops import attention_flops
+from bench.sparse import _call as sparse_call
+from bench.sparse import call_memory, run_groups, time_rounds
 
 PROVIDERS = ("coreattn", "coreattn-nobias", "eager", "flex")
 MODES = ("fwd", "fwdbwd")
@@ -50,8 +48,6 @@ KINDS = ("rel", "t5")
 HEAD_DIM, RANK, EXTENT = 64, 16, 1024
 BUCKETS, MAX_DISTANCE = 32, 128
 EAGER_BUDGET = 8 << 30  # skip eager rows whose estimated [H, T, T] buffers pass this
-TIME_BUDGET_S, MORE_REPS_S, MAX_REPS = 60.0, 10.0, 10
-SUBPROCESS_TIMEOUT_S = 3600
 
 
 class BiasBenchCase(NamedTuple):
@@ -174,24 +170,13 @@ def build(case: BiasBenchCase, provider: str, device: torch.device, dtype: torch
     return flex, [q, k, v, *factors]
 
 
-def _call(fn, leaves, mode: str, dout):
-    for x in leaves:
-        x.grad = None
-    if mode == "fwd" and not any(x.requires_grad for x in leaves):
-        fn()
-        return
-    out = fn()
-    if mode == "fwdbwd":
-        out.backward(dout.view(out.shape))
-
-
 def _prepare(case: BiasBenchCase, provider: str, mode: str, device: torch.device, dtype):
     fn, leaves = build(case, provider, device, dtype)
     if provider == "flex" and mode == "fwd":
         for x in leaves:
             x.requires_grad_(False)
     dout = torch.randn(case.tokens * case.heads * HEAD_DIM, device=device, dtype=dtype)
-    _call(fn, leaves, mode, dout)  # warm-up: imports, dispatch, compiles
+    sparse_call(fn, leaves, mode, dout)  # warm-up: imports, dispatch, compiles
     return fn, leaves, dout
 
 
@@ -208,49 +193,15 @@ def _setup(spec: dict):
 def time_worker(spec: dict) -> dict:
     """{provider: [ms, ...]} of every provider of the spec, their calls interleaved round by round."""
     case, device, dtype = _setup(spec)
-    prepared = {p: _prepare(case, p, spec["mode"], device, dtype) for p in spec["providers"]}
-    times = {p: [] for p in prepared}
-    start = time.perf_counter()
-    while True:
-        for p, (fn, leaves, dout) in prepared.items():
-            t0 = time.perf_counter()
-            _call(fn, leaves, spec["mode"], dout)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times[p].append((time.perf_counter() - t0) * 1e3)
-        rounds, elapsed = len(next(iter(times.values()))), (time.perf_counter() - start) / len(prepared)
-        if spec["quick"] or rounds >= MAX_REPS or elapsed >= TIME_BUDGET_S \
-                or (rounds >= spec["reps"] and elapsed >= MORE_REPS_S):
-            break
-    return {"times": times, "threads": torch.get_num_threads()}
+    mode = spec["mode"]
+    return time_rounds({p: _prepare(case, p, mode, device, dtype) for p in spec["providers"]}, mode, device, spec)
 
 
 def memory_worker(spec: dict) -> dict:
     """The peak memory of one call of one provider on top of its inputs."""
     case, device, dtype = _setup(spec)
     fn, leaves, dout = _prepare(case, spec["provider"], spec["mode"], device, dtype)
-    cuda = device.type == "cuda"
-    gc.collect()
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device) / 2**10
-    else:
-        base = _status_kib("VmRSS")
-        _reset_peak()
-    _call(fn, leaves, spec["mode"], dout)
-    if cuda:
-        torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) / 2**10 if cuda else _status_kib("VmHWM")
-    return {"extra_mib": (peak - base) / 1024 if peak and base else None,
-            "memory": "torch.cuda.max_memory_allocated" if cuda else "VmHWM (peak RSS), memory allocator settings"}
-
-
-def _run_child(spec: dict, memory: bool) -> dict:
-    result = worker_json(["-m", "bench.bias", json.dumps(spec)], SUBPROCESS_TIMEOUT_S, memory)
-    if "error" in result:
-        raise RuntimeError(result["error"])
-    return result
+    return call_memory(fn, leaves, dout, spec["mode"], device)
 
 
 def _base_row(case: BiasBenchCase, mode: str, provider: str, device: torch.device) -> dict:
@@ -264,39 +215,9 @@ def _base_row(case: BiasBenchCase, mode: str, provider: str, device: torch.devic
 def run_bias(cases: Iterable[BiasBenchCase], providers: list[str], quick: bool, device: torch.device,
              progress=None, modes=MODES, threads: int | None = None) -> list[dict]:
     """One row per (case, mode, provider): time from the (case, mode)'s time worker, memory from the
-    row's own memory worker."""
-    rows = []
-    for case in cases:
-        for mode in modes:
-            group = [_base_row(case, mode, p, device) for p in providers]
-            live = []
-            for row in group:
-                reason = skip_reason(case, row["provider"], mode, device)
-                if reason:
-                    row.update(status="skipped", reason=reason)
-                else:
-                    live.append(row)
-            spec = {"case": case._asdict(), "mode": mode, "device": str(device), "reps": 1 if quick else 3,
-                    "quick": quick, "threads": threads, "providers": [r["provider"] for r in live]}
-            try:
-                timed = _run_child(dict(spec, kind="time"), memory=False) if live else {}
-            except RuntimeError as exc:
-                timed = {"error": str(exc).splitlines()[0][:300]}
-            for row in live:
-                if "error" in timed:
-                    row.update(status="error", reason=timed["error"])
-                    continue
-                ms_all = timed["times"][row["provider"]]
-                row.update(status="ok", ms=statistics.median(ms_all), ms_all=ms_all, threads=timed["threads"])
-                try:
-                    row.update(_run_child(dict(spec, kind="memory", provider=row["provider"]), memory=True))
-                except RuntimeError as exc:
-                    row.update(memory_error=str(exc).splitlines()[0][:300])
-                if progress is not None:
-                    progress.update(1)
-            add_ratios(group)
-            rows += group
-    return rows
+    row's own memory worker (bench/sparse.py ``run_groups``)."""
+    return run_groups(cases, providers, quick, device, progress, modes, threads, "bench.bias", _base_row, skip_reason,
+                      add_ratios)
 
 
 def count(cases: Iterable[BiasBenchCase], providers: list[str], device: torch.device, modes=MODES) -> int:

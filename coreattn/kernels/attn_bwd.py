@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import (LENGTH_STRIDES, TableBias, _bias_near, _bias_row_grads, _bias_scores, _cols,
+from coreattn.kernels.attn_common import (LENGTH_STRIDES, TableBias, _bias_band, _bias_near, _bias_row_grads, _bias_scores, _cols,
                                           _dropout_keep, _first_gid, _first_row, _key_range, _lane_offsets, _load_keep,
                                           _load_rows, _poison, _query_range, _store_rows, _tile_visible, _visible,
                                           bias_args)
@@ -104,7 +104,7 @@ def _dkdv_q_step(dk, dk2, dv, head, m0, offs_m, k, k2, v, k_keep, q_seq, do_seq,
                  stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, stride_qks, cols, seqlen_q, seqlen_k, shift,
                  window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids,
                  drop_threshold, drop_scale, q_desc, q2_desc, do_desc, q_row0, coef_seq, table_ptr, stride_ct,
-                 stride_ch, stride_th, bias_lo, bias_extent, HEAD_DIM_QK: tl.constexpr,
+                 stride_ch, stride_th, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK: tl.constexpr,
                  HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
                  HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -141,8 +141,7 @@ def _dkdv_q_step(dk, dk2, dv, head, m0, offs_m, k, k2, v, k_keep, q_seq, do_seq,
     if BIAS:  # the forward's bias, transposed: keys as rows; the step's q head's coefficients and table
         coef_ptrs = (coef_seq + h64 * stride_ch + tl.cast(m0, tl.int64) * stride_ct
                      + _lane_offsets(tl.minimum(offs_m, seqlen_q - 1 - m0)[None, :], stride_ct, INT64_LANES))
-        if _bias_near(m0 + (BLOCK_M - 1) + shift - tl.min(cols, 0), m0 + shift - tl.max(cols, 0), bias_lo,
-                      bias_extent, BIAS_CLAMP):
+        if _bias_near(m0, near_lo, near_hi, BIAS_CLAMP):
             sT += _bias_scores(coef_ptrs, table_ptr + h64 * stride_th, rows[None, :] + shift - cols[:, None],
                                bias_lo, bias_extent, BIAS_RANK, BIAS_COEF, BIAS_CLAMP) * 1.4426950408889634
     pT = tl.math.exp2(sT - lse[None, :])
@@ -180,7 +179,7 @@ def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_s
                   seqlen_q, seqlen_k, shift, window_left, window_right,
                   sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
                   q_desc, q2_desc, do_desc, q_row0, coef_seq, table_ptr, stride_ct, stride_ch, stride_th, bias_lo,
-                  bias_extent,
+                  bias_extent, near_lo, near_hi,
                   HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                   BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
@@ -206,7 +205,7 @@ def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_s
                 stride_dot, stride_doh, stride_lh, stride_qks, cols, seqlen_q, seqlen_k, shift, window_left,
                 window_right, sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
                 q_desc, q2_desc, do_desc, q_row0, coef_seq, table_ptr, stride_ct, stride_ch, stride_th, bias_lo,
-                bias_extent, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M,
+                bias_extent, near_lo, near_hi, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M,
                 HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, MASKED, DOT_PRECISION, TMA, INT64_LANES,
                 BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
     else:
@@ -217,7 +216,7 @@ def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_s
                 stride_dot, stride_doh, stride_lh, stride_qks, cols, seqlen_q, seqlen_k, shift, window_left,
                 window_right, sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
                 q_desc, q2_desc, do_desc, q_row0, coef_seq, table_ptr, stride_ct, stride_ch, stride_th, bias_lo,
-                bias_extent, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M,
+                bias_extent, near_lo, near_hi, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M,
                 HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, MASKED, DOT_PRECISION, TMA, INT64_LANES,
                 BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
     return dk, dk2, dv
@@ -262,6 +261,9 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
             q_keep_base = q_keep_ptr + seq64 * stride_qkb + q_row * stride_qks
             k_keep_base = k_keep_ptr + seq64 * stride_kkb + k_start.to(tl.int64) * stride_kks
             coef_seq = coef_ptr + seq64 * stride_cb + q_row * stride_ct  # BIAS: the query rows' coefficients
+            # BIAS: the query blocks m0 whose distances to these keys meet the table (kernels/attn_common.py)
+            near_lo, near_hi = _bias_band(n0 - shift, n0 - shift + (BLOCK_N - 1), BLOCK_M, 1 - bias_lo - bias_extent,
+                                          bias_extent)
             cols = n0 + tl.arange(0, BLOCK_N)
             col_ok = cols < seqlen_k
             k_row0 = k_start + n0
@@ -298,7 +300,7 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
                                         group, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
                                         seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
                                         q_desc, q2_desc, do_desc, q_start, coef_seq, table_ptr, stride_ct,
-                                        stride_ch, stride_th, bias_lo, bias_extent, HEAD_DIM_QK, HEAD_DIM_V,
+                                        stride_ch, stride_th, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK, HEAD_DIM_V,
                                         BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP,
                                         HAS_K_KEEP, DROPOUT, DK, DV, True, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES,
                                         BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
@@ -308,7 +310,7 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
                                         group, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
                                         seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
                                         q_desc, q2_desc, do_desc, q_start, coef_seq, table_ptr, stride_ct,
-                                        stride_ch, stride_th, bias_lo, bias_extent, HEAD_DIM_QK, HEAD_DIM_V,
+                                        stride_ch, stride_th, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK, HEAD_DIM_V,
                                         BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP,
                                         HAS_K_KEEP, DROPOUT, DK, DV, False, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES,
                                         BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
@@ -318,7 +320,7 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
                                         group, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
                                         seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
                                         q_desc, q2_desc, do_desc, q_start, coef_seq, table_ptr, stride_ct,
-                                        stride_ch, stride_th, bias_lo, bias_extent, HEAD_DIM_QK, HEAD_DIM_V,
+                                        stride_ch, stride_th, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK, HEAD_DIM_V,
                                         BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP,
                                         HAS_K_KEEP, DROPOUT, DK, DV, True, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES,
                                         BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
@@ -400,7 +402,7 @@ def _attn_bwd_dkdv_kernel(
 def _dq_kv_step(dq, dq2, delta_exact, dcoef, far, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base,
                 k_keep_base, stride_kt, stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
                 window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale,
-                k_desc, k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs, table_base, bias_lo, bias_extent,
+                k_desc, k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs, table_base, bias_lo, bias_extent, near_lo, near_hi,
                 HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                 BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
@@ -440,8 +442,7 @@ def _dq_kv_step(dq, dq2, delta_exact, dcoef, far, n0, offs_n, q, q2, do, lse, de
     dist = rows[:, None] + shift - cols[None, :]  # BIAS: query - key distance of each pair
     near = n0 == n0  # BIAS: whether the tile meets the bias's band (kernels/attn_common.py _bias_near)
     if BIAS:
-        near = _bias_near(tl.max(rows, 0) + shift - n0, tl.min(rows, 0) + shift - n0 - (BLOCK_N - 1), bias_lo,
-                          bias_extent, BIAS_CLAMP)
+        near = _bias_near(n0, near_lo, near_hi, BIAS_CLAMP)
         if near:
             s += _bias_scores(coef_ptrs, table_base, dist, bias_lo, bias_extent, BIAS_RANK, BIAS_COEF,
                               BIAS_CLAMP) * 1.4426950408889634
@@ -473,7 +474,7 @@ def _dq_kv_steps(dq, dq2, delta_exact, dcoef, far, q, q2, do, lse, delta, q_keep
                  k_keep_base, stride_kt, stride_vt, stride_kks, rows, n_lo, n_hi, seqlen_q, seqlen_k, shift,
                  window_left, window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold,
                  drop_scale, k_desc, k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs, table_base, bias_lo,
-                 bias_extent,
+                 bias_extent, near_lo, near_hi,
                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                  BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
@@ -489,7 +490,7 @@ def _dq_kv_steps(dq, dq2, delta_exact, dcoef, far, q, q2, do, lse, delta, q_keep
                 dq, dq2, delta_exact, dcoef, far, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base,
                 k_keep_base, stride_kt, stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
                 window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale, k_desc,
-                k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs, table_base, bias_lo, bias_extent, HEAD_DIM_QK,
+                k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs, table_base, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK,
                 HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
                 DROPOUT, SINK_GRAD, MASKED, DOT_PRECISION, TMA, INT64_LANES, BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP,
                 BIAS_GRAD, BIAS_RB)
@@ -499,7 +500,7 @@ def _dq_kv_steps(dq, dq2, delta_exact, dcoef, far, q, q2, do, lse, delta, q_keep
                 dq, dq2, delta_exact, dcoef, far, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base,
                 k_keep_base, stride_kt, stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
                 window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale, k_desc,
-                k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs, table_base, bias_lo, bias_extent, HEAD_DIM_QK,
+                k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs, table_base, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK,
                 HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
                 DROPOUT, SINK_GRAD, MASKED, DOT_PRECISION, TMA, INT64_LANES, BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP,
                 BIAS_GRAD, BIAS_RB)
@@ -578,6 +579,7 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
                                          INT64_LANES))  # [M, 1] element offsets
             coef_ptrs = coef_ptr + coef_rows
             table_base = table_ptr + h64 * stride_th
+            near_lo, near_hi = _bias_band(m0 + shift, m0 + shift + (BLOCK_M - 1), BLOCK_N, bias_lo, bias_extent)
             dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
             dq2 = dq
             if BLOCK_DQK2 > 0:
@@ -597,7 +599,7 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
                 k_keep_base, stride_kt, stride_vt, stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift,
                 window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0, drop_threshold,
                 drop_scale, k_desc, k2_desc, v_desc, k_start, k_col, v_col, coef_ptrs, table_base, bias_lo,
-                bias_extent, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                bias_extent, near_lo, near_hi, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                 HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES, BIAS,
                 BIAS_RANK, BIAS_COEF, BIAS_CLAMP, BIAS_GRAD, BIAS_RB)
             dq, dq2, delta_exact, dcoef, far = _dq_kv_steps(
@@ -605,7 +607,7 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
                 k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift,
                 window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0, drop_threshold,
                 drop_scale, k_desc, k2_desc, v_desc, k_start, k_col, v_col, coef_ptrs, table_base, bias_lo,
-                bias_extent, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                bias_extent, near_lo, near_hi, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                 HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, False, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES, BIAS,
                 BIAS_RANK, BIAS_COEF, BIAS_CLAMP, BIAS_GRAD, BIAS_RB)
             dq, dq2, delta_exact, dcoef, far = _dq_kv_steps(
@@ -613,7 +615,7 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
                 k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift,
                 window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0, drop_threshold,
                 drop_scale, k_desc, k2_desc, v_desc, k_start, k_col, v_col, coef_ptrs, table_base, bias_lo,
-                bias_extent, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                bias_extent, near_lo, near_hi, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                 HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES, BIAS,
                 BIAS_RANK, BIAS_COEF, BIAS_CLAMP, BIAS_GRAD, BIAS_RB)
             dq_base = dq_head + seq64 * stride_dqb + q_start.to(tl.int64) * stride_dqt

@@ -342,13 +342,23 @@ def _bias_scores(coef_ptrs, table_base, dist, lo, extent, RANK: tl.constexpr, CO
 
 
 @triton.jit
-def _bias_near(d_max, d_min, lo, extent, CLAMP: tl.constexpr):
-    """Whether a tile whose pairs' distances lie in [d_min, d_max] has any bias to add: always with a
-    clamped table; without, only where the distances meet [lo, lo + extent) (Inkling 2's full layers:
-    a 1,024-distance band of a long sequence), so the tiles outside skip the bias's work."""
+def _bias_band(a_lo, a_hi, BLOCK: tl.constexpr, lo, extent):
+    """The starts ``b0`` of the blocks of BLOCK indices b0 .. b0 + BLOCK - 1 that hold some pair at a
+    distance ``a - b`` in [lo, lo + extent), for a in [a_lo, a_hi]: [near_lo, near_hi] (scalars, computed
+    once per tile so a step's check is two compares). The forward and dQ kernels pass the query rows
+    plus the shift as ``a`` and step over key blocks; the dK/dV kernel, whose steps are query blocks,
+    passes its keys as ``a`` mirrored (a = n - shift, the distances negated: lo -> -lo - extent + 1)."""
+    return a_lo - lo - extent - BLOCK + 2, a_hi - lo
+
+
+@triton.jit
+def _bias_near(b0, near_lo, near_hi, CLAMP: tl.constexpr):
+    """Whether the block starting at ``b0`` has any bias to add (``_bias_band``'s interval): always with a
+    clamped table; without, only where its distances meet the table (Inkling 2's full layers: the
+    1,024-distance band of a long sequence), so the blocks outside skip the bias's work."""
     if CLAMP:
-        return d_max == d_max
-    return (d_max >= lo) & (d_min < lo + extent)
+        return b0 == b0
+    return (b0 >= near_lo) & (b0 <= near_hi)
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import (LENGTH_STRIDES, _bias_near, _bias_scores, _cols, _dropout_keep, _first_gid, _first_row,
+from coreattn.kernels.attn_common import (LENGTH_STRIDES, _bias_band, _bias_near, _bias_scores, _cols, _dropout_keep, _first_gid, _first_row,
                                           _key_range, _lane_offsets, _load_keep, _load_rows, _poison, _tile_visible,
                                           TableBias, bias_args, int64_lanes)
 from coreattn.kernels.configs.base import head_blocks
@@ -83,7 +83,7 @@ def _qk_scores(q, q2, k_base, stride_kt, n0, offs_n, col_ok, k_desc, k2_desc, k_
 def _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
                  stride_kks, rows, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
                  rng_offset, head, q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col,
-                 coef_ptrs, table_base, bias_lo, bias_extent,
+                 coef_ptrs, table_base, bias_lo, bias_extent, near_lo, near_hi,
                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                  BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
                  HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
@@ -100,8 +100,7 @@ def _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_ba
     s = _qk_scores(q, q2, k_base, stride_kt, n0, offs_k, col_ok, k_desc, k2_desc, k_row0, k_col, HEAD_DIM_QK,
                    BLOCK_DQK, BLOCK_DQK2, MASKED, DOT_PRECISION, TMA, INT64_LANES) * sm_scale_log2  # [M, N], log2
     if BIAS:  # the additive bias, from the pairs' distances (kernels/attn_common.py _bias_scores)
-        if _bias_near(tl.max(rows, 0) + shift - n0, tl.min(rows, 0) + shift - n0 - (BLOCK_N - 1), bias_lo,
-                      bias_extent, BIAS_CLAMP):
+        if _bias_near(n0, near_lo, near_hi, BIAS_CLAMP):
             s += _bias_scores(coef_ptrs, table_base, rows[:, None] + shift - cols[None, :], bias_lo, bias_extent,
                               BIAS_RANK, BIAS_COEF, BIAS_CLAMP) * 1.4426950408889634
     if TMA:
@@ -136,7 +135,7 @@ def _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_ba
 def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt, stride_kks,
                   rows, n_lo, n_hi, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
                   seed, rng_offset, head, q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col,
-                  coef_ptrs, table_base, bias_lo, bias_extent,
+                  coef_ptrs, table_base, bias_lo, bias_extent, near_lo, near_hi,
                   HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                   BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
@@ -155,7 +154,7 @@ def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, str
                                          stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
                                          window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
                                          drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs,
-                                         table_base, bias_lo, bias_extent, HEAD_DIM_QK,
+                                         table_base, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK,
                                          HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                                          HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, MASKED, DOT_PRECISION, TMA, INT64_LANES,
                                          BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
@@ -166,7 +165,7 @@ def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, str
                                          stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
                                          window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
                                          drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs,
-                                         table_base, bias_lo, bias_extent, HEAD_DIM_QK,
+                                         table_base, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK,
                                          HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                                          HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, MASKED, DOT_PRECISION, TMA, INT64_LANES,
                                          BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
@@ -234,6 +233,7 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
 
             coef_ptrs = coef_ptr  # BIAS: each row's coefficients (rows clamped into the sequence), the head's table
             table_base = table_ptr
+            near_lo, near_hi = _bias_band(m0 + shift, m0 + shift + (BLOCK_M - 1), BLOCK_N, bias_lo, bias_extent)
             if BIAS:
                 coef_ptrs = (coef_ptr + seq64 * stride_cb + q_start.to(tl.int64) * stride_ct + head.to(tl.int64)
                              * stride_ch + tl.cast(m0, tl.int64) * stride_ct
@@ -253,7 +253,7 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
                                           stride_vt, stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift,
                                           window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
                                           q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
-                                          v_col, coef_ptrs, table_base, bias_lo, bias_extent, HEAD_DIM_QK,
+                                          v_col, coef_ptrs, table_base, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK,
                                           HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
                                           HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION,
                                           TMA, WARP_SPEC, INT64_LANES, BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
@@ -261,7 +261,7 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
                                           stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift,
                                           window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
                                           q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
-                                          v_col, coef_ptrs, table_base, bias_lo, bias_extent, HEAD_DIM_QK,
+                                          v_col, coef_ptrs, table_base, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK,
                                           HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
                                           HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, False,
                                           DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES, BIAS, BIAS_RANK,
@@ -270,7 +270,7 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
                                           stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift,
                                           window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
                                           q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
-                                          v_col, coef_ptrs, table_base, bias_lo, bias_extent, HEAD_DIM_QK,
+                                          v_col, coef_ptrs, table_base, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK,
                                           HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
                                           HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION,
                                           TMA, WARP_SPEC, INT64_LANES, BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)

@@ -223,9 +223,12 @@ _DKDV["gfx90a"] = _DKDV["gfx942"][:3] + ((256, _W(16, 32, 2, 1)),)
 _FP32_CDNA = ((128, _W(32, 32, 2, 1)), (256, _W(16, 16, 1, 1)))
 
 
-# The additive bias (kernels/attn_common.py _bias_scores) adds an [M, N] index and bias tile to each step,
-# and the dQ kernel its coefficients' gradient: where the plain tiles run out of registers, these.
-_BIAS = {"fwd": {}, "dkdv": {}, "dq": {}}
+# The additive bias (kernels/attn_common.py _bias_scores) adds an [M, N] index and bias tile to each step and R
+# gathered table loads per score (the dQ kernel R more for its coefficients' gradient): on sm90 the 128 x 64 forward
+# and dQ tiles at 128 spilled 2.2-2.5 KB with Inkling 2's rank 16 (12 B and 4 B with T5's rank 1) under Triton
+# 3.7.1; the bias kernels step over 16 keys (8 registers per [M, N] tile per thread at 8 warps)
+_BIAS_STEP = tuple((w, _C(128, 16, 8, 2)) for w in (64, 128, 192, 256))
+_BIAS = {"fwd": {"sm90": _BIAS_STEP, "sm100": _BIAS_STEP}, "dkdv": {}, "dq": {"sm90": _BIAS_STEP, "sm100": _BIAS_STEP}}
 
 
 def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, elem: int,

@@ -6,7 +6,8 @@ per-token sinks, the block-attention residuals) and ``t5.py`` (the T5 family's b
 bias, its all-zeros cross-attention bias). Each module names the transformers methods it wraps or
 relies on and the release it was written against, and refuses (``check_source``) a transformers
 whose code there differs. Shared here: ``PositionBias`` (what a wrapped bias module hands the
-attention function instead of its ``[B, H, S, T]`` tensor), ``uses_coreattn`` and ``source_hash``.
+attention function instead of its ``[B, H, S, T]`` tensor), ``uses_coreattn`` and the source check
+(``source_reason``).
 
 May import: ``coreattn.kernels``, ``coreattn.layers`` and ``coreattn.adapters.transformers``;
 transformers inside functions only.
@@ -15,8 +16,11 @@ transformers inside functions only.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import textwrap
+
+RELEASE = "5.25.0"  # the transformers release the modules here were written against
 
 
 class PositionBias:
@@ -47,13 +51,23 @@ def source_hash(obj) -> str:
     return hashlib.sha256(textwrap.dedent(inspect.getsource(obj)).encode()).hexdigest()
 
 
-def source_differs(module, known: dict) -> str | None:
-    """None if every ``known`` qualified name (``Class.method`` or ``function``) of ``module`` has its
-    recorded source hash, else the first that differs."""
+def model_module(model_type: str):
+    """transformers' ``modeling_<model_type>`` module (ImportError without it)."""
+    return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+
+
+def source_reason(model_type: str, known: dict) -> str | None:
+    """None if every ``known`` qualified name (``Class.method`` or ``function``) of ``model_type``'s
+    modeling module has its recorded source hash, else why not, naming the first that differs."""
+    try:
+        module = model_module(model_type)
+    except ImportError:
+        return f"transformers has no {model_type} model"
     for qualname, want in known.items():
         obj = module
         for part in qualname.split("."):
             obj = getattr(obj, part, None)
         if obj is None or source_hash(obj) != want:
-            return qualname
+            return (f"{qualname} differs from the transformers release ({RELEASE}) coreattn's {model_type} path was "
+                    "written against")
     return None

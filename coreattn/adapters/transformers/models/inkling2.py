@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import importlib
 
 import torch
 
-from coreattn.adapters.transformers.models import PositionBias, source_differs, uses_coreattn
+from coreattn.adapters.transformers.models import PositionBias, model_module, source_reason, uses_coreattn
 from coreattn.layers.bias import LowRankRelativeBias
 from coreattn.layers.checks import reads_values
 
@@ -81,52 +80,26 @@ class Distances:
         return f"Distances(offset={self.offset}, shape={self.shape})"
 
 
-def _module(model_type: str):
-    return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-
-
 @functools.lru_cache(maxsize=None)
 def check_source(model_type: str) -> str | None:
     """None if this transformers' Inkling 2 methods are the ones this module was written against,
     else why not (naming the method). ``model_type``: a config's (``CONFIG_TYPES``)."""
     model_type = CONFIG_TYPES[model_type]
-    try:
-        module = _module(model_type)
-    except ImportError:
-        return f"transformers has no {model_type} model"
-    differs = source_differs(module, KNOWN_SOURCES[model_type])
-    if differs is None:
-        return None
-    return (f"{differs} differs from the transformers release (5.25.0) coreattn's {model_type} path was written "
-            "against")
+    return source_reason(model_type, KNOWN_SOURCES[model_type])
 
 
-def _attention_forward(forward):
+def _flagging(forward, flag: contextvars.ContextVar):
+    """``forward`` with ``flag`` set, while it runs, to whether its module's config uses coreattn."""
     @functools.wraps(forward)
-    def attention_forward(self, *args, **kwargs):
-        if not uses_coreattn(self.config):
-            return attention_forward.coreattn_wrapped(self, *args, **kwargs)
-        token = _IN_CALL.set(True)
+    def wrapped(self, *args, **kwargs):
+        token = flag.set(uses_coreattn(self.config))
         try:
-            return attention_forward.coreattn_wrapped(self, *args, **kwargs)
+            return wrapped.coreattn_wrapped(self, *args, **kwargs)
         finally:
-            _IN_CALL.reset(token)
+            flag.reset(token)
 
-    attention_forward.coreattn_wrapped = forward
-    return attention_forward
-
-
-def _model_forward(forward):
-    @functools.wraps(forward)
-    def model_forward(self, *args, **kwargs):
-        token = _IN_MODEL.set(uses_coreattn(self.config))
-        try:
-            return model_forward.coreattn_wrapped(self, *args, **kwargs)
-        finally:
-            _IN_MODEL.reset(token)
-
-    model_forward.coreattn_wrapped = forward
-    return model_forward
+    wrapped.coreattn_wrapped = forward
+    return wrapped
 
 
 def _distances(function):
@@ -197,19 +170,19 @@ def install() -> list[str]:
     installed = []
     for model_type, prefix in MODELS.items():
         try:
-            module = _module(model_type)
+            module = model_module(model_type)
         except ImportError:
             continue
         for name in ("SlidingAttention", "FullAttention"):
             cls = getattr(module, prefix + name)
             if not hasattr(cls.forward, "coreattn_wrapped"):
-                cls.forward = _attention_forward(cls.forward)
+                cls.forward = _flagging(cls.forward, _IN_CALL)
         cls = getattr(module, prefix + "RelativePositionBias")
         if not hasattr(cls.forward, "coreattn_wrapped"):
             cls.forward = _bias_forward(cls.forward, model_type)
         cls = getattr(module, prefix + "TextModel")
         if not hasattr(cls.forward, "coreattn_wrapped"):
-            cls.forward = _model_forward(cls.forward)
+            cls.forward = _flagging(cls.forward, _IN_MODEL)
         if not hasattr(module.get_relative_distance, "coreattn_wrapped"):
             module.get_relative_distance = _distances(module.get_relative_distance)
         installed.append(model_type)

@@ -28,11 +28,10 @@ LongT5's encoder layers (``local`` and ``transient-global``) compute their atten
 from __future__ import annotations
 
 import functools
-import importlib
 
 import torch
 
-from coreattn.adapters.transformers.models import PositionBias, source_differs, uses_coreattn
+from coreattn.adapters.transformers.models import PositionBias, model_module, source_reason, uses_coreattn
 from coreattn.layers.bias import BucketedRelativeBias
 
 # model_type -> the attention class that calls the attention function with position_bias
@@ -58,23 +57,11 @@ KNOWN_SOURCES["umt5"] = {
 }
 
 
-def _module(model_type: str):
-    return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-
-
 @functools.lru_cache(maxsize=None)
 def check_source(model_type: str) -> str | None:
     """None if this transformers' attention methods of ``model_type`` are the ones this module was
     written against, else why not (naming the method)."""
-    try:
-        module = _module(model_type)
-    except ImportError:
-        return f"transformers has no {model_type} model"
-    differs = source_differs(module, KNOWN_SOURCES[model_type])
-    if differs is None:
-        return None
-    return (f"{differs} differs from the transformers release (5.25.0) coreattn's {model_type} path was written "
-            "against")
+    return source_reason(model_type, KNOWN_SOURCES[model_type])
 
 
 def _buckets(module, model_type: str, max_distance: int, bidirectional: bool, device) -> torch.Tensor:
@@ -112,7 +99,7 @@ def install() -> list[str]:
     installed = []
     for model_type, cls_name in MODELS.items():
         try:
-            cls = getattr(_module(model_type), cls_name)
+            cls = getattr(model_module(model_type), cls_name)
         except ImportError:
             continue
         if not hasattr(cls.compute_bias, "coreattn_wrapped"):
