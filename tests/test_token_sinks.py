@@ -22,8 +22,8 @@ def _token_offset(shape, device, seed=5):
 
 
 DENSE = [
-    pytest.param("triton", torch.float16, Case(dqk=32, dv=16, hq=4, hkv=2, causal=True, lens_q=(0, 9, 20),
-                                               lens_k=(3, 14, 0)), id="triton-fp16-gqa-causal-qk-lens-differ"),
+    pytest.param("triton", F32, Case(dqk=32, dv=16, hq=4, hkv=2, causal=True, lens_q=(0, 9, 20), lens_k=(3, 14, 0)),
+                 id="triton-fp32-gqa-causal-qk-lens-differ"),
     pytest.param("torch", F32, Case(dqk=32, dv=16, hq=4, hkv=2, causal=True, lens_k=LENS_K), id="torch-fp32-fused"),
     pytest.param("torch", torch.float16, Case(dqk=48, dv=32, hq=2, hkv=1, window=(3, 2)), id="torch-fp16-blocked"),
 ]

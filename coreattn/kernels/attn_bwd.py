@@ -750,14 +750,15 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                        bias=has_bias)
     blocks = (block_dqk + block_dqk2, block_dv, q.element_size())
     cols = max(block_dqk + block_dqk2, block_dv)  # the widest row a kernel reads or writes
-    cfg_dkdv, cfg_dq = bwd_configs(q.device, *blocks, dropout=dropout_p > 0, cls=cls, bias=has_bias)
+    bias_kind = False if not has_bias else "coef" if bias.coef is not None else True  # configs/dense.py
+    cfg_dkdv, cfg_dq = bwd_configs(q.device, *blocks, dropout=dropout_p > 0, cls=cls, bias=bias_kind)
     lanes_dkdv = lane_flags(max(cfg_dkdv.block_m, cfg_dkdv.block_n), cols,
                             ((q_pack, (q, dout) + bias_rows(bias)), (k_pack, (k, v, dk, dv))))
     lanes_dq = lane_flags(max(cfg_dq.block_m, cfg_dq.block_n), cols,
                           ((q_pack, (q, dout, dq) + bias_rows(bias)), (k_pack, (k, v))))
     if lanes_dq["INT64_LANES"]:  # that variant's own tile where it has one (no more rows: still INT64_LANES)
-        cfg_dq = bwd_configs(q.device, *blocks, dropout=dropout_p > 0, cls=cls, int64_lanes=True, bias=has_bias)[1]
-    cfg_pre = preprocess_config(q.device, *blocks, dropout=dropout_p > 0, cls=cls, bias=has_bias)
+        cfg_dq = bwd_configs(q.device, *blocks, dropout=dropout_p > 0, cls=cls, int64_lanes=True, bias=bias_kind)[1]
+    cfg_pre = preprocess_config(q.device, *blocks, dropout=dropout_p > 0, cls=cls, bias=bias_kind)
 
     delta = new_rowstat(q, q_pack, fill=0.0)  # [H, T] or [B, H, S]
     if q.numel() > 0:
@@ -806,7 +807,8 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if run_dkdv:
         grid, persistent = launch_grid(q.device, target, n_tiles_k, heads_kv)
         # wide heads: dK and dV accumulators together would not fit the register file, so two passes
-        split = split_dkdv(block_dqk + block_dqk2, block_dv, target, dropout_p > 0, gqa=heads_q != heads_kv)
+        split = split_dkdv(block_dqk + block_dqk2, block_dv, target, dropout_p > 0, gqa=heads_q != heads_kv,
+                           bias=bias_kind == "coef")
         passes = ((True, False), (False, True)) if split else ((True, True),)
         loop = loop_flags(cfg_dkdv, target, cfg_dkdv.tma and usable((q_pack, k_pack), ((q, block_dqk + block_dqk2),
                                                                                         (dout, block_dv))))

@@ -474,7 +474,7 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
                        sink=softmax_offset is not None, max_logit=return_max_logit,
                        keep=q_pack.keep is not None or k_pack.keep is not None, bias=bias is not None)
     cfg = fwd_config(q.device, block_dqk + block_dqk2, block_dv, q.element_size(), dropout=dropout_p > 0, cls=cls,
-                     bias=bias is not None)
+                     bias=False if bias is None else "coef" if bias.coef is not None else True)
     n_tiles = tile_bound(batch, seqlen_q_total, cfg.block_m, q_pack.fmt == "thd")
     max_logit = torch.full((heads_q, max(n_tiles, 1)), float("-inf"), device=q.device) if return_max_logit else None
     if q.numel() > 0 and batch > 0 and n_tiles > 0:

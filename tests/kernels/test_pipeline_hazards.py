@@ -9,6 +9,8 @@ with each arch's configs:
 
 - sm90 (wgmma, TMA): head dim 128 as shipped (MHA, causal); 256/256 with GQA 4, a causal sliding
   window, dropout, a softmax offset (the dQ kernel's SINK_GRAD) and max logit (dK/dV in two passes);
+  128 with GQA, a window, dropout, Inkling 2's low-rank bias and per-token sinks, and with T5's
+  clamped bias (the bias table's gradient kernel with both);
   96/80 (a split q/k block, v columns masked past 80) on a padded batch with spans and keep masks,
   not causal, left window only; 192/128 with GQA and a window on the tuner's TMA loop variant;
 - sm100 (tcgen05): 128 as shipped and 192/128 with GQA, window and dropout on the warp-specialized
@@ -51,7 +53,7 @@ SCRIPT = Path(__file__).with_name("pipeline_hazards.py")
 SPARSE_CASES = ("s576/512a128", "s192/128g4")  # compiler.sparse_problem_of
 CASES = {
     "sm90": ("128", "256+gqa+window+dropout+sink+max_logit", "96/80+full+keep+window", "192/128+gqa+window@tma",
-             *SPARSE_CASES),
+             "128+gqa+window+dropout+bias_rel+token_sink", "128+bias_t5", *SPARSE_CASES),
     "sm100": ("128", "192/128+gqa+window+dropout@ws"),
     "sm80": ("128+gqa+window+dropout+sink+max_logit", "96/80+full+keep+window", *SPARSE_CASES),
     "sm120": ("64+gqa+window+dropout+sink+max_logit",),
@@ -63,12 +65,15 @@ FEATURES = {f"{k}:{f}" for k in ATTENTION for f in ("DROPOUT", "HAS_LEFT", "HAS_
 PADDED = {f"{k}:{f}" for k in ATTENTION for f in ("HAS_Q_KEEP", "HAS_K_KEEP", "padded", "left-only")}
 SPARSE = {"sparse_fwd", "sparse_fwd:V_IS_K", "sparse_dq", "sparse_dq:V_IS_K", "sparse_dkv", "sparse_dkv:V_IS_K",
           "sparse_dkv:ATOMIC", "sparse_reduce", "sparse_fwd:RANGE", "sparse_dq:RANGE", "sparse_dkv:RANGE"}
+# the additive bias (low-rank with coefficients, T5's clamped table) and per-token sinks: the table-gradient kernel too
+BIAS = {"bias_grad", "fwd:SINK_ROWS"} | {f"{k}:{f}" for k in ATTENTION for f in ("BIAS", "BIAS_COEF", "BIAS_CLAMP")} | {
+    "dq:BIAS_GRAD", "bias_grad:BIAS_COEF", "bias_grad:BIAS_CLAMP"}
 # the classes each arch must have compiled: every kernel, and each variant that changes a loop body
 REQUIRED = {
     "sm90": EVERY_KERNEL | FEATURES | PADDED | {f"{k}:TMA" for k in ATTENTION} | {
         "fwd:HAS_SINK", "fwd:RETURN_MAX", "dq:SINK_GRAD", "dkdv:dK-pass", "dkdv:dV-pass", "tile_scan:SPANS",
         "tile_map:SPANS", "copy_rows:GATHER", "copy_rows:scatter", "token_ids:WRITE_POS", "token_ids:WRITE_SEQ"}
-    | SPARSE,
+    | SPARSE | BIAS,
     "sm100": EVERY_KERNEL | {f"{k}:{f}" for k in ATTENTION for f in ("WARP_SPEC", "TMA", "gqa", "mha", "DROPOUT")},
     "sm80": EVERY_KERNEL | FEATURES - {f"{k}:mha" for k in ATTENTION} | PADDED | {"dq:SINK_GRAD"} | SPARSE,
     "sm120": EVERY_KERNEL | FEATURES - {f"{k}:mha" for k in ATTENTION} | {"dq:SINK_GRAD", "fwd:RETURN_MAX"},

@@ -229,6 +229,10 @@ _FP32_CDNA = ((128, _W(32, 32, 2, 1)), (256, _W(16, 16, 1, 1)))
 # 3.7.1; the bias kernels step over 16 keys (8 registers per [M, N] tile per thread at 8 warps)
 _BIAS_STEP = tuple((w, _C(128, 16, 8, 2)) for w in (64, 128, 192, 256))
 _BIAS = {"fwd": {"sm90": _BIAS_STEP, "sm100": _BIAS_STEP}, "dkdv": {}, "dq": {"sm90": _BIAS_STEP, "sm100": _BIAS_STEP}}
+# with per-row coefficients (Inkling 2's rank 16) the dQ kernel also holds their gradient and reads the table twice:
+# on 128 x 16 it took 255 registers and spilled 16-24 B at 128 and 192/128 (Triton 3.7.1); 64 x 16 on one warpgroup
+_BIAS_COEF = {"fwd": {}, "dkdv": {}, "dq": {t: tuple((w, _C(64, 16, 4, 2)) for w in (64, 128, 192, 256))
+                                            for t in ("sm90", "sm100")}}
 
 
 def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, elem: int,
@@ -252,7 +256,8 @@ def shipped_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem
     ``block_dqk`` the q/k blocks' total width (192 for 128 + 64), ``elem`` bytes per input element
     (2 for fp16/bf16, 4 for fp32), ``dropout`` the dropout kernels, ``int64_lanes`` the kernels'
     INT64_LANES variant (``_DQ_DROPOUT_INT64``), ``bias`` the kernels with an additive bias
-    (``_BIAS``, which wins over the dropout tiles where it has an entry)."""
+    (``_BIAS``, which wins over the dropout tiles where it has an entry; "coef": one with per-row
+    coefficients, ``_BIAS_COEF`` too)."""
     if kernel == "bias_grad":
         return _bias_grad_config(target)
     if kernel == "preprocess":  # the dQ tile's rows and warps: 4 warps on 128 x 256 rows of out and dO would spill
@@ -269,8 +274,8 @@ def shipped_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem
     if kernel == "dq" and dropout and int64_lanes and target in _DQ_DROPOUT_INT64:
         override = {**override, target: override.get(target, ()) + _DQ_DROPOUT_INT64[target]}
     override = dict(override) if dropout else {}
-    if bias:  # the bias tiles, where the table has them, over the dropout ones (later entries win)
-        own = _BIAS[kernel]
+    for on, tables in ((bias, _BIAS), (bias == "coef", _BIAS_COEF)):  # over the dropout tiles: later entries win
+        own = tables[kernel] if on else {}
         override = {t: override.get(t, ()) + own.get(t, ()) for t in set(override) | set(own)}
     return _cuda_config(table, target, block_dqk, block_dv, elem, override or None)
 
@@ -285,7 +290,8 @@ def fwd_config(device: torch.device, block_dqk: int, block_dv: int, elem: int = 
                        shipped_config(target, "fwd", block_dqk, block_dv, elem, dropout, bias=bias))
 
 
-def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False, gqa: bool = False) -> bool:
+def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False, gqa: bool = False,
+               bias: bool = False) -> bool:
     """On CUDA and CDNA, dK and dV of a key tile are computed in two passes of the dK/dV kernel when
     their fp32 accumulators (BLOCK_N x (Dqk + Dv)) cannot stay in registers: 64 rows per warpgroup x
     (256 + 256) columns is 256 registers per thread, the whole register file (with dropout,
@@ -294,10 +300,12 @@ def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False
     GQA at 192/128 splits too (``gqa``: each query step moves to another q head, whose addresses
     take the last registers): in one pass it took 253-254 registers at 23b22de and spilled 4-16 B
     in fp16 and bf16 since the address clamps of issue 30 (Triton 3.9.0); two passes take 158-226.
-    MLA's 192/128 is MHA and stays one pass."""
+    MLA's 192/128 is MHA and stays one pass. A bias with per-row coefficients (``bias``: Inkling 2's, 16
+    table reads per score) splits as dropout does: at 192/128 its one pass on sm90 spilled 144 B stored
+    and 292 B loaded (Triton 3.7.1)."""
     if target in ("interpreter", "ascend"):
         return False
-    return block_dqk + block_dv > (256 if dropout or (gqa and target == "sm90") else 320)
+    return block_dqk + block_dv > (256 if dropout or bias or (gqa and target == "sm90") else 320)
 
 
 def bwd_configs(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2, dropout: bool = False, cls=None,
@@ -326,10 +334,11 @@ def bias_grad_config(device: torch.device) -> AttnConfig:
 
 def _bias_grad_config(target: str) -> AttnConfig:
     """32 rows x 32 distances (a 64-key window) on CUDA and CDNA, 16 x 16 on the interpreter and Ascend;
-    one pipeline stage (its loop holds the tile map read and a branch); 4 warps."""
+    one pipeline stage (its loop holds the tile map read and a branch); 8 warps (4 spilled 8-16 B at
+    192/128 with rank 16 on sm90, Triton 3.7.1)."""
     if target in ("interpreter", "ascend"):
         return AttnConfig(16, 16, 1, 1)
-    cfg = AttnConfig(32, 32, 4, 1)
+    cfg = AttnConfig(32, 32, 8, 1)
     if target in CDNA_TARGETS:
         return cfg._replace(matrix_instr_nonkdim=16, fp_fusion=FP_FUSION)
     return cfg._replace(maxnreg=MAXNREG, fp_fusion=FP_FUSION)
