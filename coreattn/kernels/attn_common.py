@@ -315,6 +315,9 @@ def _store_rows(base, stride_t, r0, row_ok, last_row, x, x2, HEAD_DIM: tl.conste
                  mask=row_ok[:, None] & (offs_d2[None, :] < HEAD_DIM))
 
 
+RANK_CHUNK = tl.constexpr(4)  # a low-rank bias's table rows read per iteration of its loop (_bias_scores)
+
+
 @triton.jit
 def _bias_scores(coef_ptrs, table_base, dist, lo, extent, RANK: tl.constexpr, COEF: tl.constexpr,
                  CLAMP: tl.constexpr):
@@ -325,17 +328,22 @@ def _bias_scores(coef_ptrs, table_base, dist, lo, extent, RANK: tl.constexpr, CO
     holds each query row's coefficients' address (broadcast against ``dist``: [M, 1] or [1, M]),
     its row clamped into the sequence by the caller; ``table_base`` the head's [RANK, extent] table.
     Every table address is clamped into the table, so masked lanes stay in bounds too.
-    Cost per pair: RANK gathered table loads and RANK multiply-adds (plus RANK row loads per row)."""
+    Cost per pair: RANK gathered table loads and RANK multiply-adds (plus RANK row loads per row);
+    without COEF (RANK 1) one load."""
     at = dist - lo
     inside = (at >= 0) & (at < extent)
     at = tl.minimum(tl.maximum(at, 0), extent - 1)
-    bias = at.to(tl.float32) * 0.0
-    for r in tl.static_range(RANK):
-        entry = tl.load(table_base + r * extent + at).to(tl.float32)
-        if COEF:
-            bias += tl.load(coef_ptrs + r).to(tl.float32) * entry
-        else:
-            bias += entry
+    if COEF:
+        bias = at.to(tl.float32) * 0.0
+        # RANK_CHUNK rows unrolled per iteration of a loop: at most that many [M, N] table reads live at once
+        # (all 16 of Inkling 2's unrolled spilled on sm90; one per iteration spilled more)
+        for r0 in range(0, RANK, RANK_CHUNK):
+            for rr in tl.static_range(RANK_CHUNK):
+                r = tl.minimum(r0 + rr, RANK - 1)  # a row past RANK re-reads the last, its coefficient zeroed
+                c = tl.where(r0 + rr < RANK, tl.load(coef_ptrs + r).to(tl.float32), 0.0)
+                bias += c * tl.load(table_base + r * extent + at).to(tl.float32)
+    else:
+        bias = tl.load(table_base + at).to(tl.float32)
     if not CLAMP:
         bias = tl.where(inside, bias, 0.0)
     return bias
@@ -376,11 +384,12 @@ def _bias_row_grads(ds, p, dp, dcoef, far, table_base, dist, lo, extent, RANK: t
         inside = (at >= 0) & (at < extent)
         at_in = tl.minimum(tl.maximum(at, 0), extent - 1)
         r_ids = tl.arange(0, RB)
-        for r in tl.static_range(RANK):
-            entry = tl.load(table_base + r * extent + at_in).to(tl.float32)
-            if not CLAMP:
-                entry = tl.where(inside, entry, 0.0)
-            dcoef += tl.where(r_ids[None, :] == r, tl.sum(ds * entry, 1)[:, None], 0.0)
+        for r0 in range(0, RANK, RANK_CHUNK):  # chunks, as in _bias_scores
+            for rr in tl.static_range(RANK_CHUNK):
+                entry = tl.load(table_base + tl.minimum(r0 + rr, RANK - 1) * extent + at_in).to(tl.float32)
+                if not CLAMP:
+                    entry = tl.where(inside, entry, 0.0)
+                dcoef += tl.where(r_ids[None, :] == r0 + rr, tl.sum(ds * entry, 1)[:, None], 0.0)
     if CLAMP:
         pdp = p * dp
         low, high = at < 0, at >= extent

@@ -229,10 +229,8 @@ _FP32_CDNA = ((128, _W(32, 32, 2, 1)), (256, _W(16, 16, 1, 1)))
 # 3.7.1; the bias kernels step over 16 keys (8 registers per [M, N] tile per thread at 8 warps)
 _BIAS_STEP = tuple((w, _C(128, 16, 8, 2)) for w in (64, 128, 192, 256))
 _BIAS = {"fwd": {"sm90": _BIAS_STEP, "sm100": _BIAS_STEP}, "dkdv": {}, "dq": {"sm90": _BIAS_STEP, "sm100": _BIAS_STEP}}
-# with per-row coefficients (Inkling 2's rank 16) the dQ kernel also holds their gradient and reads the table twice:
-# on 128 x 16 it took 255 registers and spilled 16-24 B at 128 and 192/128 (Triton 3.7.1); 64 x 16 on one warpgroup
-_BIAS_COEF = {"fwd": {}, "dkdv": {}, "dq": {t: tuple((w, _C(64, 16, 4, 2)) for w in (64, 128, 192, 256))
-                                            for t in ("sm90", "sm100")}}
+# with per-row coefficients (Inkling 2's rank 16) the dQ kernel also holds their gradient and reads the table twice
+_BIAS_COEF = {"fwd": {}, "dkdv": {}, "dq": {}}
 
 
 def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, elem: int,
