@@ -219,3 +219,13 @@ def test_materialized_bias_and_changed_sources_are_refused(monkeypatch):
             build("t5", torch.float32, TORCH_IMPL)(**{k: v for k, v in _batch("t5", _samples())[0].items()})
     finally:
         t5.check_source.cache_clear()
+
+
+def test_bench_hf_bias_worker_runs():
+    """``python -m bench.hf_bias`` (docs/transformers.md's memory table): one worker row of each
+    implementation, on a small sliding-window layer."""
+    from bench import hf_bias
+
+    for impl in ("coreattn", "eager"):
+        row = hf_bias.run_worker(impl, "sliding", 128, "float32")
+        assert row["impl"] == impl and row["grown_mib"] >= 0 and row["eager_bias_mib"] == 8 * 128 * 128 * 4 / 2**20
