@@ -20,6 +20,13 @@ indexer of 64 heads of 128 choosing 512 entries, partial RoPE on 64 dims), scale
 (hidden 1,024, 4 query heads, a small MoE, vocabulary 256), the model's loss-free ``logits.sum()``
 backward; ``eager_mask_mib`` is eager's ``[1, 1, T, T + T/4]`` float32 mask alone, and eager's
 scores are ``[1, 4, T, T + T/4]`` float32 per copy.
+
+``--model minimax_m3``: ``MiniMaxM3VLForCausalLM`` (MiniMax-M3's text model) with one block-sparse
+layer at its attention widths (heads of 128, an indexer of 4 heads of 128 on 4 kv heads, blocks of
+128 keys, the top 16 blocks and the own block), scaled down elsewhere (hidden 1,024, 16 query heads on
+4 kv heads: group 4 where the model's is 16, a small MoE, vocabulary 256), ``logits.sum()``'s
+backward; ``eager_mask_mib`` is eager's ``[1, 16, T, T]`` block mask alone, in the model's dtype (its
+indexer's ``[1, 4, T, T]`` float32 scores and the attention's ``[1, 16, T, T]`` come on top).
 """
 
 from __future__ import annotations
@@ -74,6 +81,39 @@ def run_v4_worker(impl: str, tokens: int, dtype: str) -> dict:
                 eager_mask_mib=tokens * keys * 4 / 2**20)
 
 
+MINIMAX_HEADS = 16
+
+
+def _minimax_config(tokens: int):
+    from transformers import MiniMaxM3VLTextConfig
+
+    return MiniMaxM3VLTextConfig(vocab_size=256, hidden_size=1024, num_hidden_layers=1,
+                                 num_attention_heads=MINIMAX_HEADS, num_key_value_heads=4, head_dim=128,
+                                 intermediate_size=256, dense_intermediate_size=1024, shared_intermediate_size=256,
+                                 num_local_experts=4, num_experts_per_tok=2, index_n_heads=4, index_head_dim=128,
+                                 index_block_size=128, index_topk_blocks=16, index_local_blocks=1,
+                                 layer_types=["minimax_m3_sparse"], mlp_layer_types=["sparse"],
+                                 max_position_embeddings=max(tokens, 64), bos_token_id=1, eos_token_id=2)
+
+
+def run_minimax_worker(impl: str, tokens: int, dtype: str) -> dict:
+    import coreattn.adapters.transformers as coreattn_hf
+    from transformers import AutoModelForCausalLM
+
+    coreattn_hf.register("coreattn_torch", backend="torch")
+    torch.manual_seed(0)
+    config = _minimax_config(tokens)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="coreattn_torch" if impl == "coreattn"
+                                             else "eager", experts_implementation="eager").to(getattr(torch, dtype))
+    ids = torch.randint(0, config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
+    _reset_peak()
+    before = _status_kib("VmRSS")
+    model(input_ids=ids, use_cache=False).logits.float().sum().backward()
+    peak = _status_kib("VmHWM")
+    return dict(model="minimax_m3", impl=impl, tokens=tokens, dtype=dtype, grown_mib=round((peak - before) / 1024, 1),
+                eager_mask_mib=MINIMAX_HEADS * tokens * tokens * torch.finfo(getattr(torch, dtype)).bits / 8 / 2**20)
+
+
 def run_worker(impl: str, tokens: int, dtype: str) -> dict:
     import coreattn.adapters.transformers as coreattn_hf
     from transformers.models.deepseek_v32 import modeling_deepseek_v32 as mod
@@ -102,7 +142,7 @@ def run_worker(impl: str, tokens: int, dtype: str) -> dict:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.hf_dsa", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="v32", choices=["v32", "v4"])
+    p.add_argument("--model", default="v32", choices=["v32", "v4", "minimax_m3"])
     p.add_argument("--tokens", nargs="*", type=int, default=[2048, 4096, 8192])
     p.add_argument("--eager-tokens", nargs="*", type=int, default=[1024, 2048, 4096])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -110,7 +150,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.worker:
         torch.set_num_threads(1)
-        worker = run_v4_worker if args.model == "v4" else run_worker
+        worker = {"v4": run_v4_worker, "minimax_m3": run_minimax_worker}.get(args.model, run_worker)
         print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.dtype)))
         return 0
     for impl, counts in (("coreattn", args.tokens), ("eager", args.eager_tokens)):

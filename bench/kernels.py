@@ -29,11 +29,24 @@ FEATURE_DIMS = MAIN_DIMS
 SPARSE_HEADS = (16, 32, 64, 128)
 SPARSE_V4_HEADS = (16, 64)  # DeepSeek-V4's one 512-wide head, K = V (absorbed at v_head_dim 512)
 SPARSE_GQA_DIMS = ((192, 128), (128, 128), (64, 64))
+# the block mode (block-sparse rows): MiniMax-M3's 64 q heads of 128 on 4 kv heads (group 16) in blocks of 128 keys,
+# a GQA-4 group at 128 and 192/128, absorbed MLA's 576/512 on one latent key head; fp16 and fp32 at MiniMax's dims
+BLOCK_SIZE = 128
+
+
+def block_problems() -> list[SparseProblem]:
+    """The block mode's problems (``SparseProblem.block_size``): see BLOCK_SIZE's comment."""
+    return [SparseProblem(128, 128, 64, 4, block_size=BLOCK_SIZE), SparseProblem(128, 128, 16, 4, block_size=BLOCK_SIZE),
+            SparseProblem(192, 128, 16, 4, block_size=BLOCK_SIZE),
+            SparseProblem(576, 512, 16, 1, True, block_size=BLOCK_SIZE),
+            SparseProblem(128, 128, 64, 4, dtype="fp16", block_size=BLOCK_SIZE),
+            SparseProblem(128, 128, 64, 4, dtype="fp32", block_size=BLOCK_SIZE)]
 
 
 def sparse_problems(quick: bool = False) -> list[SparseProblem]:
     """bf16 absorbed 576/512 at each head count, DeepSeek-V4's 512/512 (K = V) at 16 and 64, and GQA 4 at each dim; fp16 absorbed at 128 heads and
-    GQA at 128; one fp32 row. quick: absorbed 576/512 at 128 heads and GQA 4 at 128, bf16."""
+    GQA at 128; one fp32 row; the block mode's problems (``block_problems``). quick: absorbed 576/512 at 128 heads
+    and GQA 4 at 128, bf16."""
     if quick:
         return [SparseProblem(576, 512, 128, 1, True), SparseProblem(128, 128, 16, 4)]
     cases = [SparseProblem(576, 512, heads, 1, True) for heads in SPARSE_HEADS]
@@ -41,7 +54,7 @@ def sparse_problems(quick: bool = False) -> list[SparseProblem]:
     cases += [SparseProblem(512, 512, heads, 1, True) for heads in SPARSE_V4_HEADS]  # DeepSeek-V4: K = V
     cases += [SparseProblem(576, 512, 128, 1, True, "fp16"), SparseProblem(128, 128, 16, 4, dtype="fp16"),
               SparseProblem(128, 128, 16, 4, dtype="fp32")]
-    return cases
+    return cases + block_problems()
 
 
 def problems(quick: bool = False) -> list:
@@ -67,13 +80,17 @@ def problems(quick: bool = False) -> list:
 INDEXER_TOPK = ((64, 128, 2048, "bf16", True), (32, 128, 2048, "bf16", False), (64, 128, 512, "fp16", True),
                 (16, 64, 64, "fp32", True))
 HADAMARD = ((128, "bf16"), (256, "bf16"), (64, "fp16"), (128, "fp32"))
+# the block-max scores of MiniMax-M3's indexer as (index heads, head dim, block, dtype): its 4 x 128 in blocks of 128
+INDEXER_BLOCKS = ((4, 128, 128, "bf16"), (4, 128, 128, "fp16"), (4, 128, 128, "fp32"), (16, 64, 64, "bf16"))
 
 
-def indexer_rows(arch: str, quick: bool = False) -> list[dict]:
-    """Compile-report rows of the indexer kernels on ``arch`` (quick: the first problem of each)."""
+def indexer_rows(arch: str, quick: bool = False, blocks: int | None = None) -> list[dict]:
+    """Compile-report rows of the indexer kernels on ``arch`` (quick: the first problem of each; ``blocks``:
+    the first that many block-score problems)."""
     import torch
 
     from coreattn.kernels.hadamard import hadamard_fwd
+    from coreattn.kernels.indexer_blocks import indexer_block_scores
     from coreattn.kernels.indexer_topk import indexer_topk_fwd
     from coreattn.tune.compiler import DTYPES, describe, emulate
 
@@ -89,6 +106,14 @@ def indexer_rows(arch: str, quick: bool = False) -> list[dict]:
             rows += [dict(describe(launch, arch), kernel="indexer_topk", block_m=1,
                           problem=f"indexer-h{heads}xd{dim}-topk{topk}-{dtype}" + ("-relu" if relu else ""))
                      for launch in launches[start:]]
+        for heads, dim, block, dtype in INDEXER_BLOCKS[:1 if quick else blocks]:
+            q = torch.empty(1, tokens, heads, dim, dtype=DTYPES[dtype])  # [B, S, H, D]
+            k = torch.empty(1, tokens, dim, dtype=DTYPES[dtype])  # [B, Sk, D]
+            bounds = torch.zeros(tokens, dtype=torch.int32)
+            start = len(launches)
+            indexer_block_scores(q, k, bounds, bounds, "bshd", 0, 64, block_size=block, n_blocks=tokens // block)
+            rows += [dict(describe(launch, arch), kernel="indexer_block_scores", block_m=1,
+                          problem=f"indexer-h{heads}xd{dim}-block{block}-{dtype}") for launch in launches[start:]]
         for dim, dtype in HADAMARD[:1] if quick else HADAMARD:
             start = len(launches)
             hadamard_fwd(torch.empty(tokens, dim, dtype=DTYPES[dtype]), dim ** -0.5)
@@ -126,6 +151,8 @@ def _kernel(row: dict) -> str:
         return row["kernel"] + "[atomic]"  # the sparse backward's atomic dK/dV variant
     if row.get("range"):
         return row["kernel"] + "[range]"  # the sparse kernels' range mode: full rows over contiguous keys
+    if row.get("blocks"):
+        return row["kernel"] + "[block]"  # the sparse kernels' block mode: named blocks of contiguous keys
     return row["kernel"]
 
 

@@ -11,7 +11,7 @@ CPU_PERF = "the CPU attention section is performance data for the torch backend 
 BIAS_PERF = ("the bias section is performance data for the torch backend, eager attention and FlexAttention on this "
              "CPU (python -m bench --what bias)")
 SPARSE_PERF = ("the sparse section is performance data for the torch backend, Megatron's own DSA path, dense "
-               "attention and transformers' eager DeepSeek-V4 attention on this CPU (python -m bench --what sparse)")
+               "attention and transformers' eager DeepSeek-V4 and MiniMax-M3 attention on this CPU (python -m bench --what sparse)")
 KERNELS_NOTE = ("the compile report is static compiler output for emulated CUDA and AMD CDNA targets "
                 "(python -m bench --what kernels)")
 MEMORY_LIMIT_GIB = 8  # the CPU section's 32k-token memory check
@@ -100,7 +100,8 @@ def format_table(rows: list[dict], meta: dict, primary: str = "coreattn") -> str
                      "causal range, sparse = not; time: every provider of a (config, mode) in one subprocess, calls "
                      f"interleaved, default allocator, {'/'.join(map(str, threads)) or '?'} torch threads; "
                      "x megatron / x dense / x eager = this time over Megatron's / dense attention's / transformers' eager "
-                     "DeepSeek-V4 attention's (v4-csa rows) from that process; extra = "
+                     "path's (DeepSeek-V4's attention on v4-csa rows, MiniMax-M3's block mask and attention on blocks "
+                     "rows) from that process; extra = "
                      "the call's peak memory on top of its inputs, from its own subprocess under the memory "
                      "allocator settings; growth = this row / the same provider at T/2: x2 linear, x4 quadratic):\n" +
                      _table(["config", "regime", "mode", "provider", "ms", "x megatron", "x dense", "x eager", "GFLOP/s",
@@ -189,7 +190,8 @@ def _sparse_lines(rows: list[dict]) -> list[list[str]]:
             continue
         note = "" if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
         if r["status"] == "ok" and r["provider"] == "dense":
-            note = f"dense {r['head_dim_qk']}/{r['head_dim_v']}, {r['heads']} kv heads"
+            kv = r["heads"] // 4 if r.get("pattern") == "blocks" else r["heads"]  # bench/sparse.py BLOCK_GROUP
+            note = f"dense {r['head_dim_qk']}/{r['head_dim_v']}, {max(kv, 1)} kv heads"
         if r.get("memory_error"):
             note = (note + "; " if note else "") + f"memory: {r['memory_error']}"
         lines.append([r["config"], r.get("regime", "-"), r["mode"], r["provider"], _fmt(r.get("ms"), ".1f"),

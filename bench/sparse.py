@@ -16,6 +16,12 @@ One sequence of T tokens in DeepSeek-V3.2's absorbed MLA form: q ``[T, H, 576]``
   ``key_window``) and K compressed entries (the indexer's top-k, spread evenly over the entries
   complete at i, ``w < (i + 1) // 4``), plus a learnable sink per head (``softmax_offset``), scale
   1/sqrt(512).
+- ``blocks``: MiniMax-M3's block-sparse attention, its own form: q ``[T, H, 128]``, k and v
+  ``[T, H / 4, 128]`` (GQA 4; the model's group is 16 at 64 heads), blocks of ``BLOCK_SIZE`` = 128 keys;
+  token i (in block b = i // 128) names its own block (causal inside) and min(K - 1, b) earlier blocks
+  spread evenly over [0, b) (``topk`` counts blocks: 16, MiniMax-M3's ``index_topk_blocks``), the
+  same for every kv head; scale 1/sqrt(128). While T <= 16 x 128 every token names every block (the
+  full regime).
 
 Providers:
 
@@ -30,14 +36,18 @@ Providers:
   (``pip install "megatron-core>=0.19"``, Python >= 3.12); skipped with the reason otherwise, and
   where its estimated S x S buffers pass ``MEGATRON_BUDGET``;
 - ``dense``: ``coreattn.varlen_attn`` (causal; torch backend on CPU, Triton on CUDA) over the same
-  tokens at the head dims the same model's attention has without DSA (MLA's 192 / 128, H heads):
-  what dense attention costs at that T;
+  tokens at the head dims the same model's attention has without DSA (MLA's 192 / 128, H heads;
+  ``blocks``: the same 128 / 128 GQA heads): what dense attention costs at that T;
 - ``hf-eager`` (``v4-csa`` only): transformers' DeepSeek-V4 eager attention
   (``models.deepseek_v4.modeling_deepseek_v4.eager_attention_forward``) on the mask its layer
   builds: the sliding-window causal mask over the raw keys with the compressor's block bias over
   the entries appended, ``[1, 1, T, T + T/4]``, what ``attn_implementation="eager"`` runs;
   skipped where transformers has no DeepSeek-V4 and where its estimated ``[H, T, T + T/4]``
   buffers pass ``MEGATRON_BUDGET``. (Megatron-Core has no DeepSeek-V4 attention in a release.)
+  On ``blocks``: transformers' MiniMax-M3 eager path, the layer's ``build_block_mask`` (the blocks
+  expanded to a ``[1, H, T, T]`` mask) and ``eager_attention_forward`` on it, both timed (the layer
+  runs both per call); skipped where transformers has no MiniMax-M3 or its estimated ``[H, T, T]``
+  buffers pass the budget.
 
 ``fwd`` is a training forward (inputs require grad); ``fwdbwd`` adds the backward of a fixed output
 gradient. fp32 on CPU, bf16 on CUDA. Two kinds of subprocess (``python -m bench.sparse SPEC``):
@@ -74,11 +84,12 @@ from bench.flops import attention_flops
 
 PROVIDERS = ("coreattn-torch", "coreattn-triton", "megatron", "dense", "hf-eager")
 MODES = ("fwd", "fwdbwd")
-PATTERNS = ("spread", "overlap", "v4-csa")
+PATTERNS = ("spread", "overlap", "v4-csa", "blocks")
 DQK, DV, ROPE = 576, 512, 64  # DeepSeek-V3.2: kv_lora_rank 512 + rope 64; qk_head_dim 128 + rope 64 = 192
 SCALE = 1.0 / math.sqrt(128 + ROPE)
 DENSE_DQK, DENSE_DV = 192, 128
 V4_DIM, V4_WINDOW, V4_RATE = 512, 128, 4  # DeepSeek-V4: K = V head dim, sliding window, CSA compression
+BLOCK_DIM, BLOCK_SIZE, BLOCK_GROUP = 128, 128, 4  # MiniMax-M3: head dim, keys per block; the bench's GQA group
 MEGATRON_BUDGET = 10 << 30  # skip Megatron rows whose estimated S x S buffers pass this (the machine must survive)
 TIME_BUDGET_S = 60.0  # per provider: the rounds stop once the slowest passes it
 MORE_REPS_S = 10.0
@@ -98,6 +109,8 @@ class SparseBenchCase(NamedTuple):
         t = f"{self.tokens // 1024}k" if self.tokens % 1024 == 0 else str(self.tokens)
         if self.v4:
             return f"v4-csa-kv{V4_DIM}-h{self.heads}-win{V4_WINDOW}-topk{self.topk}-T{t}"
+        if self.blocks:
+            return f"blocks-hdim{BLOCK_DIM}-h{self.heads}-gqa{BLOCK_GROUP}-b{BLOCK_SIZE}-topk{self.topk}-T{t}"
         tail = "" if self.pattern == "spread" else f"-{self.pattern}"
         return f"dsa-absorbed{DQK}x{DV}-h{self.heads}-topk{self.topk}-T{t}{tail}"
 
@@ -106,8 +119,14 @@ class SparseBenchCase(NamedTuple):
         return self.pattern == "v4-csa"
 
     @property
+    def blocks(self) -> bool:
+        return self.pattern == "blocks"
+
+    @property
     def dims(self) -> tuple[int, int]:
         """(Dqk, Dv) of the sparse providers."""
+        if self.blocks:
+            return BLOCK_DIM, BLOCK_DIM
         return (V4_DIM, V4_DIM) if self.v4 else (DQK, DV)
 
     @property
@@ -118,6 +137,8 @@ class SparseBenchCase(NamedTuple):
     @property
     def regime(self) -> str:
         """"full" where every token names its whole causal range, else "sparse"."""
+        if self.blocks:
+            return "full" if self.tokens <= self.topk * BLOCK_SIZE else "sparse"
         return "full" if self.pattern == "spread" and self.tokens <= self.topk else "sparse"
 
 
@@ -128,14 +149,17 @@ def sparse_cases(quick: bool, on_gpu: bool = False) -> list[SparseBenchCase]:
     shapes that check the section."""
     if quick:
         return [SparseBenchCase(t, 64, 2) for t in (256, 512)] + [SparseBenchCase(64, 64, 2),
-                                                                   SparseBenchCase(256, 16, 2, "v4-csa")]
+                                                                   SparseBenchCase(256, 16, 2, "v4-csa"),
+                                                                   SparseBenchCase(384, 2, 4, "blocks")]
     if on_gpu:
         return [SparseBenchCase(t, 2048, 16) for t in (4096, 8192, 16384, 32768)] + \
-            [SparseBenchCase(t, 512, 16, "v4-csa") for t in (8192, 16384, 32768)]
+            [SparseBenchCase(t, 512, 16, "v4-csa") for t in (8192, 16384, 32768)] + \
+            [SparseBenchCase(t, 16, 64, "blocks") for t in (8192, 16384, 32768)]
     regimes = [SparseBenchCase(1024, 2048, 16), SparseBenchCase(2048, 256, 16)]
     sweep = [SparseBenchCase(t, k, 4) for k in (2048, 512) for t in (1024, 2048, 4096, 8192)]
     v4 = [SparseBenchCase(t, 512, 4, "v4-csa") for t in (4096, 8192, 16384, 32768)]
-    return regimes + sweep + [SparseBenchCase(8192, 1024, 4, "overlap")] + v4
+    blocks = [SparseBenchCase(t, 16, 8, "blocks") for t in (2048, 4096, 8192)]
+    return regimes + sweep + [SparseBenchCase(8192, 1024, 4, "overlap")] + v4 + blocks
 
 
 def visible_pairs(case: SparseBenchCase) -> int:
@@ -146,6 +170,8 @@ def visible_pairs(case: SparseBenchCase) -> int:
         return full * (full + 1) // 2 + (t - full) * k
     if case.v4:
         return sum(min(i + 1, V4_WINDOW) + min(k, (i + 1) // V4_RATE) for i in range(t))
+    if case.blocks:  # the own block's causal part and every earlier named block whole
+        return sum(i % BLOCK_SIZE + 1 + BLOCK_SIZE * min(k - 1, i // BLOCK_SIZE) for i in range(t))
     return int((topk_rows(t, k, "cpu", case.pattern) >= 0).sum())
 
 
@@ -166,6 +192,13 @@ def eager_v4_bytes(case: SparseBenchCase, mode: str) -> int:
     return (copies * case.heads + 1) * case.tokens * case.key_rows * 4
 
 
+def eager_blocks_bytes(case: SparseBenchCase, mode: str) -> int:
+    """Estimated extra memory of MiniMax-M3's eager path: the float32 ``[H, T, T]`` mask and the bool
+    ``[H, T, T]`` temporaries that build it, the scores with the copies autograd keeps."""
+    copies = 4 if mode == "fwd" else 5
+    return ((copies + 1) * 4 + 3) * case.heads * case.tokens ** 2
+
+
 def _baseline_reason(importer, what: str, need: int, buffers: str) -> str | None:
     """Why a baseline cannot run: ``importer`` fails (``what`` is missing), or its estimated ``need``
     bytes pass ``MEGATRON_BUDGET``."""
@@ -182,19 +215,28 @@ def _import_v4_eager():
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import eager_attention_forward  # noqa: F401
 
 
+def _import_minimax_eager():
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLIndexer  # noqa: F401
+
+
 def _import_megatron_dsa():
     from megatron.core.transformer.experimental_attention_variant.dsa import _unfused_absorbed_dsa_fn  # noqa: F401
 
 
 def skip_reason(case: SparseBenchCase, provider: str, mode: str, device: torch.device) -> str | None:
     if provider == "hf-eager":
+        if case.blocks:
+            return _baseline_reason(_import_minimax_eager, "transformers with MiniMax-M3",
+                                    eager_blocks_bytes(case, mode), "[H, T, T]")
         if not case.v4:
-            return "transformers' DeepSeek-V4 eager attention runs the v4-csa cases only"
+            return "transformers' eager attention runs the v4-csa and blocks cases only"
         return _baseline_reason(_import_v4_eager, "transformers with DeepSeek-V4", eager_v4_bytes(case, mode),
                                 "[H, T, T + T/4]")
     if provider == "megatron":
         if case.v4:
             return "Megatron-Core has no DeepSeek-V4 attention in a release"
+        if case.blocks:
+            return "Megatron-Core has no block-sparse attention"
         return _baseline_reason(_import_megatron_dsa, "megatron-core >= 0.19", megatron_bytes(case, mode), "S x S")
     if provider == "coreattn-triton":
         if device.type != "cuda":
@@ -237,6 +279,8 @@ def build(case: SparseBenchCase, provider: str, device: torch.device, dtype: tor
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype).requires_grad_()
 
     cu = torch.tensor([0, t], dtype=torch.int32, device=device)
+    if case.blocks:
+        return _build_blocks(case, provider, device, randn, cu)
     if provider == "dense":
         q, k, v = randn(t, h, DENSE_DQK), randn(t, h, DENSE_DQK), randn(t, h, DENSE_DV)
         backend = "triton" if device.type == "cuda" else "torch"
@@ -297,6 +341,51 @@ def _build_v4(case: SparseBenchCase, provider: str, device: torch.device, randn)
         v_head_dim=V4_DIM, key_window=(V4_WINDOW - 1, 0), softmax_offset=sinks, backend=backend)), [q, kv, sinks]
 
 
+def block_rows(tokens: int, n_blocks: int, device) -> torch.Tensor:
+    """int64 ``[T, K]``: the blocks token i names (``blocks``: its own, then min(K - 1, b) earlier ones spread
+    over [0, b)), the rest -1."""
+    i = torch.arange(tokens, device=device)[:, None]
+    own = i // BLOCK_SIZE
+    j = torch.arange(n_blocks, device=device)[None, :]
+    spread = ((j - 1) * own) // max(n_blocks - 1, 1)  # distinct when own >= K - 1
+    earlier = torch.where(own >= n_blocks - 1, spread, torch.where(j - 1 < own, j - 1, -1))
+    return torch.where(j == 0, own, earlier)
+
+
+def _build_blocks(case: SparseBenchCase, provider: str, device: torch.device, randn, cu):
+    import coreattn
+
+    t, h = case.tokens, case.heads
+    hkv = max(h // BLOCK_GROUP, 1)
+    q, k, v = randn(t, h, BLOCK_DIM), randn(t, hkv, BLOCK_DIM), randn(t, hkv, BLOCK_DIM)
+    scale = BLOCK_DIM ** -0.5
+    if provider == "dense":
+        backend = "triton" if device.type == "cuda" else "torch"
+        return (lambda: coreattn.varlen_attn(q, k, v, cu, cu, t, t, causal=True, backend=backend)), [q, k, v]
+    rows = block_rows(t, case.topk, device)[:, None, :].expand(t, hkv, -1)  # [T, Hkv, K]
+    if provider == "hf-eager":
+        from types import SimpleNamespace
+
+        from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import (MiniMaxM3VLIndexer,
+                                                                             eager_attention_forward)
+
+        layer = SimpleNamespace(block_size=BLOCK_SIZE, config=SimpleNamespace(num_attention_heads=h))
+        module = torch.nn.Module()
+        module.num_key_value_groups = h // hkv
+        positions = torch.arange(t, device=device)[None]
+
+        def eager():
+            mask = MiniMaxM3VLIndexer.build_block_mask(layer, rows.permute(1, 0, 2)[None], None, t, q.dtype, device,
+                                                        positions)  # [1, H, T, T]
+            q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))
+            return eager_attention_forward(module, q4, k4, v4, mask, scale)[0][0]
+
+        return eager, [q, k, v]
+    backend = "triton" if provider == "coreattn-triton" else "torch"
+    return (lambda: coreattn.sparse_varlen_attn(q, k, v, rows, cu, cu, softmax_scale=scale, block_size=BLOCK_SIZE,
+                                                backend=backend)), [q, k, v]
+
+
 def _call(fn, leaves, mode: str, dout):
     for x in leaves:
         x.grad = None
@@ -313,8 +402,8 @@ class _Prepared(NamedTuple):
 
 def _prepare(case: SparseBenchCase, provider: str, mode: str, device: torch.device, dtype) -> _Prepared:
     """A provider warmed up on a small T (imports, first-call dispatch, kernel compiles), then built at T."""
-    dv = DENSE_DV if provider == "dense" else case.dims[1]
-    small = case._replace(tokens=WARMUP_TOKENS, topk=min(case.topk, WARMUP_TOKENS))
+    dv = DENSE_DV if provider == "dense" and not case.blocks else case.dims[1]
+    small = case._replace(tokens=WARMUP_TOKENS, topk=case.topk if case.blocks else min(case.topk, WARMUP_TOKENS))
     fn, leaves = build(small, provider, device, dtype)
     _call(fn, leaves, mode, torch.randn(small.tokens * small.heads * dv, device=device, dtype=dtype))
     del fn, leaves
@@ -398,7 +487,7 @@ def _run_child(spec: dict, memory: bool, module: str = "bench.sparse") -> dict:
 
 def _base_row(case: SparseBenchCase, mode: str, provider: str, device: torch.device) -> dict:
     dense = provider == "dense"
-    dims = (DENSE_DQK, DENSE_DV) if dense else case.dims
+    dims = (DENSE_DQK, DENSE_DV) if dense and not case.blocks else case.dims
     pairs = case.tokens * (case.tokens + 1) // 2 if dense else visible_pairs(case)
     return {"kind": "sparse", "config": case.id, "tokens": case.tokens, "topk": case.topk, "heads": case.heads,
             "pattern": case.pattern, "regime": case.regime, "head_dim_qk": dims[0], "head_dim_v": dims[1],

@@ -131,11 +131,26 @@ def max_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return (x.double() - ref.double()).abs().max().item() if x.numel() else 0.0
 
 
+def rounding_term(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """Two units of rounding at the reference's magnitude in ``dtype`` (``2 * finfo(dtype).eps *
+    max|ref|``: 2 to 4 ulps of the largest value). The criterion's absolute ``eps`` alone is below one
+    ulp of a large value (1e-5 against a float32 loss of 29, whose ulp is 1.9e-6, is 5 ulps; 1e-6 is
+    half of one), and the naive computation's error is luck there: a scalar or a small tensor that
+    it happens to round well would hold a correct kernel to a fraction of an ulp, passing on one CPU
+    and failing on another whose SIMD width changes the summation order."""
+    finite = ref[torch.isfinite(ref)] if ref.is_floating_point() else ref
+    if not finite.numel():
+        return 0.0
+    return 2 * torch.finfo(dtype).eps * finite.abs().max().item()
+
+
 def assert_flash_criterion(name: str, got: torch.Tensor, naive: torch.Tensor, ref: torch.Tensor, eps: float = EPS):
-    """err(kernel) <= 2 * err(naive same-dtype) + eps, and no NaN anywhere."""
+    """err(kernel) <= 2 * err(naive same-dtype) + eps + rounding_term(ref, naive's dtype), and no NaN
+    anywhere."""
     assert not torch.isnan(got).any(), f"{name}: NaN in output"
     err, base = max_err(got, ref), max_err(naive, ref)
-    assert err <= 2 * base + eps, f"{name}: max error {err:.3e} > 2 * {base:.3e} + {eps}"
+    bound = 2 * base + eps + rounding_term(ref, naive.dtype)
+    assert err <= bound, f"{name}: max error {err:.3e} > 2 * {base:.3e} + {eps} + rounding = {bound:.3e}"
 
 
 def assert_lse_criterion(lse: torch.Tensor, naive: torch.Tensor, ref: torch.Tensor, eps: float = EPS):

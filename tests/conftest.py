@@ -24,13 +24,21 @@ fresh worker instead of failing everything after it there. With ``COREATTN_TEST_
 (bench/acceptance.py) every outcome is appended to PATH as a JSON line as it comes.
 """
 
+import atexit
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
 
+# Inductor's caches are keyed by the graph's code, not by the schema of the custom ops it calls: a graph cached
+# by another checkout of coreattn (other op arguments) would be replayed here. Each run compiles into its own.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="coreattn-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")

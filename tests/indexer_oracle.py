@@ -61,10 +61,12 @@ def _row_sets(lo, hi, topk_indices, sparse: bool, b: int, s: int) -> list[int]:
 
 def loss_ref(q, k, w, query, key, lo, hi, softmax_scale: float, loss_coeff: float, *, sparse: bool,
              topk_indices=None, relu: bool = True, query_valid_rows=None, per_token: bool = False,
-             dtype=torch.float64):
+             dtype=torch.float64, clamp: float | None = None):
     """The indexer loss (differentiable in q, k, w through autograd): per row the KL of the target
     (head-summed attention softmax, normalized) against the softmax of the index scores over the
-    row's keys (sparse: ∩ its top-k), Megatron's log clamp at 1e-10, averaged over the valid rows."""
+    row's keys (sparse: ∩ its top-k), Megatron's log clamp at 1e-10, averaged over the valid rows.
+    ``clamp``: torch_npu's loss kernel's definition instead, both distributions clamped at it in
+    every factor, sum max(t, c) (log max(t, c) - log max(p, c))."""
     batch, seqlen = q.shape[:2]
     heads, kv_heads = query.shape[2], key.shape[2]
     rows_ok = torch.ones(batch, seqlen, dtype=torch.bool) if query_valid_rows is None else query_valid_rows
@@ -84,6 +86,10 @@ def loss_ref(q, k, w, query, key, lo, hi, softmax_scale: float, loss_coeff: floa
             x = k[b, sel].to(dtype) @ q[b, s].to(dtype).t()  # [E, H]
             z = ((x.clamp_min(0) if relu else x) * w[b, s].to(dtype)).sum(1)
             log_p = torch.log_softmax(z, 0)
+            if clamp is not None:
+                t = target.clamp_min(clamp)
+                total = total + (t * (torch.log(t) - torch.log(log_p.exp().clamp_min(clamp)))).sum()
+                continue
             total = total + (target * (torch.log(target.clamp_min(1e-10)) - log_p)).sum()
     count = 1.0 if per_token else max(int(rows_ok.sum()), 1)
     return total / count * loss_coeff

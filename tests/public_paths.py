@@ -196,6 +196,22 @@ def sparse_padded(device, group):
     _backward(out, q, k)
 
 
+def block_sparse(device, group):
+    """The block mode (MiniMax-M3's block-sparse attention): packed and padded rows of block ids, forward and
+    backward on the kernels (the dK/dV's block table and CSR built on the device), and the indexer's
+    block-max top-k (the kernel's scores, torch's selection)."""
+    q, k, v = _qkv(device)
+    blocks = _topk(device, 19, heads=(HKV,), topk=3).clamp(max=4)
+    out = coreattn.sparse_varlen_attn(q, k, v, blocks, _cu(device), _cu(device), block_size=4, backend="triton")
+    _backward(out, q, k, v)
+    q, k, v = _qkv(device, 9, (2,))
+    out = coreattn.sparse_padded_attn(q, k, v, _topk(device, 2, 9, topk=2).clamp(max=2), block_size=4,
+                                      backend="triton")
+    _backward(out, q, k, v)
+    coreattn.indexer_topk(q.detach(), k[..., 0, :].detach(), None, 2, layout="bshd", block_size=4, relu=False,
+                          backend="triton")
+
+
 def dsa_indexer(device, group):
     """The DSA indexer ops: the kernel's top-k, top-k + dense and sparse loss (the loss in torch ops,
     on host-known key ranges where values are not read) and their backward, the rotation."""
@@ -214,4 +230,4 @@ def dsa_indexer(device, group):
 PATHS = {fn.__name__: fn for fn in (varlen_plain, varlen_seqused_dropout, varlen_sink_maxlogit_window,
                                     padded_keep_masks, padded_spans, position_ids, transformers_attention,
                                     cp_attention, megatron_core_attention, mask_utilities, sparse_varlen,
-                                    sparse_padded, dsa_indexer)}
+                                    sparse_padded, block_sparse, dsa_indexer)}

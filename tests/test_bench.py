@@ -431,7 +431,7 @@ def test_sparse_section_indices_and_pairs():
         assert len(set(named)) == len(named) and all(0 <= j <= i for j in named)
         assert set(range(max(0, i - 3), i + 1)) <= set(named)  # its K/2 most recent keys
     assert sparse_bench.visible_pairs(sparse_bench.SparseBenchCase(40, 8, 2, "overlap")) == int((overlap >= 0).sum())
-    cases = [c for c in sparse_bench.sparse_cases(quick=False) if not c.v4]
+    cases = [c for c in sparse_bench.sparse_cases(quick=False) if not c.v4 and not c.blocks]
     assert {c.tokens for c in cases} == {1024, 2048, 4096, 8192} and {c.topk for c in cases} == {2048, 1024, 512, 256}
     assert {(c.heads, c.tokens, c.topk, c.regime) for c in cases} >= {(16, 1024, 2048, "full"), (4, 1024, 2048, "full"),
                                                                      (4, 2048, 2048, "full"), (16, 2048, 256, "sparse")}
@@ -462,6 +462,35 @@ def test_sparse_section_v4_rows_compute_what_transformers_eager_computes():
         results.append([out.detach()] + [x.grad for x in leaves])
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_sparse_section_block_rows_compute_what_minimax_eager_computes():
+    """The blocks case (MiniMax-M3's block-sparse attention): coreattn's block mode and transformers'
+    MiniMax-M3 eager path (its block mask, its eager attention) give the same output and gradients
+    (float64 inputs; eager's softmax runs in float32 whatever the dtype, hence float32's tolerance); each
+    token names its own block and distinct earlier ones; pairs count their causal keys."""
+    pytest.importorskip("transformers.models.minimax_m3_vl")
+    from bench import sparse as sparse_bench
+
+    case = sparse_bench.SparseBenchCase(700, 3, 8, "blocks")
+    rows = sparse_bench.block_rows(700, 3, "cpu")
+    for i, row in enumerate(rows.tolist()):
+        named = [c for c in row if c >= 0]
+        assert named[0] == i // 128 and len(set(named)) == len(named) == min(3, i // 128 + 1)
+    assert sparse_bench.visible_pairs(case) == sum(
+        len({j for c in row if c >= 0 for j in range(c * 128, (c + 1) * 128) if j <= i})
+        for i, row in enumerate(rows.tolist()))
+    assert sparse_bench.skip_reason(case, "hf-eager", "fwdbwd", torch.device("cpu")) is None
+    assert "block-sparse" in sparse_bench.skip_reason(case, "megatron", "fwdbwd", torch.device("cpu"))
+    assert {c.tokens for c in sparse_bench.sparse_cases(quick=False) if c.blocks} == {2048, 4096, 8192}
+    results = []
+    for provider in ("coreattn-torch", "hf-eager"):
+        fn, leaves = sparse_bench.build(case, provider, torch.device("cpu"), torch.float64)
+        out = fn()
+        out.backward(torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view(out.shape))
+        results.append([out.detach()] + [x.grad for x in leaves])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_cpu_timing_warms_up_before_timing():

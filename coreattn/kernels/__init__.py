@@ -16,6 +16,7 @@ side's tokens are laid out: packed, padded, spans, keep masks), ``masks.py`` (th
 utilities' gather/scatter and token-id kernels), ``dropout.py`` (dropout's keep mask: the
 Philox definition the kernels' ``tl.philox`` follows, in torch ops, and the RNG state),
 ``softmax_offset.py`` (the sink gradient's final reduction over the kernels' per-row sums),
+``launch.py`` (the one launch seam: every grid fitted to its target's limits, looped or refused past them),
 ``npu.py`` (Ascend detection: triton-ascend's driver and core counts, torch_npu on first use),
 ``versions.py`` (the Triton releases CI tests, the warning for an older one, and the check that
 Triton's interpreter can run the kernels), ``sparse_index.py`` / ``sparse_fwd.py`` / ``sparse_bwd.py``

@@ -15,7 +15,8 @@ gathers dS into one column per distance (``tl.gather`` along the keys: column kk
 pair at distance d0 + kk) and adds ``coef^T @ columns`` (a [R, M] x [M, KB] dot; the column sums
 without coefficients) to a register accumulator. Each program writes its [R, BLOCK_KB] once into
 a partial buffer ``[n_chunks, Hq, R, extent]`` (fp32); a torch sum over chunks (and over heads for
-a shared table) gives the table's gradient. No atomics, a fixed order: deterministic. Windows
+a shared table) gives the table's gradient (on Ascend, and past a target's grid limits, PERSISTENT:
+fewer programs step over those tasks; the launch goes through kernels/launch.py). No atomics, a fixed order: deterministic. Windows
 outside the sequence's keys are skipped. The partial buffer is bounded (``PARTIAL_ELEMENTS``:
 16 MiB) by the chunk count, at least one chunk.
 
@@ -38,6 +39,7 @@ from coreattn.kernels.attn_fwd import LOG2E, dot_precision, dropout_args, lane_f
 from coreattn.kernels.configs.base import head_blocks
 from coreattn.kernels.configs.dense import bias_grad_config
 from coreattn.kernels.configs.targets import target_of
+from coreattn.kernels.launch import launch
 from coreattn.kernels.packing import Packing, keep_args, rowstat_strides, seq_len_dim, seq_strides
 from coreattn.kernels.tile_map import _tile_rows, _tile_seq, tile_bound, tile_maps
 
@@ -153,24 +155,22 @@ def _bias_grad_tile(acc, tile, kb, head, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, d
     return acc
 
 
-@triton.jit(do_not_specialize=BIAS_GRAD_INTS)
-def _attn_bwd_bias_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
-    table_ptr, coef_ptr, part_ptr,
-    batch, heads, n_tiles, n_chunks, n_kblocks, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left,
-    window_right, drop_threshold, drop_scale, bias_lo, bias_extent, stride_th, stride_cb, stride_ct, stride_ch,
-    stride_pc, stride_ph, stride_pr,
-    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
-    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KB: tl.constexpr, BLOCK_W: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, PACKED: tl.constexpr,
-    HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, HAS_GID: tl.constexpr,
-    BIAS_RANK: tl.constexpr, BIAS_RB: tl.constexpr, BIAS_COEF: tl.constexpr, BIAS_CLAMP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INT64_LANES: tl.constexpr,
-):
-    # grid: n_kblocks x heads x n_chunks programs, distance blocks fastest
-    pid = tl.program_id(0)
+@triton.jit
+def _bias_grad_task(pid, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr,
+                    k_gid_ptr, rng_ptr, table_ptr, coef_ptr, part_ptr, batch, heads, n_tiles, n_chunks, n_kblocks,
+                    seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right, drop_threshold,
+                    drop_scale, bias_lo, bias_extent, stride_th, stride_cb, stride_ct, stride_ch, stride_pc, stride_ph,
+                    stride_pr, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                    stride_vh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks,
+                    stride_kkb, stride_kks, HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                    BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_KB: tl.constexpr, BLOCK_W: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                    BOTTOM_RIGHT: tl.constexpr, PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
+                    HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, BIAS_RANK: tl.constexpr,
+                    BIAS_RB: tl.constexpr, BIAS_COEF: tl.constexpr, BIAS_CLAMP: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, INT64_LANES: tl.constexpr):
+    """Task ``pid`` of the (distance block, q head, query-tile chunk) grid, distance blocks fastest: the
+    chunk's share of the head's table gradient over the block's distances, into the partial buffer."""
     kb = pid % n_kblocks
     head = (pid // n_kblocks) % heads
     chunk = pid // (n_kblocks * heads)
@@ -200,6 +200,50 @@ def _attn_bwd_bias_kernel(
     tl.store(part + tl.minimum(r_ids, BIAS_RANK - 1)[:, None] * stride_pr + tl.minimum(k_ids, bias_extent - 1)[None, :],
              acc,
              mask=(r_ids[:, None] < BIAS_RANK) & (k_ids[None, :] < bias_extent))
+
+
+@triton.jit(do_not_specialize=BIAS_GRAD_INTS)
+def _attn_bwd_bias_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
+    table_ptr, coef_ptr, part_ptr,
+    batch, heads, n_tiles, n_chunks, n_kblocks, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left,
+    window_right, drop_threshold, drop_scale, bias_lo, bias_extent, stride_th, stride_cb, stride_ct, stride_ch,
+    stride_pc, stride_ph, stride_pr,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KB: tl.constexpr, BLOCK_W: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, PACKED: tl.constexpr,
+    HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, HAS_GID: tl.constexpr,
+    BIAS_RANK: tl.constexpr, BIAS_RB: tl.constexpr, BIAS_COEF: tl.constexpr, BIAS_CLAMP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INT64_LANES: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    # grid: n_kblocks x heads x n_chunks programs, or PERSISTENT: fewer, each stepping over those tasks
+    n_tasks = n_kblocks * heads * n_chunks
+    if PERSISTENT:
+        for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
+            t = tl.minimum(task, n_tasks - 1)  # addresses inside for any task (see attn_common)
+            _bias_grad_task(t, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, map_ptr, q_keep_ptr, k_keep_ptr,
+                            q_gid_ptr, k_gid_ptr, rng_ptr, table_ptr, coef_ptr, part_ptr, batch, heads, n_tiles,
+                            n_chunks, n_kblocks, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left,
+                            window_right, drop_threshold, drop_scale, bias_lo, bias_extent, stride_th, stride_cb,
+                            stride_ct, stride_ch, stride_pc, stride_ph, stride_pr, stride_qb, stride_qt, stride_qh,
+                            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot,
+                            stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,
+                            HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_KB, BLOCK_W,
+                            HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID,
+                            BIAS_RANK, BIAS_RB, BIAS_COEF, BIAS_CLAMP, DOT_PRECISION, INT64_LANES)
+    else:
+        _bias_grad_task(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, map_ptr, q_keep_ptr,
+                        k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, table_ptr, coef_ptr, part_ptr, batch, heads, n_tiles,
+                        n_chunks, n_kblocks, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left,
+                        window_right, drop_threshold, drop_scale, bias_lo, bias_extent, stride_th, stride_cb, stride_ct,
+                        stride_ch, stride_pc, stride_ph, stride_pr, stride_qb, stride_qt, stride_qh, stride_kb,
+                        stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
+                        stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks, HEAD_DIM_QK, HEAD_DIM_V,
+                        BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_KB, BLOCK_W, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
+                        PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, BIAS_RANK, BIAS_RB, BIAS_COEF, BIAS_CLAMP,
+                        DOT_PRECISION, INT64_LANES)
 
 
 def _chunks(n_tiles: int, heads: int, rank: int, extent: int) -> int:
@@ -244,10 +288,10 @@ def bias_table_grad(dout, q, k, v, lse, delta, q_pack: Packing, k_pack: Packing,
     if n_tiles > 0 and q.numel() > 0:
         tile_map, _ = tile_maps(q_pack, k_pack, seqlen_q_total, seqlen_k_total, target,
                                 q_tiles=(cfg.block_m, n_tiles))
-        grid, _ = launch_grid(q.device, target, n_kblocks * n_chunks, heads_q)
+        grid, persistent = launch_grid(q.device, target, n_kblocks * n_chunks, heads_q)
         coef = bias.coef if bias.coef is not None else bias.table
-        _attn_bwd_bias_kernel[grid](
-            q, k, v, dout, lse, delta, tile_map, keep_args(q_pack)[0], keep_args(k_pack)[0], table_ptr=bias.table,
+        launch(
+            target, _attn_bwd_bias_kernel, grid, q, k, v, dout, lse, delta, tile_map, keep_args(q_pack)[0], keep_args(k_pack)[0], table_ptr=bias.table,
             coef_ptr=coef, part_ptr=part, batch=batch, heads=heads_q, n_tiles=n_tiles, n_chunks=n_chunks,
             n_kblocks=n_kblocks, seqlen_q_total=seqlen_q_total, seqlen_k_total=seqlen_k_total,
             group=heads_q // heads_kv, sm_scale_log2=softmax_scale * LOG2E, window_left=window_left,
@@ -267,6 +311,7 @@ def bias_table_grad(dout, q, k, v, lse, delta, q_pack: Packing, k_pack: Packing,
             BLOCK_M=cfg.block_m, BLOCK_KB=cfg.block_n, BLOCK_W=block_w, BIAS_RANK=rank,
             BIAS_RB=max(16, triton.next_power_of_2(rank)) if bias.coef is not None else 1,
             BIAS_COEF=bias.coef is not None, BIAS_CLAMP=bias.clamp, DOT_PRECISION=dot_precision(q.dtype, target),
+            PERSISTENT=persistent,
             **lane_flags(block_w, max(block_dqk + block_dqk2, block_dv),
                          ((q_pack, (q, dout) + (() if bias.coef is None else (bias.coef,))), (k_pack, (k, v)))),
             **dropout_args(dropout_p, rng_state, q_pack, k_pack),

@@ -23,19 +23,20 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import (LENGTH_STRIDES, TableBias, _bias_band, _bias_near, _bias_row_grads, _bias_scores, _cols,
-                                          _dropout_keep, _first_gid, _first_row, _key_range, _lane_offsets, _load_keep,
-                                          _load_rows, _poison, _query_range, _store_rows, _tile_visible, _visible,
-                                          bias_args)
+from coreattn.kernels.attn_bias import bias_table_grad
+from coreattn.kernels.attn_common import (LENGTH_STRIDES, TableBias, _batch_stride, _bias_band, _bias_near,
+                                          _bias_row_grads, _bias_scores, _cols, _dropout_keep, _first_gid, _first_row,
+                                          _key_range, _lane_offsets, _load_keep, _load_rows, _poison, _query_range,
+                                          _store_rows, _tile_visible, _visible, batch_aligned, bias_args)
 from coreattn.kernels.attn_fwd import (LOG2E, RUNTIME_INTS, bias_rows, dot_precision, dropout_args, kernel_window,
                                        lane_flags, launch_grid, mask_flags)
-from coreattn.kernels.attn_bias import bias_table_grad
 from coreattn.kernels.configs.base import head_blocks
 from coreattn.kernels.configs.dense import bwd_configs, preprocess_config, split_dkdv
 from coreattn.kernels.configs.pick import tuned_fallback
 from coreattn.kernels.configs.space import loop_flags
 from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.device import on_device
+from coreattn.kernels.launch import launch
 from coreattn.kernels.descriptors import row_descriptor, row_descriptors, usable
 from coreattn.kernels.packing import (Packing, keep_args, new_like, new_rowstat, rowstat_strides, seq_len_dim,
                                       seq_strides, side_stand_ins, stand_in)
@@ -67,14 +68,19 @@ def _preprocess_program(pid_m, b, head, out_ptr, do_ptr, delta_ptr, seqlen_total
     tl.store(delta_ptr + b * stride_lb + head * stride_lh + r0 + offs_r, delta, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["seqlen_total", "grid_m", "batch", "stride_lb", "stride_lh"])
+# the batch strides follow S in bshd (S x H x D): never specialized (or S's parity would pick a compile), their
+# alignment from BATCH_ALIGNED (attn_common.batch_aligned)
+@triton.jit(do_not_specialize=["seqlen_total", "grid_m", "batch", "stride_lb", "stride_lh", "stride_ob", "stride_db"])
 def _attn_bwd_preprocess_kernel(out_ptr, do_ptr, delta_ptr, seqlen_total, grid_m, batch, heads,
                                 stride_ob, stride_ot, stride_oh, stride_db, stride_dt, stride_dh,
                                 stride_lb, stride_lh,
                                 HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                                PERSISTENT: tl.constexpr, INT64_LANES: tl.constexpr):
+                                PERSISTENT: tl.constexpr, INT64_LANES: tl.constexpr,
+                                BATCH_ALIGNED: tl.constexpr = False):
     # tasks: (grid_m row blocks, batch (1 when packed), heads), row blocks fastest; PERSISTENT:
     # those tasks over a core-count 1D grid
+    stride_ob = _batch_stride(stride_ob, BATCH_ALIGNED)
+    stride_db = _batch_stride(stride_db, BATCH_ALIGNED)
     if PERSISTENT:
         for task in range(tl.program_id(0), grid_m * batch * heads, tl.num_programs(0)):
             t = tl.minimum(task, grid_m * batch * heads - 1)  # addresses inside for any task (see attn_common)
@@ -765,11 +771,13 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         pre_batch = 1 if q_pack.fmt == "thd" else batch
         grid_m = triton.cdiv(seqlen_q_total, cfg_pre.block_m)
         grid, persistent = launch_grid(q.device, target, grid_m * pre_batch, heads_q, vector_only=True)
-        _attn_bwd_preprocess_kernel[grid](
+        launch(
+            target, _attn_bwd_preprocess_kernel, grid,
             out, dout, delta, seqlen_q_total, grid_m, pre_batch, heads_q, *seq_strides(out, q_pack.fmt),
             *seq_strides(dout, q_pack.fmt), *rowstat_strides(delta, q_pack),
             HEAD_DIM_V=dim_v, BLOCK_DV=block_dv, BLOCK_M=cfg_pre.block_m, PERSISTENT=persistent,
             **lane_flags(cfg_pre.block_m, block_dv, ((q_pack, (out, dout)),)), **cfg_pre.launch(),
+            BATCH_ALIGNED=batch_aligned((*seq_strides(out, q_pack.fmt)[:2], *seq_strides(dout, q_pack.fmt)[:2])),
         )
     has_q, has_k = q.numel() > 0, k.numel() > 0
     # a side without any token still gets a row 0 for the other kernel's loops to address (packing.stand_in)
@@ -815,29 +823,28 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         q_desc, q2_desc = row_descriptors(q, cfg_dkdv.block_m, block_dqk, block_dqk2) if loop["TMA"] else (None, None)
         do_desc = row_descriptor(dout, cfg_dkdv.block_m, block_dv) if loop["TMA"] else None
         for do_dk, do_dv in passes:
-            _attn_bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, dkdv_map, heads=heads_kv,
-                                        n_tiles=n_tiles_k, q_desc=q_desc, q2_desc=q2_desc, do_desc=do_desc,
-                                        **dict(zip(("stride_dkb", "stride_dkt", "stride_dkh"),
-                                                   seq_strides(dk, k_pack.fmt))),
-                                        **dict(zip(("stride_dvb", "stride_dvt", "stride_dvh"),
-                                                   seq_strides(dv, k_pack.fmt))),
-                                        BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, DK=do_dk, DV=do_dv,
-                                        PERSISTENT=persistent, **lanes_dkdv, **loop, **cfg_dkdv.launch(), **common)
+            launch(target, _attn_bwd_dkdv_kernel, grid, q, k, v, dout, lse, delta, dk, dv, dkdv_map, heads=heads_kv,
+                   n_tiles=n_tiles_k, q_desc=q_desc, q2_desc=q2_desc, do_desc=do_desc,
+                   **dict(zip(("stride_dkb", "stride_dkt", "stride_dkh"), seq_strides(dk, k_pack.fmt))),
+                   **dict(zip(("stride_dvb", "stride_dvt", "stride_dvh"), seq_strides(dv, k_pack.fmt))),
+                   BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, DK=do_dk, DV=do_dv, PERSISTENT=persistent,
+                   **lanes_dkdv, **loop, **cfg_dkdv.launch(), **common)
     if run_dq:
         grid, persistent = launch_grid(q.device, target, n_tiles_q, heads_q)
         loop = loop_flags(cfg_dq, target, cfg_dq.tma and usable((q_pack, k_pack), ((k, block_dqk + block_dqk2),
                                                                                     (v, block_dv))))
         k_desc, k2_desc = row_descriptors(k, cfg_dq.block_n, block_dqk, block_dqk2) if loop["TMA"] else (None, None)
-        _attn_bwd_dq_kernel[grid](q, k, v, dout, lse, delta, dq, lse if sink_rowsum is None else sink_rowsum, dq_map,
-                                  k_desc=k_desc, k2_desc=k2_desc, dcoef_ptr=lse if d_coef is None else d_coef,
-                                  far_ptr=lse if far is None else far, stride_far=0 if far is None else far.stride(0),
-                                  BIAS_GRAD=has_bias, BIAS_RB=max(16, triton.next_power_of_2(bias.table.shape[1]))
-                                  if has_bias and bias.coef is not None else 1,
-                                  v_desc=row_descriptor(v, cfg_dq.block_n, block_dv) if loop["TMA"] else None,
-                                  heads=heads_q, n_tiles=n_tiles_q, SINK_GRAD=sink_rowsum is not None,
-                                  **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, q_pack.fmt))),
-                                  BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, PERSISTENT=persistent,
-                                  **lanes_dq, **loop, **cfg_dq.launch(), **common)
+        launch(target, _attn_bwd_dq_kernel, grid, q, k, v, dout, lse, delta, dq,
+               lse if sink_rowsum is None else sink_rowsum, dq_map, k_desc=k_desc, k2_desc=k2_desc,
+               dcoef_ptr=lse if d_coef is None else d_coef, far_ptr=lse if far is None else far,
+               stride_far=0 if far is None else far.stride(0), BIAS_GRAD=has_bias,
+               BIAS_RB=max(16, triton.next_power_of_2(bias.table.shape[1])) if has_bias and bias.coef is not None
+               else 1,
+               v_desc=row_descriptor(v, cfg_dq.block_n, block_dv) if loop["TMA"] else None, heads=heads_q,
+               n_tiles=n_tiles_q, SINK_GRAD=sink_rowsum is not None,
+               **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, q_pack.fmt))),
+               BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, PERSISTENT=persistent, **lanes_dq, **loop,
+               **cfg_dq.launch(), **common)
     if not has_bias:
         return dq, dk, dv
     d_table = bias_table_grad(dout, q, k, v, lse, sink_rowsum, q_pack, k_pack, softmax_scale, window_left,

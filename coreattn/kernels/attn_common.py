@@ -47,6 +47,25 @@ INT32_MAX = 2**31 - 1
 _FORCED_LANES: list = []  # forced_int64_lanes' values, innermost last
 
 
+def batch_aligned(strides) -> bool:
+    """``BATCH_ALIGNED`` for a launch whose batch and token strides are ``strides``: all multiples of 16.
+    The batch strides are never specialized (bshd's S x H x D would flip its divisibility with S's parity
+    where H x D is not a multiple of 16: a compile per parity); this flag gives the kernel their
+    alignment back where it holds for every S (H x D a multiple of 16), and is False for every S
+    where it does not (the token stride is not), so S never picks the variant."""
+    return all(int(st) % 16 == 0 for st in strides)
+
+
+@triton.jit
+def _batch_stride(stride, ALIGNED: tl.constexpr):
+    """A batch stride with the divisibility by 16 the launcher vouches for (``batch_aligned``): the same
+    value, as a product by 16 the compiler's alignment analysis sees (``tl.multiple_of`` cannot mark a
+    kernel argument)."""
+    if ALIGNED:
+        stride = (stride // 16) * 16
+    return stride
+
+
 def int64_lanes(rows: int, strides, cols: int = 0) -> bool:
     """The ``INT64_LANES`` variant for a kernel whose tiles have at most ``rows`` rows (lane offsets
     0 .. rows - 1) and whose lanes multiply ``strides`` (token strides of its row tensors, keep masks'

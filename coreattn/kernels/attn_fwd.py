@@ -33,6 +33,7 @@ from coreattn.kernels.configs.pick import tuned_fallback
 from coreattn.kernels.configs.space import loop_flags
 from coreattn.kernels.configs.targets import CDNA_TARGETS, persistent_grid, target_of
 from coreattn.kernels.device import on_device
+from coreattn.kernels.launch import launch
 from coreattn.kernels.descriptors import row_descriptor, row_descriptors, usable
 from coreattn.kernels.packing import (Packing, keep_args, kernel_flags, new_like, new_rowstat, rowstat_strides, seq_len_dim,
                                       seq_strides, side_stand_ins)
@@ -371,8 +372,9 @@ def dot_precision(dtype: torch.dtype, target: str) -> str:
 def launch_grid(device: torch.device, target: str, n_tiles: int, heads: int,
                 vector_only: bool = False) -> tuple[tuple[int], bool]:
     """(grid, PERSISTENT) for a kernel whose programs are n_tiles * heads tasks: that 1D grid on
-    CUDA and the interpreter; on Ascend a persistent grid of core-count programs that loop over
-    the tasks (kernels/configs/targets.py)."""
+    CUDA, HIP and the interpreter (``launch``, kernels/launch.py, loops it where it passes the target's
+    limits); on Ascend a persistent grid of core-count programs that loop over the tasks
+    (kernels/configs/targets.py)."""
     tasks = n_tiles * heads
     if tasks > MAX_TASKS:
         raise ValueError(f"{n_tiles} tiles x {heads} heads = {tasks} programs exceed the int32 grid of the Triton "
@@ -487,7 +489,8 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
         loop = loop_flags(cfg, target, cfg.tma and usable((q_pack, k_pack), ((k, block_dqk + block_dqk2),
                                                                               (v, block_dv))))
         k_desc, k2_desc = row_descriptors(k, cfg.block_n, block_dqk, block_dqk2) if loop["TMA"] else (None, None)
-        _varlen_attn_fwd_kernel[grid](
+        launch(
+            target, _varlen_attn_fwd_kernel, grid,
             q, k, v, out, lse, tile_map, keep_args(q_pack)[0], keep_args(k_pack)[0], k_desc=k_desc, k2_desc=k2_desc,
             v_desc=row_descriptor(v, cfg.block_n, block_dv) if loop["TMA"] else None,
             sink_ptr=sink_arg(softmax_offset, lse) if softmax_offset is not None else q_pack.seq,

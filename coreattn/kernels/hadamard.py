@@ -22,6 +22,7 @@ import triton.language as tl
 from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.configs.indexer import MAX_HADAMARD_DIM, hadamard_config
 from coreattn.kernels.device import on_device
+from coreattn.kernels.launch import launch, slices
 
 
 @triton.jit(do_not_specialize=("n_rows",))
@@ -70,7 +71,10 @@ def hadamard_fwd(x: torch.Tensor, scale: float, out: torch.Tensor | None = None)
         return out
     target = target_of(x.device)
     cfg = hadamard_config(target)
-    grid = (triton.cdiv(n_rows, cfg.block),)
-    _hadamard_kernel[grid](rows, out_rows, n_rows, rows.stride(0), out_rows.stride(0), float(scale),
-                           DIM=dim, BLOCK_D=hadamard_block(dim), BLOCK_R=cfg.block, **cfg.launch(target))
+    options = cfg.launch(target)
+    # a launch per slice of rows whose grid is within the target's limits (kernels/launch.py)
+    for p0, p1 in slices(target, triton.cdiv(n_rows, cfg.block), options.get("num_warps")):
+        part, out_part = rows[p0 * cfg.block:p1 * cfg.block], out_rows[p0 * cfg.block:p1 * cfg.block]
+        launch(target, _hadamard_kernel, (p1 - p0,), part, out_part, part.shape[0], rows.stride(0),
+               out_rows.stride(0), float(scale), DIM=dim, BLOCK_D=hadamard_block(dim), BLOCK_R=cfg.block, **options)
     return out

@@ -12,9 +12,12 @@ each program holds one query's heads and streams its keys.
 mapped to a signed integer of the same order (``bits ^ ((bits >> 31) & 0x7FFFFFFF)``; -0.0 is made
 +0.0 first, so equal scores compare equal) in the high word, ``0xFFFFFFFF - j`` in the low word. All
 keys of a row are distinct, so "the ``topk`` largest keys" is one set with no ties left: larger
-score first, **the lower key position first among equal scores**. A key whose score is -inf (or a
-negative NaN, which sorts below it) is never selected; positive NaN sorts above +inf (as
-``torch.topk`` puts NaN first). Rows are written in that order (score descending, then position
+score first, **the lower key position first among equal scores**. A key whose score is -inf is
+never selected. **NaN**: the ReLU keeps a NaN product NaN (``where(x < 0, 0, x)``; a max would
+turn it into 0 on a GPU while torch's ``clamp_min`` keeps it), and every NaN score, of either sign
+(x86 makes negative ones), ranks as one word above +inf: selected first, lower position first among
+NaNs, its score returned as NaN — ``torch.topk``'s order, which Megatron's indexer uses, on both
+backends. Rows are written in that order (score descending, then position
 ascending), then -1 for the slots left when fewer than ``topk`` keys are selectable. The torch
 backend (coreattn/layers/torch_backend/indexer_topk.py) ranks the same 64-bit keys with
 ``torch.topk``: the same set and order for the same float32 scores. The two backends sum the heads
@@ -53,9 +56,11 @@ from coreattn.kernels.attn_fwd import dot_precision
 from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.configs.indexer import MAX_TOPK_DIM, MAX_TOPK_HEADS, topk_config
 from coreattn.kernels.device import on_device
+from coreattn.kernels.launch import launch, slices
 
 MIN_KEY = tl.constexpr(-(2**63))  # below every packed key: a lane with no key
-RUNTIME_INTS = ("n_rows", "seqlen_q", "seqlen_k", "topk", "stride_qb", "stride_kb", "stride_wb", "stride_qs",
+NAN_WORD = tl.constexpr(0x7FC00000)  # the ordered word of every NaN score: the positive quiet NaN's
+RUNTIME_INTS = ("row0", "n_rows", "seqlen_q", "seqlen_k", "topk", "stride_qb", "stride_kb", "stride_wb", "stride_qs",
                 "stride_ks", "stride_ws")
 
 
@@ -90,14 +95,15 @@ def _merge(best, staged, LOG_K: tl.constexpr):
 
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def _indexer_topk_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, score_ptr,
-                         n_rows, seqlen_q, seqlen_k, heads, topk,
+                         row0, n_rows, seqlen_q, seqlen_k, heads, topk,
                          stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_wb, stride_ws, stride_wh,
                          HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RELU: tl.constexpr,
                          RETURN_SCORES: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # grid: n_rows programs, one per query token n = b * seqlen_q + s; seqlen_k >= 1 and topk >= 1 (the
-    # launcher does not launch otherwise); topk <= BLOCK_K
-    row = tl.program_id(0).to(tl.int64)
+    # grid: one program per query token n = row0 + program id = b * seqlen_q + s, row0 + grid <= n_rows (a
+    # launch per slice of rows where they pass the grid limits); seqlen_k >= 1 and topk >= 1 (the launcher does
+    # not launch otherwise); topk <= BLOCK_K
+    row = row0 + tl.program_id(0).to(tl.int64)
     b = row // seqlen_q
     s = row - b * seqlen_q
     lo = tl.minimum(tl.maximum(tl.load(lo_ptr + row), 0), seqlen_k)
@@ -128,12 +134,13 @@ def _indexer_topk_kernel(q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, idx_ptr, score_ptr
             rows = tl.minimum(cols, last).to(tl.int64)  # cols >= lo already
             kt = tl.load(k_base + rows[:, None] * stride_ks + d_cols[None, :], mask=d_ok[None, :], other=0.0)
             x = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION)  # [H, N] float32
-            if RELU:
-                x = tl.maximum(x, 0.0)
+            if RELU:  # NaN stays NaN (tl.maximum would return 0 for it, as the GPU's max does)
+                x = tl.where(x < 0.0, 0.0, x)
             scores = tl.sum(x * w[:, None], axis=0)  # [N]
             scores = tl.where(scores == 0.0, 0.0, scores)  # -0.0 -> +0.0: equal scores, equal keys
             bits = scores.to(tl.int32, bitcast=True)
             okey = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # a signed int of the float's order
+            okey = tl.where(scores != scores, NAN_WORD, okey)  # any NaN: above +inf (torch.topk's order)
             keys = (okey.to(tl.int64) << 32) | (4294967295 - cols.to(tl.int64))  # ties: lower position first
             keys = tl.where(cols < hi, keys, MIN_KEY)
             staged = tl.where(slots[:, None] == i, keys[None, :], staged)
@@ -201,10 +208,11 @@ def indexer_topk_fwd(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, ke
     target = target_of(q.device)
     cfg = topk_config(target, topk_blocks(topk, 16))  # the requested top-k: short samples do not recompile
     block_k = topk_blocks(topk, cfg.block)
-    _indexer_topk_kernel[(n_rows,)](
-        q, k, weights, key_lo, key_hi, idx, scores if return_scores else idx,
-        n_rows, seqlen_q, seqlen_k, heads, width, qb, qs, qh, kb, ks, wb, ws, wh,
-        HEAD_DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        BLOCK_N=cfg.block, BLOCK_K=block_k, RELU=relu, RETURN_SCORES=return_scores,
-        DOT_PRECISION=dot_precision(q.dtype, target), **cfg.launch(target))
+    options = cfg.launch(target)
+    for row0, row1 in slices(target, n_rows, options.get("num_warps")):  # launches within the grid limits
+        launch(target, _indexer_topk_kernel, (row1 - row0,), q, k, weights, key_lo, key_hi, idx,
+               scores if return_scores else idx, row0, n_rows, seqlen_q, seqlen_k, heads, width, qb, qs, qh, kb, ks,
+               wb, ws, wh, HEAD_DIM=dim, BLOCK_H=max(16, triton.next_power_of_2(heads)),
+               BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=cfg.block, BLOCK_K=block_k, RELU=relu,
+               RETURN_SCORES=return_scores, DOT_PRECISION=dot_precision(q.dtype, target), **options)
     return idx, scores

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from coreattn.kernels.configs.targets import launch_options, target_of
 from coreattn.kernels.device import on_device
+from coreattn.kernels.launch import launch
 
 MAX_PROGRAMS = 65535
 ROW_BLOCK = 1024  # elements of a row moved per step; rows are usually H*D wide
@@ -100,7 +101,8 @@ def _copy_rows(src: torch.Tensor, indices: torch.Tensor, out: torch.Tensor, gath
     if n == 0 or row_len == 0:
         return out
     programs, block_d, _ = _launch_sizes(src.device)
-    _copy_rows_kernel[(min(n, programs),)](
+    launch(
+        target_of(src.device), _copy_rows_kernel, (min(n, programs),),
         src_rows, out_rows, indices, n, row_len, src_rows.stride(0), out_rows.stride(0),
         GATHER=gather, BLOCK_D=min(block_d, triton.next_power_of_2(row_len)),
         **launch_options(target_of(src.device)),
@@ -141,7 +143,8 @@ def token_ids(cu_seqlens: torch.Tensor, total: int, pos_dtype: torch.dtype | Non
     programs, _, block_t = _launch_sizes(device)
     grid = (min(triton.cdiv(total, block_t), programs),)
     dummy = pos if pos is not None else seq
-    _token_ids_kernel[grid](
+    launch(
+        target_of(device), _token_ids_kernel, grid,
         cu_seqlens, pos if pos is not None else dummy, seq if seq is not None else dummy,
         batch, total, int(batch).bit_length(),
         WRITE_POS=pos is not None, WRITE_SEQ=seq is not None, BLOCK_T=block_t,

@@ -12,7 +12,13 @@ swap a fake ``torch_npu`` into ``sys.modules`` call ``cache_clear()``.
 - ``triton_is_ascend()``: that backend is "npu", i.e. triton-ascend runs on an Ascend device;
 - ``triton_distribution()`` / ``triton_ascend_installed()``: which distribution provides the
   ``triton`` module (triton-ascend in the Ascend CI lane on CPU, where no driver is active);
-- ``ascend_core_counts(device)``: ``(num_aicore, num_vectorcore)`` from triton-ascend's driver.
+- ``ascend_core_counts(device)``: ``(num_aicore, num_vectorcore)`` from triton-ascend's driver;
+- ``soc_family(device)``: the NPU's chip family as ops-transformer's operator definitions name it
+  ("ascend910b": Atlas A2, "ascend910_93": Atlas A3, "ascend950"), or None when torch_npu cannot say;
+- which torch_npu operators cannot run on a device, learnt from their first call
+  (``run_npu_op``: a call that fails because the installed CANN has no kernel for the operator, or
+  none for this chip, is remembered per device and operator and raised as ``NpuOpUnavailable``
+  for the caller to fall back; any other error propagates unchanged), ``npu_op_unavailable``.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import functools
 import importlib
 import importlib.metadata
 import os
+import re
 import warnings
 from types import ModuleType
 from typing import NamedTuple
@@ -116,10 +123,82 @@ def ascend_core_counts(device_index: int = 0) -> AscendCores:
     return AscendCores(int(props["num_aicore"]), int(props["num_vectorcore"]))
 
 
-_CACHED = (_torch_npu, npu_usable, triton_backend, triton_distribution, ascend_core_counts)
+# chip families by the prefix of the SoC name torch_npu reports (aclrtGetSocName: "Ascend910B3",
+# "Ascend910_9391", ...), as ops-transformer's op definitions register them (AddConfig("ascend910b"), ...)
+SOC_FAMILIES = ("ascend910_93", "ascend910b", "ascend950")
+
+
+def device_index(device) -> int:
+    """The NPU index ``device`` names (None: the current NPU, else 0)."""
+    index = getattr(device, "index", None)
+    if index is not None:
+        return int(index)
+    try:
+        return int(torch_npu_module().npu.current_device())
+    except Exception:
+        return 0
+
+
+@functools.lru_cache(maxsize=None)
+def _soc_name(index: int) -> str | None:
+    mod = torch_npu_module()
+    try:
+        return str(mod.npu.get_device_name(index))
+    except Exception:  # no torch_npu, no such API, or no device to ask
+        return None
+
+
+def soc_family(device) -> str | None:
+    """The chip family of the NPU ``device`` names (see ``SOC_FAMILIES``); "other: NAME" for a chip
+    outside them, None when torch_npu cannot name it."""
+    name = _soc_name(device_index(device)) if torch_npu_module() is not None else None
+    if name is None:
+        return None
+    lower = name.lower()
+    return next((f for f in SOC_FAMILIES if lower.startswith(f)), f"other: {name}")
+
+
+class NpuOpUnavailable(RuntimeError):
+    """A torch_npu operator has no kernel for this CANN install or chip (remembered per device)."""
+
+
+# (device index, operator) -> why it cannot run there, learnt from a failed first call
+_unavailable: dict[tuple[int, str], str] = {}
+
+# what torch_npu raises when the kernel is missing: op-plugin's EXEC_NPU_CMD when libopapi.so lacks the
+# aclnn symbols ("aclnnX or aclnnXGetWorkspaceSize not in libopapi.so, or libopapi.so not found",
+# Ascend/op-plugin op_plugin/utils/op_api_common.h), and the tiling's chip check ("SOC Version[N] is not
+# support.", ops-transformer attention/lightning_indexer/op_host/lightning_indexer_tiling.cpp)
+_MISSING_KERNEL = re.compile(r"GetWorkspaceSize not in \S*libopapi|SOC Version\[-?\d+\] is not support")
+
+
+def npu_op_unavailable(device, name: str) -> str | None:
+    """Why torch_npu's operator ``name`` cannot run on ``device`` (learnt from its first call), or None."""
+    return _unavailable.get((device_index(device), name))
+
+
+def run_npu_op(name: str, device, *args, **kwargs):
+    """``torch_npu.<name>(*args, **kwargs)``; a failure saying the installed CANN or this chip has no
+    kernel for it is remembered for ``device`` and raised as ``NpuOpUnavailable`` (the reason named);
+    any other error (a wrong shape, ...) propagates as it is."""
+    mod = torch_npu_module()
+    if mod is None:
+        raise RuntimeError(f"torch_npu's {name} needs torch_npu: {torch_npu_reason()}")
+    try:
+        return getattr(mod, name)(*args, **kwargs)
+    except RuntimeError as exc:
+        if not _MISSING_KERNEL.search(str(exc)):
+            raise
+        reason = f"torch_npu.{name} has no kernel here (its first call raised: {str(exc).strip()[:300]})"
+        _unavailable[(device_index(device), name)] = reason
+        raise NpuOpUnavailable(reason) from exc
+
+
+_CACHED = (_torch_npu, npu_usable, triton_backend, triton_distribution, ascend_core_counts, _soc_name)
 
 
 def cache_clear() -> None:
     """Forget every cached answer (tests that install or remove a fake torch_npu)."""
     for fn in _CACHED:
         fn.cache_clear()
+    _unavailable.clear()

@@ -49,17 +49,26 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import _cols
-from coreattn.kernels.attn_fwd import LOG2E, MAX_TASKS, dot_precision
+from coreattn.kernels.attn_common import _batch_stride, _cols, batch_aligned
+from coreattn.kernels.attn_fwd import LOG2E, dot_precision, launch_grid
 from coreattn.kernels.configs.base import head_blocks
 from coreattn.kernels.configs.sparse import range_tile, sparse_config
-from coreattn.kernels.configs.targets import persistent_grid, target_of
+from coreattn.kernels.configs.targets import target_of
 from coreattn.kernels.device import on_device
+from coreattn.kernels.launch import launch
 from coreattn.kernels.packing import seq_len_dim, seq_strides, stand_in
+from coreattn.kernels.sparse_blocks import BlockLayout, block_classes
 from coreattn.kernels.sparse_index import row_classes
 
-# runtime ints that follow the batch, its lengths or the top-k: never specialized
-SPARSE_RUNTIME_INTS = ("n_tasks", "seqlen_q", "seqlen_k", "k_last", "n_slots", "n_tblocks", "stride_lb", "stride_lh")
+# runtime ints that follow the batch, its lengths or the top-k: never specialized. The batch strides
+# (bshd: S x H x D, whose divisibility by 16 flips with S's parity where H x D is not a multiple of 16) get
+# their alignment from BATCH_ALIGNED (kernels/attn_common.py ``batch_aligned``: the same for every S) and
+# are typed int64 in the kernels' signatures, so a stride past 2**31 does not change the compile key either
+BATCH_STRIDES = ("stride_qb", "stride_kb", "stride_vb", "stride_ob", "stride_dob", "stride_dqb")
+SPARSE_RUNTIME_INTS = ("n_tasks", "seqlen_q", "seqlen_k", "k_last", "n_slots", "n_tblocks", "stride_lb", "stride_lh",
+                       *BATCH_STRIDES)
+# the block mode's block size and tiles per block (model constants, but a block of 1 must not specialize)
+BLOCK_RUNTIME_INTS = ("block_size", "n_sub")
 
 
 @triton.jit
@@ -206,11 +215,31 @@ def _slot_row(span_ptr, full_ptr, n0, ih, idx_heads, heads, row_ok):
 
 
 @triton.jit
+def _block_keys(idx_row, it, offs_n, n_slots, block_size, n_sub, lo, hi, k_last, BLOCK_N: tl.constexpr):
+    """Block mode: tile ``it // BLOCK_N`` of a row whose entries name blocks (kernels/sparse_blocks.py:
+    the key row each block starts at, -1 unused), ``n_sub`` tiles of BLOCK_N contiguous keys per block
+    (n_sub >= 1): (valid [N], key row [N] to read). The slot is clamped into the row and the key rows
+    into the token's bounds and then the sample's rows [0, k_last], whatever the index load returned:
+    the addresses stay inside for any ``it``. Comparisons are vectors (Triton 3.9's interpreter rejects
+    a mask a scalar comparison broadcasts into)."""
+    tile = it // BLOCK_N
+    slot = tile // n_sub
+    inside = (tile - slot * n_sub) * BLOCK_N + offs_n  # [N] offsets of the keys in their block
+    slot_v = offs_n * 0 + slot
+    start = tl.load(idx_row + tl.minimum(tl.maximum(slot_v, 0), n_slots - 1))  # [N], one address
+    keys = start + inside
+    valid = (start >= 0) & (slot_v < n_slots) & (inside < block_size) & (keys >= lo) & (keys < hi)
+    row = tl.minimum(tl.maximum(keys, lo), tl.maximum(hi, lo + 1) - 1)
+    return valid, tl.minimum(tl.maximum(row, 0), k_last)
+
+
+@triton.jit
 def _program_keys(topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr, b64, tb, n, ih, idx_heads, heads, row_ok, seqlen_q,
-                  seqlen_k, n_slots, RANGE: tl.constexpr):
+                  seqlen_k, n_slots, n_sub, RANGE: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr):
     """The keys a forward or dQ program steps over: (own [M]: the rows it computes, start, stop: its
-    loop's bounds, lo, hi: the rows' bounds ([M]; slot mode: its token's, scalars), idx_row: the
-    token's index row (slot mode; range mode: unused))."""
+    loop's bounds, lo, hi: the rows' bounds ([M]; slot and block mode: its token's, scalars), idx_row:
+    the token's index row (slot and block mode; range mode: unused)). Block mode steps over BLOCK_N-key
+    tiles, ``n_sub`` per slot of the row's span, numbered in keys (``it`` = tile x BLOCK_N)."""
     if RANGE:  # full rows: the keys [lo, hi) of each, contiguous
         lo, hi, own = _range_rows(lo_ptr, hi_ptr, full_ptr, n, ih, idx_heads, seqlen_k, row_ok)
         start, stop = _key_range(lo, hi, own)
@@ -220,16 +249,24 @@ def _program_keys(topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr, b64, tb, n, ih, 
         own, start, stop = _slot_row(span_ptr, full_ptr, n0, ih, idx_heads, heads, row_ok)
         lo, hi = _token_bounds(lo_ptr, hi_ptr, n0, seqlen_k)
         idx_row = topk_ptr + (n0 * idx_heads + ih) * n_slots
+        if BLOCKS:
+            start = start * n_sub * BLOCK_N
+            stop = stop * n_sub * BLOCK_N
     return own, start, stop, lo, hi, idx_row
 
 
 @triton.jit
-def _key_block(it, offs_n, stop, k_last, own, lo, hi, idx_row, n_slots, RANGE: tl.constexpr):
-    """Keys (range mode) or slots [it, it + BLOCK_N) of a program's loop: (load_ok [N], key row [N]
-    to read, seen: the (row, key) pairs that count, [M, N] or [1, N])."""
+def _key_block(it, offs_n, stop, k_last, own, lo, hi, idx_row, n_slots, block_size, n_sub, RANGE: tl.constexpr,
+               BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys (range mode), slots (slot mode) or a tile of a named block (block mode) [it, it + BLOCK_N)
+    of a program's loop: (load_ok [N], key row [N] to read, seen: the (row, key) pairs that count,
+    [M, N] or [1, N])."""
     if RANGE:
         keys, load_ok, row = _range_keys(it, offs_n, stop, k_last)
         seen = own[:, None] & (keys[None, :] >= lo[:, None]) & (keys[None, :] < hi[:, None])
+    elif BLOCKS:
+        load_ok, row = _block_keys(idx_row, it, offs_n, n_slots, block_size, n_sub, lo, hi, k_last, BLOCK_N)
+        seen = load_ok[None, :]
     else:
         load_ok, row = _slot_rows(idx_row, it, offs_n, n_slots, lo, hi, k_last)
         seen = load_ok[None, :]
@@ -255,11 +292,11 @@ def _key_rows(k_base, v_base, row, ok, stride_kt, stride_vt, HEAD_DIM_QK: tl.con
 def _sparse_fwd_program(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr,
                         seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, n_tblocks, idx_heads,
                         sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb,
-                        stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+                        stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh, block_size, n_sub,
                         HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                         BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, V_IS_K: tl.constexpr, RANGE: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr):
+                        BLOCKS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b, tb, g, hb = _program_block(task, n_hblocks, heads_kv, n_tblocks)
     n, s, heads, row_ok = _block_rows(b, tb, hb, g, group, seqlen_q, BLOCK_T, BLOCK_H)
     ih = tl.minimum(g, idx_heads - 1)
@@ -270,12 +307,14 @@ def _sparse_fwd_program(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, s
     v_base = v_ptr + b64 * stride_vb + g64 * stride_vh
     offs_n = tl.arange(0, BLOCK_N)
     own, start, stop, lo, hi, idx_row = _program_keys(topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr, b64, tb, n, ih,
-                                                      idx_heads, heads, row_ok, seqlen_q, seqlen_k, n_slots, RANGE)
+                                                      idx_heads, heads, row_ok, seqlen_q, seqlen_k, n_slots, n_sub,
+                                                      RANGE, BLOCKS, BLOCK_N)
     m_i = tl.full([BLOCK_T * BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_T * BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_T * BLOCK_H, BLOCK_DV], tl.float32)
     for it in range(start, stop, BLOCK_N):
-        load_ok, row, seen = _key_block(it, offs_n, stop, k_last, own, lo, hi, idx_row, n_slots, RANGE)
+        load_ok, row, seen = _key_block(it, offs_n, stop, k_last, own, lo, hi, idx_row, n_slots, block_size, n_sub,
+                                        RANGE, BLOCKS, BLOCK_N)
         kb, kb2, vb = _key_rows(k_base, v_base, row, load_ok, stride_kt, stride_vt, HEAD_DIM_QK, HEAD_DIM_V,
                                 BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, V_IS_K)  # [N, DQK], [N, DQK2], [N, DV]
         scores = tl.dot(q, tl.trans(kb), input_precision=DOT_PRECISION)  # [M, N]
@@ -299,18 +338,24 @@ def _sparse_fwd_program(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, s
     tl.store(lse_ptr + b64 * stride_lb + heads.to(tl.int64) * stride_lh + s, lse, mask=own)
 
 
-@triton.jit(do_not_specialize=SPARSE_RUNTIME_INTS)
+@triton.jit(do_not_specialize=SPARSE_RUNTIME_INTS + BLOCK_RUNTIME_INTS)
 def _sparse_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, span_ptr, full_ptr, lo_ptr, hi_ptr,
     n_tasks, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, n_tblocks, idx_heads, sm_scale_log2,
-    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+    stride_qb: tl.int64, stride_qt, stride_qh, stride_kb: tl.int64,
+    stride_kt, stride_kh, stride_vb: tl.int64, stride_vt, stride_vh,
+    stride_ob: tl.int64, stride_ot, stride_oh, stride_lb, stride_lh, block_size, n_sub,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    V_IS_K: tl.constexpr, RANGE: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
+    V_IS_K: tl.constexpr, RANGE: tl.constexpr, BLOCKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr, BATCH_ALIGNED: tl.constexpr,
 ):
     # tasks: batch x n_tblocks token blocks x heads_kv x n_hblocks (= n_tasks); PERSISTENT (Ascend):
     # those tasks over a core-count 1D grid.
+    stride_qb = _batch_stride(stride_qb, BATCH_ALIGNED)
+    stride_kb = _batch_stride(stride_kb, BATCH_ALIGNED)
+    stride_vb = _batch_stride(stride_vb, BATCH_ALIGNED)
+    stride_ob = _batch_stride(stride_ob, BATCH_ALIGNED)
     if PERSISTENT:
         for task in range(tl.program_id(0), n_tasks, tl.num_programs(0)):
             t = tl.minimum(task, n_tasks - 1)  # addresses inside for any task (see attn_common)
@@ -318,15 +363,16 @@ def _sparse_attn_fwd_kernel(
                                 hi_ptr, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks, n_tblocks,
                                 idx_heads, sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt,
                                 stride_kh, stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh,
-                                stride_lb, stride_lh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
-                                BLOCK_T, BLOCK_H, BLOCK_N, V_IS_K, RANGE, DOT_PRECISION)
+                                stride_lb, stride_lh, block_size, n_sub, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
+                                BLOCK_DQK2, BLOCK_DV, BLOCK_T, BLOCK_H, BLOCK_N, V_IS_K, RANGE, BLOCKS,
+                                DOT_PRECISION)
     else:
         _sparse_fwd_program(tl.program_id(0), q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, topk_ptr, span_ptr, full_ptr,
                             lo_ptr, hi_ptr, seqlen_q, seqlen_k, k_last, n_slots, heads_kv, group, n_hblocks,
                             n_tblocks, idx_heads, sm_scale_log2, stride_qb, stride_qt, stride_qh, stride_kb,
                             stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh,
-                            stride_lb, stride_lh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_T,
-                            BLOCK_H, BLOCK_N, V_IS_K, RANGE, DOT_PRECISION)
+                            stride_lb, stride_lh, block_size, n_sub, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
+                            BLOCK_DV, BLOCK_T, BLOCK_H, BLOCK_N, V_IS_K, RANGE, BLOCKS, DOT_PRECISION)
 
 
 class SparseProblem(NamedTuple):
@@ -403,15 +449,11 @@ def new_lse(prob: SparseProblem, device: torch.device) -> torch.Tensor:
 
 def token_grid(device: torch.device, target: str, n_tokens: int, per_token: int,
                vector_only: bool = False) -> tuple[tuple[int], bool, int]:
-    """(grid, PERSISTENT, tasks) for n_tokens x per_token tasks, as kernels/attn_fwd.py ``launch_grid``
-    (Ascend: a core-count grid; ``vector_only`` for kernels without tl.dot)."""
-    tasks = n_tokens * per_token
-    if tasks > MAX_TASKS:
-        raise ValueError(f"{n_tokens} tokens x {per_token} programs each = {tasks} programs exceed the int32 grid of "
-                         "the Triton kernels; split the batch")
-    if target != "ascend":
-        return (tasks,), False, tasks
-    return (persistent_grid(device, tasks, vector_only),), True, tasks
+    """(grid, PERSISTENT, tasks) for n_tokens x per_token tasks: kernels/attn_fwd.py ``launch_grid``
+    (Ascend: a core-count grid; ``vector_only`` for kernels without tl.dot), plus the task count.
+    A grid past the target's limits is looped at the launch (kernels/launch.py)."""
+    grid, persistent = launch_grid(device, target, n_tokens, per_token, vector_only)
+    return grid, persistent, n_tokens * per_token
 
 
 class ModeTiles(NamedTuple):
@@ -438,7 +480,8 @@ def mode_tiles(prob: SparseProblem, rows: int, range_mode: bool) -> ModeTiles:
 @on_device
 def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, topk: torch.Tensor,
                     key_lo: torch.Tensor, key_hi: torch.Tensor, fmt: str, softmax_scale: float, *,
-                    v_dim: int | None = None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+                    v_dim: int | None = None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                    blocks: BlockLayout | None = None):
     """Launch the sparse forward; returns (out, lse).
 
     q ``[.., Hq, Dqk]``, k ``[.., Hkv, Dqk]``, v ``[.., Hkv, Dv]`` or None (absorbed MLA: V = k's first
@@ -453,7 +496,8 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, to
 
     Two launches of the kernel, each writing the rows the other leaves (kernels/sparse_index.py
     ``row_classes``, torch ops on the device): the slot mode for the rows that name part of their
-    range, the range mode for the full ones.
+    range, the range mode for the full ones. ``blocks`` (the block mode): ``topk``'s entries are the
+    key rows of named blocks (kernels/sparse_blocks.py), one launch in the block mode.
     """
     prob = sparse_problem(q, k, v, fmt, v_dim)
     if out is None:
@@ -466,22 +510,60 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, to
     block_dqk, block_dqk2, block_dv = prob.blocks
     k, v = key_side(k, v, prob)
     topk = slots_of(topk)
+    if blocks is not None:
+        _launch_block_fwd(q, k, v, out, lse, topk, key_lo, key_hi, fmt, softmax_scale, prob, target, blocks)
+        return out, lse
     classes = row_classes(topk, key_lo, key_hi, prob.seqlen_k)
+    aligned = batch_aligned(st for x in (q, k, v, out) for st in seq_strides(x, fmt)[:2])
     for range_mode in (False, True):
         cfg = sparse_config(target, "range_fwd" if range_mode else "fwd", block_dqk + block_dqk2, block_dv,
                             q.element_size(), prob.group)
         tiles = mode_tiles(prob, cfg.block_m, range_mode)
         grid, persistent, tasks = token_grid(q.device, target, prob.batch * tiles.n_tblocks,
                                              prob.heads_kv * tiles.n_hblocks)
-        _sparse_attn_fwd_kernel[grid](
-            q, k, v, out, lse, topk, classes.span, classes.full, key_lo, key_hi,
+        launch(
+            target, _sparse_attn_fwd_kernel, grid, q, k, v, out, lse, topk, classes.span, classes.full, key_lo, key_hi,
             tasks, prob.seqlen_q, prob.seqlen_k, max(prob.seqlen_k, 1) - 1, topk.shape[-1], prob.heads_kv,
             prob.group, tiles.n_hblocks, tiles.n_tblocks, topk.shape[1], softmax_scale * LOG2E,
             *seq_strides(q, fmt), *seq_strides(k, fmt), *seq_strides(v, fmt), *seq_strides(out, fmt),
-            *lse_strides(lse, fmt),
+            *lse_strides(lse, fmt), 0, 1,
             HEAD_DIM_QK=prob.dim_qk, HEAD_DIM_V=prob.dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2,
             BLOCK_DV=block_dv, BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_N=cfg.block_n,
-            V_IS_K=prob.v_is_k, RANGE=range_mode, DOT_PRECISION=dot_precision(q.dtype, target),
-            PERSISTENT=persistent, **cfg.launch(),
+            V_IS_K=prob.v_is_k, RANGE=range_mode, BLOCKS=False, DOT_PRECISION=dot_precision(q.dtype, target),
+            PERSISTENT=persistent, BATCH_ALIGNED=aligned, **cfg.launch(),
         )
     return out, lse
+
+
+def block_tiles(block_size: int, block_n: int, n_slots: int) -> int:
+    """Tiles of ``block_n`` keys per block of ``block_size`` (>= 1); the block mode's loop numbers its
+    tiles in keys (K x tiles x block_n), which must stay within int32."""
+    n_sub = triton.cdiv(block_size, block_n)
+    if n_slots * n_sub * block_n >= 2**31:
+        raise ValueError(f"{n_slots} blocks of {block_size} keys per index row exceed the block mode's int32 loop")
+    return n_sub
+
+
+@on_device
+def _launch_block_fwd(q, k, v, out, lse, topk, key_lo, key_hi, fmt, softmax_scale, prob: SparseProblem, target,
+                      blocks: BlockLayout) -> None:
+    """The block mode's forward: a program per (query token, kv head, block of BLOCK_H q heads), stepping
+    over the BLOCK_N-key tiles of its row's named blocks (each block's keys contiguous rows)."""
+    block_dqk, block_dqk2, block_dv = prob.blocks
+    classes = block_classes(topk, key_lo, key_hi, prob.seqlen_k, blocks.size)
+    cfg = sparse_config(target, "block_fwd", block_dqk + block_dqk2, block_dv, q.element_size(), prob.group)
+    tiles = mode_tiles(prob, cfg.block_m, False)
+    grid, persistent, tasks = token_grid(q.device, target, prob.batch * tiles.n_tblocks,
+                                         prob.heads_kv * tiles.n_hblocks)
+    aligned = batch_aligned(st for x in (q, k, v, out) for st in seq_strides(x, fmt)[:2])
+    launch(
+        target, _sparse_attn_fwd_kernel, grid, q, k, v, out, lse, topk, classes.span, classes.full, key_lo, key_hi,
+        tasks, prob.seqlen_q, prob.seqlen_k, max(prob.seqlen_k, 1) - 1, topk.shape[-1], prob.heads_kv,
+        prob.group, tiles.n_hblocks, tiles.n_tblocks, topk.shape[1], softmax_scale * LOG2E,
+        *seq_strides(q, fmt), *seq_strides(k, fmt), *seq_strides(v, fmt), *seq_strides(out, fmt),
+        *lse_strides(lse, fmt), blocks.size, block_tiles(blocks.size, cfg.block_n, topk.shape[-1]),
+        HEAD_DIM_QK=prob.dim_qk, HEAD_DIM_V=prob.dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2,
+        BLOCK_DV=block_dv, BLOCK_T=1, BLOCK_H=tiles.block_h, BLOCK_N=cfg.block_n, V_IS_K=prob.v_is_k,
+        RANGE=False, BLOCKS=True, DOT_PRECISION=dot_precision(q.dtype, target), PERSISTENT=persistent,
+        BATCH_ALIGNED=aligned, **cfg.launch(),
+    )

@@ -59,6 +59,7 @@ import triton.language as tl
 
 from coreattn.kernels.configs.targets import launch_options, persistent_grid
 from coreattn.kernels.device import on_device
+from coreattn.kernels.launch import launch
 from coreattn.kernels.packing import Packing
 
 SCAN_CHUNK = 2048  # layout entries per step of the scan (fixed: the batch size never enters a compile key)
@@ -206,7 +207,8 @@ def tile_maps(q_pack: Packing, k_pack: Packing, seqlen_q_total: int, seqlen_k_to
     status = new(1)
     first_q = new(batch + 1) if q_tiles else status
     first_k = new(batch + 1) if k_tiles else status
-    _tile_scan_kernel[(1,)](
+    launch(
+        target, _tile_scan_kernel, (1,),
         q_pack.seq, q_lens, k_pack.seq, k_lens, first_q, first_k, status, batch, seqlen_q_total, seqlen_k_total,
         q_tiles[1] if q_tiles else 0, k_tiles[1] if k_tiles else 0,
         BLOCK_Q=q_tiles[0] if q_tiles else 16, BLOCK_K=k_tiles[0] if k_tiles else 16, MAP_Q=q_tiles is not None,
@@ -221,7 +223,8 @@ def tile_maps(q_pack: Packing, k_pack: Packing, seqlen_q_total: int, seqlen_k_to
         tasks = triton.cdiv(n_tiles, MAP_TILES)
         persistent = target == "ascend"
         grid = (persistent_grid(device, tasks, vector_only=True) if persistent else tasks,)
-        _tile_map_kernel[grid](
+        launch(
+            target, _tile_map_kernel, grid,
             q_pack.seq, q_lens, k_pack.seq, k_lens, first, status, tile_map, batch, n_tiles,
             max(batch - 1, 0).bit_length(),
             BLOCK=block, REVERSE=reverse, SPANS=q_pack.spans, TILES=MAP_TILES, PERSISTENT=persistent,

@@ -1,8 +1,8 @@
 """Which Triton releases coreattn is tested with, and what Triton's CPU interpreter needs.
 
 Users get the Triton their torch CUDA wheel pins: torch 2.11 -> triton 3.6.0, torch 2.12 and 2.13
--> 3.7.1, torch 2.14 -> 3.8.x; an unpinned ``pip install triton`` next to torch's CPU build gets the
-newest (3.9.0). CI (.ci/run) runs the kernels under each of ``TESTED_TRITON``'s interpreters and
+-> 3.7.1, torch 2.14 -> 3.8.x, torch 2.15 -> 3.9.x; an unpinned ``pip install triton`` next to
+torch's CPU build gets the newest (3.9.0). CI (.ci/run) runs the kernels under each of ``TESTED_TRITON``'s interpreters and
 compiles them for sm90 with each; ``MIN_TRITON``, the oldest, is pyproject's floor.
 
 - ``warn_if_old_triton()``, at ``import coreattn.kernels``: an upstream Triton older than

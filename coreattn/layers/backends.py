@@ -23,8 +23,10 @@ triton-ascend; CPU under ``TRITON_INTERPRET=1``), ``torch`` (any device) and ``n
 (``npu`` tensors with torch_npu importable).
 
 DeepSeek Sparse Attention's ops (sparse attention, the indexer's top-k and loss) choose per call
-with ``select_dsa_backend``: ``npu_fused`` (torch_npu's DSA operators) where torch_npu has them and
-the call fits their documented limits, else the next backend, with the reason logged once.
+with ``select_dsa_backend``: ``npu_fused`` (torch_npu's DSA operators) where they can run on the
+device (torch_npu has them, the chip is one their kernels are built for, no earlier call found the
+kernel missing) and the call fits the limits their documentation and kernels set, else the next
+backend, with the reason logged once.
 """
 
 from __future__ import annotations
@@ -172,17 +174,29 @@ def select_backend(device: torch.device, override: str | Backend | None = None) 
 
 
 # torch_npu's DSA operators coreattn maps (coreattn/layers/npu_fused/sparse.py, indexer.py): each DSA op
-# family runs on npu_fused where this torch_npu has every operator it calls
-NPU_SPARSE_OPS = ("npu_sparse_flash_attention", "npu_sparse_flash_attention_grad")
+# family runs on npu_fused where every operator it calls can run on the device
+NPU_SPARSE_OPS = ("npu_sparse_flash_attention",)
+NPU_SPARSE_GRAD_OPS = ("npu_sparse_flash_attention_grad",)
 NPU_TOPK_OPS = ("npu_lightning_indexer",)
 NPU_LOSS_OPS = ("npu_sparse_flash_attention", "npu_sparse_lightning_indexer_grad_kl_loss")
+
+# The chip families each operator's kernel is built for, as coreattn calls it (cann ops-transformer's op
+# definitions, op_host/*_def.cpp AddConfig, and the tilings' SoC checks; docs/ascend.md cites each):
+# Atlas A2 (ascend910b) and A3 (ascend910_93). The sparse attention's Ascend 950 configuration takes
+# FP8 keys and returns no softmax statistics, the loss's needs that attention's statistics, and the
+# grad and the indexer register no 950 kernel.
+NPU_OP_SOCS = {name: ("ascend910b", "ascend910_93") for name in
+               NPU_SPARSE_OPS + NPU_SPARSE_GRAD_OPS + NPU_TOPK_OPS + NPU_LOSS_OPS}
 
 # per device type, the backends a DSA op prefers (npu_fused where it has the operator and the call fits)
 _DSA_PREFERENCES: dict[str, tuple[Backend, ...]] = {"npu": (Backend.NPU_FUSED, Backend.TRITON, Backend.TORCH)}
 
 
 def npu_ops_available(device: torch.device, ops: tuple[str, ...], what: str) -> Availability:
-    """Whether torch_npu's operators ``ops`` can run ``what`` for tensors on ``device``."""
+    """Whether torch_npu's operators ``ops`` can run ``what`` on ``device``: torch_npu has each, the
+    device's chip is one its kernel is built for (``NPU_OP_SOCS``; a chip torch_npu cannot name is
+    not refused here), and no earlier call on this device found its kernel missing
+    (``coreattn.kernels.npu.run_npu_op``: the first call's failure, remembered)."""
     if not ops:
         return Availability(False, f"torch_npu has no {what} operator")
     if device.type != "npu":
@@ -193,6 +207,14 @@ def npu_ops_available(device: torch.device, ops: tuple[str, ...], what: str) -> 
     missing = [name for name in ops if not callable(getattr(mod, name, None))]
     if missing:
         return Availability(False, f"this torch_npu has no {', '.join(missing)}")
+    family = npu.soc_family(device)
+    for name in ops:
+        if family is not None and family not in NPU_OP_SOCS.get(name, (family,)):
+            return Availability(False, f"torch_npu.{name}'s kernel is built for {' and '.join(NPU_OP_SOCS[name])} "
+                                       f"(Atlas A2/A3), not this NPU ({family})")
+        learnt = npu.npu_op_unavailable(device, name)
+        if learnt:
+            return Availability(False, learnt)
     return Availability(True, "torch_npu." + " + ".join(ops))
 
 
@@ -252,9 +274,13 @@ def select_dsa_backend(device: torch.device, override: str | Backend | None = No
 
 
 def select_sparse_backend(device: torch.device, override: str | Backend | None = None,
-                          unfit: Callable[[], str | None] | None = None) -> Backend:
-    """The backend of sparse (top-k) attention (``coreattn.sparse_varlen_attn``): ``select_dsa_backend``
-    with torch_npu's ``npu_sparse_flash_attention`` (+ ``_grad``) as its npu_fused mapping. The
-    default: npu_fused on npu tensors where the call fits (``unfit``), else Triton where it can run
-    (CUDA, ROCm, CPU under the interpreter, Ascend through triton-ascend), else torch."""
+                          unfit: Callable[[], str | None] | None = None, *, backward: bool = False) -> Backend:
+    """The backend of sparse (top-k) attention (``coreattn.sparse_varlen_attn``), forward or
+    ``backward``: ``select_dsa_backend`` with torch_npu's ``npu_sparse_flash_attention`` (the forward)
+    or ``npu_sparse_flash_attention_grad`` (the backward) as its npu_fused mapping, each with its own
+    limits (``unfit``). The default: npu_fused on npu tensors where the call fits, else Triton where it
+    can run (CUDA, ROCm, CPU under the interpreter, Ascend through triton-ascend), else torch."""
+    if backward:
+        return select_dsa_backend(device, override, what="sparse attention backward", ops=NPU_SPARSE_GRAD_OPS,
+                                  unfit=unfit)
     return select_dsa_backend(device, override, what="sparse attention", ops=NPU_SPARSE_OPS, unfit=unfit)

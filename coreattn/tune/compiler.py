@@ -88,7 +88,9 @@ KERNEL_NAMES = {"_varlen_attn_fwd_kernel": "fwd", "_attn_bwd_preprocess_kernel":
                 "_attn_bwd_dkdv_kernel": "dkdv", "_attn_bwd_dq_kernel": "dq", "_tile_scan_kernel": "tile_scan",
                 "_tile_map_kernel": "tile_map", "_copy_rows_kernel": "copy_rows", "_token_ids_kernel": "token_ids",
                 "_sparse_attn_fwd_kernel": "sparse_fwd", "_sparse_attn_dq_kernel": "sparse_dq",
-                "_sparse_attn_dkv_kernel": "sparse_dkv", "_sparse_attn_reduce_kernel": "sparse_reduce"}
+                "_sparse_attn_dkv_kernel": "sparse_dkv", "_sparse_attn_reduce_kernel": "sparse_reduce",
+                "_sparse_attn_dkv_keys_kernel": "sparse_dkv_keys",
+                "_sparse_attn_block_dkv_kernel": "sparse_dkv"}  # the block mode's dK/dV: its own kernel
 ATTENTION_KERNELS = ("fwd", "dkdv", "dq")  # the kernels with tl.dot (the others: preprocess and the tile map)
 SPARSE_MMA_KERNELS = ("sparse_fwd", "sparse_dq", "sparse_dkv")  # the sparse kernels with tl.dot
 # sink: softmax_offset, with the dQ kernel's SINK_GRAD; window: a 256-token left window (with causal's right
@@ -408,6 +410,8 @@ def describe(launch: dict, arch: str) -> dict:
                block_n=constants.get("BLOCK_N", constants.get("BLOCK_W")),  # sparse reduce: columns
                dk=constants.get("DK", True), dv=constants.get("DV", True), atomic=constants.get("ATOMIC", False),
                range=constants.get("RANGE", False),  # the sparse kernels' range mode (full rows)
+               # the block mode (block-sparse rows); its dK/dV is a kernel of its own
+               blocks=constants.get("BLOCKS", launch["fn"] == "_sparse_attn_block_dkv_kernel"),
                int64_lanes=constants.get("INT64_LANES"), num_warps=md.num_warps, num_stages=md.num_stages,
                smem=md.shared, **pipeline_hazards(graph), **offsets.counts(graph))
     if arch in CDNA_ARCHS:
@@ -523,32 +527,40 @@ class SparseProblem(NamedTuple):
     heads_kv: int = 1
     absorbed: bool = False
     dtype: str = "bf16"
+    block_size: int = 0  # > 0: the block mode (entries name blocks of that many keys, a row per kv head)
 
     @property
     def id(self) -> str:
         kind = "absorbed" if self.absorbed else f"gqa{self.heads_q // self.heads_kv}"
-        return f"sparse-hdim{self.dim_qk}x{self.dim_v}-{self.dtype}-{kind}-h{self.heads_q}"
+        blocks = f"-blocks{self.block_size}" if self.block_size else ""
+        return f"sparse-hdim{self.dim_qk}x{self.dim_v}-{self.dtype}-{kind}-h{self.heads_q}{blocks}"
 
 
 def sparse_problem_of(text: str, dtype: str = "bf16") -> SparseProblem:
     """A SparseProblem from ``576/512a128`` (absorbed: q/k dim, v dim, q heads on one kv head) or
-    ``192/128g4`` (GQA: 4 kv heads, group 4)."""
+    ``192/128g4`` (GQA: 4 kv heads, group 4), either followed by ``b128`` for the block mode (blocks of
+    128 keys: ``128/128g16b128`` is MiniMax-M3's)."""
+    text, _, block = text.partition("b")
     dims, absorbed, count = text.partition("a") if "a" in text else text.partition("g")
     qk, _, v = dims.partition("/")
     if absorbed == "a":
-        return SparseProblem(int(qk), int(v or qk), int(count), 1, True, dtype)
-    return SparseProblem(int(qk), int(v or qk), 4 * int(count), 4, False, dtype)
+        return SparseProblem(int(qk), int(v or qk), int(count), 1, True, dtype, int(block or 0))
+    return SparseProblem(int(qk), int(v or qk), 4 * int(count), 4, False, dtype, int(block or 0))
 
 
 SPARSE_TOKENS = 64  # only the grids follow the token count and top-k; the kernels do not
 SPARSE_TOPK = 2048  # DeepSeek-V3.2's
+SPARSE_BLOCKS = 16  # block mode: blocks per row (MiniMax-M3's index_topk_blocks)
 
 
 def launch_sparse_problem(problem: SparseProblem) -> None:
-    """The sparse forward and both backward variants (deterministic and atomic) of ``problem`` on
-    CPU tensors laid out as thd: inside ``emulate``, compile-only launches (the deterministic
-    backward's CSR is built by torch on the CPU, from indices that name no key)."""
-    from coreattn.kernels.sparse_bwd import sparse_attn_bwd
+    """The sparse forward and every backward variant (the deterministic dK/dV's two schedules,
+    token-centric and, for groups it may run, key-centric; the atomic one) of ``problem`` on CPU tensors
+    laid out as thd: inside ``emulate``, compile-only launches (the deterministic backward's CSR is built
+    by torch on the CPU, from indices that name no key). A block-mode problem: its forward and backward
+    (one dK/dV kernel)."""
+    from coreattn.kernels.sparse_blocks import BlockLayout
+    from coreattn.kernels.sparse_bwd import KEYS_MAX_GROUP, sparse_attn_bwd
     from coreattn.kernels.sparse_fwd import sparse_attn_fwd
 
     dtype = DTYPES[problem.dtype]
@@ -561,9 +573,17 @@ def launch_sparse_problem(problem: SparseProblem) -> None:
     hi = torch.arange(1, tokens + 1, dtype=torch.int32)
     args = (topk, lo, hi, "thd", problem.dim_qk ** -0.5)
     v_dim = dict(v_dim=problem.dim_v if problem.absorbed else None)
+    if problem.block_size:
+        blocks = BlockLayout(problem.block_size, torch.tensor([0, tokens], dtype=torch.int32))
+        topk = torch.full((tokens, problem.heads_kv, SPARSE_BLOCKS), -1, dtype=torch.int32)  # [T, Hkv, blocks]
+        args = (topk, *args[1:])
+        out, lse = sparse_attn_fwd(q, k, v, *args, **v_dim, blocks=blocks)
+        sparse_attn_bwd(torch.empty_like(out), q, k, v, out, lse, *args, **v_dim, blocks=blocks)
+        return
     out, lse = sparse_attn_fwd(q, k, v, *args, **v_dim)
-    for atomic in (False, True):
-        sparse_attn_bwd(torch.empty_like(out), q, k, v, out, lse, *args, **v_dim, atomic=atomic)
+    key_centric = problem.heads_q // problem.heads_kv <= KEYS_MAX_GROUP  # the groups the launcher may run it for
+    for schedule, atomic in (("partials", False), *((("keys", False),) if key_centric else ()), (None, True)):
+        sparse_attn_bwd(torch.empty_like(out), q, k, v, out, lse, *args, **v_dim, atomic=atomic, schedule=schedule)
 
 
 def compile_report(archs, problems, int64_lanes: bool | None = None) -> list[dict]:

@@ -18,9 +18,25 @@ from coreattn.kernels import device as device_mod
 PACKAGE = pathlib.Path(coreattn.__file__).parent
 
 
+def _launched_kernel(node) -> str | None:
+    """The kernel a call launches: ``name[grid](...)`` (Triton's own syntax) or
+    ``launch(target, name, grid, ...)`` (coreattn/kernels/launch.py), name a ``@triton.jit`` function of
+    the package (named ``_..._kernel``); None for any other call."""
+    if not isinstance(node, ast.Call):
+        return None
+    if isinstance(node.func, ast.Subscript) and isinstance(node.func.value, ast.Name):
+        name = node.func.value.id
+    elif isinstance(node.func, ast.Name) and node.func.id == "launch" and len(node.args) >= 2 \
+            and isinstance(node.args[1], ast.Name):
+        name = node.args[1].id
+    else:
+        return None
+    return name if name.endswith("_kernel") else None
+
+
 def _launch_sites():
-    """(file, line, enclosing function node) of every ``name[grid](...)`` call whose name is a
-    ``@triton.jit`` function of the package (named ``_..._kernel``)."""
+    """(file, line, enclosing function node, direct) of every kernel launch in the package
+    (``_launched_kernel``); direct: Triton's ``name[grid](...)``, not through ``launch``."""
     sites = []
     for path in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(path.read_text())
@@ -29,12 +45,11 @@ def _launch_sites():
             for child in ast.iter_child_nodes(node):
                 parents[child] = node
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id.endswith("_kernel")):
+            if _launched_kernel(node) is not None:
                 fn = parents.get(node)
                 while fn is not None and not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     fn = parents.get(fn)
-                sites.append((path.relative_to(PACKAGE.parent), node.lineno, fn))
+                sites.append((path.relative_to(PACKAGE.parent), node.lineno, fn, isinstance(node.func, ast.Subscript)))
     return sites
 
 
@@ -49,8 +64,15 @@ def _decorators(fn) -> set[str]:
 def test_every_launch_site_is_guarded():
     sites = _launch_sites()
     assert len(sites) >= 7, sites  # the attention, tile map and mask launches at least
-    unguarded = [f"{path}:{line}" for path, line, fn in sites if fn is None or "on_device" not in _decorators(fn)]
+    unguarded = [f"{path}:{line}" for path, line, fn, _ in sites if fn is None or "on_device" not in _decorators(fn)]
     assert not unguarded, f"kernel launches outside an @on_device launcher: {unguarded}"
+
+
+def test_every_launch_goes_through_the_grid_check():
+    """No ``kernel[grid](...)`` in the package: every launch goes through coreattn/kernels/launch.py, which
+    fits its grid to the target's limits (CUDA's, HIP's work-item count, Ascend's grid)."""
+    direct = [f"{path}:{line}" for path, line, _, is_direct in _launch_sites() if is_direct]
+    assert not direct, f"launches that bypass coreattn.kernels.launch.launch: {direct}"
 
 
 class _OnCuda1(torch.Tensor):

@@ -1,6 +1,7 @@
 """The DSA indexer's kernels (fused top-k, Hadamard) as the compiler makes them, without a device: the
 compile report's rows (bench/kernels.py ``indexer_rows``: DeepSeek-V3.2's 64 heads x 128 with top-k
-2048, a 32-head one, top-k 512 in fp16, an fp32 one; the Hadamard at 64-256) have 0 spill bytes,
+2048, a 32-head one, top-k 512 in fp16, an fp32 one; the Hadamard at 64-256; MiniMax-M3's block-max
+scores at 4 heads x 128 in bf16) have 0 spill bytes,
 shared memory within the arch's limit and no pipelined-load hazard; on sm90 the 64-head top-k's
 dot is a wgmma, on gfx942 every top-k dot an MFMA no two waves repeat.
 
@@ -32,7 +33,8 @@ def compiled():
         if arch not in cache:
             env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-            code = f"import json, sys; from bench.kernels import indexer_rows; json.dump(indexer_rows({arch!r}), sys.stdout, default=str)"
+            code = (f"import json, sys; from bench.kernels import indexer_rows; "
+                    f"json.dump(indexer_rows({arch!r}, blocks=1), sys.stdout, default=str)")
             proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
             assert proc.returncode == 0, proc.stderr[-4000:]
             cache[arch] = json.loads(proc.stdout)
@@ -44,7 +46,7 @@ def compiled():
 @needs_nvidia
 def test_sm90_indexer_kernels(compiled):
     rows = compiled("sm90")
-    assert {r["kernel"] for r in rows} == {"indexer_topk", "hadamard"}
+    assert {r["kernel"] for r in rows} == {"indexer_topk", "hadamard", "indexer_block_scores"}
     for r in rows:
         where = f"{r['problem']} (Triton {triton.__version__})"
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, where
@@ -60,5 +62,5 @@ def test_gfx942_indexer_kernels(compiled):
         where = f"{r['problem']} (Triton {triton.__version__})"
         assert r["vgpr_spills"] == 0 and r["spill_stores"] == 0 and r["scratch"] == 0, where
         assert r["smem_fits"] and r["mma_dup"] == 1, where
-        if r["kernel"] == "indexer_topk":
+        if r["kernel"] in ("indexer_topk", "indexer_block_scores"):
             assert r["mma"] and r["fma_dots"] == 0, where

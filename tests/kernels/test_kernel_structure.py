@@ -16,7 +16,8 @@ and run in the Triton 3.9.0 lane.
 The sparse (top-k) kernels (kernels/sparse_fwd.py, sparse_bwd.py; configs/sparse.py), on sm90 for
 absorbed MLA at 576/512 with 16 and 128 q heads and GQA 4 at 128 (and, under 3.9.0, on gfx942 and
 gfx950): every kernel of the forward and both backward variants compiled in both modes (slot, and
-range for full rows), no spills, shared memory (LDS) within the limit, every dot an MMA (wgmma or
+range for full rows; the block mode for MiniMax-M3's block-sparse rows on sm90 and gfx942 only), no
+spills, shared memory (LDS) within the limit, every dot an MMA (wgmma or
 mma.sync; MFMA) of the input type, the loops pipelined on sm90, no pipelined-load hazard and no i32
 stride product on a pointer offset. Their 512-column tiles duplicate the score dots across warps
 (configs/sparse.py says why), which is shown in the compile report, not asserted here.
@@ -58,10 +59,14 @@ SPILL_FREE = {(arch, dims) for arch in ARCHS for dims in DIMS[arch]}
 CDNA_DIMS = {arch: ("64/64", "128/128", "192/128", "256/256") for arch in ("gfx942", "gfx950")}
 CDNA_DIMS["gfx90a"] = ("64/64", "64/64+max_logit", "128/128", "256/256")
 # the sparse kernels (tests/kernels/kernel_structure.py's ``s`` specs: compiler.sparse_problem_of)
-SPARSE_DIMS = {"sm90": ("s576/512a16", "s576/512a128", "s128/128g4")}
+# and the block mode at MiniMax-M3's dims (64 q heads of 128 on 4 kv heads, blocks of 128) on sm90 and gfx942
+# only: the compile report has the other archs, dims and releases
+SPARSE_DIMS = {"sm90": ("s576/512a16", "s576/512a128", "s128/128g4", "s128/128g16b128")}
 SPARSE_CDNA_DIMS = {arch: ("s576/512a128", "s128/128g4") for arch in ("gfx942", "gfx950")}
+SPARSE_CDNA_DIMS["gfx942"] += ("s128/128g16b128",)
 SPARSE_KERNELS = {"sparse_fwd", "sparse_pre", "sparse_dq", "sparse_dkv", "sparse_dkv[atomic]", "sparse_reduce",
                   "sparse_fwd[range]", "sparse_dq[range]", "sparse_dkv[range]"}
+BLOCK_KERNELS = {"sparse_fwd[block]", "sparse_pre", "sparse_dq[block]", "sparse_dkv[block]"}
 
 
 def _has_backend(name: str) -> bool:
@@ -134,7 +139,8 @@ def sparse_rows(request):
 
 
 def _sparse_kernel(r: dict) -> str:
-    return r["kernel"] + ("[atomic]" if r.get("atomic") else "[range]" if r.get("range") else "")
+    return r["kernel"] + ("[atomic]" if r.get("atomic") else "[range]" if r.get("range") else
+                          "[block]" if r.get("blocks") else "")
 
 
 def _where() -> str:
@@ -229,9 +235,11 @@ def test_cdna_every_dot_is_an_unduplicated_bf16_mfma(cdna_rows, arch):
 def test_sm90_sparse_kernels_spill_free_pipelined_mmas_of_the_input_type(sparse_rows):
     mine = sparse_rows("sm90")
     for problem in {r["problem"] for r in mine}:
-        assert SPARSE_KERNELS <= {_sparse_kernel(r) for r in mine if r["problem"] == problem}, problem
+        want = BLOCK_KERNELS if "-blocks" in problem else SPARSE_KERNELS
+        assert want <= {_sparse_kernel(r) for r in mine if r["problem"] == problem}, problem
     assert {r["problem"] for r in mine} >= {"sparse-hdim576x512-bf16-absorbed-h16", "sparse-hdim576x512-bf16-absorbed-h128",
-                                            "sparse-hdim128x128-bf16-gqa4-h16"}
+                                            "sparse-hdim128x128-bf16-gqa4-h16",
+                                            "sparse-hdim128x128-bf16-gqa16-h64-blocks128"}
     spills = [(_label(r), r["spill_stores"], r["spill_loads"]) for r in mine if r["spill_stores"] or r["spill_loads"]]
     assert not spills, "spills" + _where()
     limit = ARCHS["sm90"].smem_per_block
@@ -259,6 +267,7 @@ def _assert_sparse_addresses(mine: list[dict]) -> None:
 def test_cdna_sparse_kernels_fit_without_spills_and_use_bf16_mfma(sparse_rows, arch):
     mine = sparse_rows(arch)
     assert SPARSE_KERNELS <= {_sparse_kernel(r) for r in mine}
+    assert arch != "gfx942" or BLOCK_KERNELS <= {_sparse_kernel(r) for r in mine}
     limit = CDNA_ARCHS[arch].lds_per_workgroup
     assert not [(_label(r), r["smem"]) for r in mine if r["smem"] > limit], f"over {limit} bytes of LDS" + _where()
     spilled = [(_label(r), r["vgpr_spills"], r["spill_stores"], r["scratch"]) for r in mine

@@ -7,6 +7,8 @@ per class. So across batches of different lengths, every int argument outside
 ``do_not_specialize`` must keep its class. (test_gpu.py checks the same on a real GPU cache.)
 """
 
+import inspect
+
 import pytest
 import torch
 
@@ -102,41 +104,67 @@ def _assert_classes_kept(kernels: dict, launches: dict, runs: list[dict]) -> Non
 
 SPARSE_KERNELS = {"fwd": (sparse_fwd, "_sparse_attn_fwd_kernel"), "pre": (sparse_bwd, "_attn_bwd_preprocess_kernel"),
                   "dq": (sparse_bwd, "_sparse_attn_dq_kernel"), "dkv": (sparse_bwd, "_sparse_attn_dkv_kernel"),
-                  "reduce": (sparse_bwd, "_sparse_attn_reduce_kernel")}
-# per forward + backward: the slot and range modes of fwd, dq and dK/dV, one chunk's reduce
-SPARSE_LAUNCHES = {"fwd": 2, "pre": 1, "dq": 2, "dkv": 2, "reduce": 1}
+                  "reduce": (sparse_bwd, "_sparse_attn_reduce_kernel"),
+                  "keys": (sparse_bwd, "_sparse_attn_dkv_keys_kernel")}
+# per forward + backward: the slot and range modes of fwd, dq and dK/dV, then one chunk's reduce (the
+# token-centric schedule) or the key-centric dK/dV
+SPARSE_LAUNCHES = {"partials": {"fwd": 2, "pre": 1, "dq": 2, "dkv": 2, "reduce": 1, "keys": 0},
+                   "keys": {"fwd": 2, "pre": 1, "dq": 2, "dkv": 1, "reduce": 0, "keys": 1}}
 SDQK, SDV = 48, 32  # one latent key head: its row a multiple of 16, as in real models (576)
 
 
-def _sparse_record(monkeypatch, fmt, lens, n_slots):
+def _sparse_record(monkeypatch, fmt, lens, n_slots, schedule="partials", heads=H, dims=(SDQK, SDV)):
     """The int arguments of every sparse kernel launch of one forward + backward (absorbed MLA, GQA
-    of 4 heads on one latent head), each token naming its whole causal range or part of it."""
+    of ``heads`` heads on one latent head), each token naming its whole causal range or part of it."""
     calls = {name: [] for name in SPARSE_KERNELS}
     for name, (module, attr) in SPARSE_KERNELS.items():
         monkeypatch.setattr(module, attr, _Recorder(getattr(module, attr), calls[name]))
+    monkeypatch.setenv(sparse_bwd.ENV_SCHEDULE, schedule)
+    dqk, dv = dims
     if fmt == "thd":
         tokens, seqlen = sum(lens), sum(lens)
-        q, k = torch.zeros(tokens, H, SDQK), torch.zeros(tokens, 1, SDQK)
+        q, k = torch.zeros(tokens, heads, dqk), torch.zeros(tokens, 1, dqk)
     else:
         batch, seqlen = len(lens), max(lens)
-        q, k = torch.zeros(batch, seqlen, H, SDQK), torch.zeros(batch, seqlen, 1, SDQK)
+        q, k = torch.zeros(batch, seqlen, heads, dqk), torch.zeros(batch, seqlen, 1, dqk)
         tokens = batch * seqlen
     pos = torch.arange(tokens, dtype=torch.int32) % seqlen
     lo, hi = torch.zeros(tokens, dtype=torch.int32), pos + 1
     topk = sparse_index.prepare_topk(torch.arange(n_slots).expand(tokens, n_slots), "thd")
-    out, lse = sparse_fwd.sparse_attn_fwd(q, k, None, topk, lo, hi, fmt, 0.1, v_dim=SDV)
-    sparse_bwd.sparse_attn_bwd(torch.zeros_like(out), q, k, None, out, lse, topk, lo, hi, fmt, 0.1, v_dim=SDV)
+    out, lse = sparse_fwd.sparse_attn_fwd(q, k, None, topk, lo, hi, fmt, 0.1, v_dim=dv)
+    sparse_bwd.sparse_attn_bwd(torch.zeros_like(out), q, k, None, out, lse, topk, lo, hi, fmt, 0.1, v_dim=dv)
     monkeypatch.undo()
-    assert {n: len(c) for n, c in calls.items()} == SPARSE_LAUNCHES
+    assert {n: len(c) for n, c in calls.items()} == SPARSE_LAUNCHES[schedule]
     return {f"{name}{i}": call for name, c in calls.items() for i, call in enumerate(c)}
 
 
 @pytest.mark.interpreter_only("records the launchers on CPU tensors, whose launch target is the interpreter "
                               "(tests/test_gpu.py checks the compile caches on a GPU)")
+@pytest.mark.parametrize("schedule", list(SPARSE_LAUNCHES))
 @pytest.mark.parametrize("fmt", ["thd", "bshd"])
-def test_sparse_lengths_and_topk_keep_every_specialized_argument_class(monkeypatch, fmt):
-    """The sparse kernels (both modes) across lengths and top-k of every class (1, a multiple of 16,
-    neither), full rows and partial ones."""
+def test_sparse_lengths_and_topk_keep_every_specialized_argument_class(monkeypatch, fmt, schedule):
+    """The sparse kernels (both modes, both dK/dV schedules) across lengths and top-k of every class (1, a
+    multiple of 16, neither), full rows and partial ones."""
     batches = [((1,), 1), ((16,), 16), ((7,), 33), ((5, 0, 28), 7), ((40, 3), 64)]
-    _assert_classes_kept(SPARSE_KERNELS, SPARSE_LAUNCHES,
-                         [_sparse_record(monkeypatch, fmt, lens, n_slots) for lens, n_slots in batches])
+    _assert_classes_kept(SPARSE_KERNELS, SPARSE_LAUNCHES[schedule],
+                         [_sparse_record(monkeypatch, fmt, lens, n_slots, schedule) for lens, n_slots in batches])
+
+
+@pytest.mark.interpreter_only("records the launchers on CPU tensors, whose launch target is the interpreter "
+                              "(tests/test_gpu.py checks the compile caches on a GPU)")
+@pytest.mark.parametrize("schedule", list(SPARSE_LAUNCHES))
+def test_sparse_bshd_rows_not_a_multiple_of_16_keep_every_class(monkeypatch, schedule):
+    """bshd where H x D is not a multiple of 16 (3 heads of 40; the key's one head of 40): the batch
+    strides S x H x D change their divisibility by 16 with S's parity. They are never specialized, and
+    typed int64, so a stride past 2**31 changes no compile key either: one compile for every S."""
+    batches = [((7, 3), 9), ((8, 2), 9), ((33, 1), 12), ((16, 16), 5)]
+    _assert_classes_kept(SPARSE_KERNELS, SPARSE_LAUNCHES[schedule],
+                         [_sparse_record(monkeypatch, "bshd", lens, n_slots, schedule, heads=3, dims=(40, 24))
+                          for lens, n_slots in batches])
+    for module, attr in SPARSE_KERNELS.values():
+        params = inspect.signature(getattr(module, attr).fn).parameters
+        if attr == "_attn_bwd_preprocess_kernel":  # the dense kernel's: never specialized, i32 below 2**31
+            continue
+        for name in sparse_fwd.BATCH_STRIDES:
+            if name in params:
+                assert "int64" in str(params[name].annotation), f"{attr}: {name} is not typed int64"

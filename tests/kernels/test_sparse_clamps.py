@@ -92,3 +92,43 @@ def test_the_reduce_loops_addresses_stay_inside(e, entries):
         _entry_addresses_kernel[(1,)](*args, BLOCK_W=width, CLAMP=True)
         with pytest.raises(Exception, match="outside every tensor argument"):
             _entry_addresses_kernel[(1,)](*args, BLOCK_W=width, CLAMP=False)
+
+
+def test_the_compacted_reduce_stays_inside_for_any_segment_value():
+    """The reduce over a chunk's compacted segments (kernels/sparse_index.py ``TopkCSR``) with what no real
+    CSR holds: a segment count past its slots, key rows and heads outside the accumulator, segment bounds
+    past the entries, entry values outside the chunk: every lane of every load and store inside."""
+    from coreattn.kernels.sparse_bwd import _sparse_attn_reduce_kernel
+
+    key_rows, heads_kv, chunk_slots, width = 4, 2, 6, 24
+    part = torch.zeros(heads_kv, chunk_slots, 32)  # [Hkv, C * K, stride_row]
+    acc = torch.zeros(key_rows, heads_kv, 32)
+    i32 = dict(dtype=torch.int32)
+    seg_ptr = torch.tensor([0, 4, 9], **i32)  # the second segment ends past the 5 entries
+    seg_row, seg_head = torch.tensor([BIG, -BIG], **i32), torch.tensor([-BIG, BIG], **i32)
+    entries = torch.tensor([BIG, -BIG, 0, 5, 2**31 - 1], **i32)
+    n_segs = torch.tensor([7], **i32)  # more than the 2 slots
+    with interp_memcheck.checking("strict"):
+        _sparse_attn_reduce_kernel[(3,)](part, acc, seg_ptr, seg_row, seg_head, n_segs, entries, heads_kv, 1, 2,
+                                         key_rows, chunk_slots, entries.numel(), width, 2, 32, BLOCK_W=16)
+
+
+def test_the_key_centric_dkv_stays_inside_for_any_entry():
+    """The key-centric dK/dV (kernels/sparse_bwd.py ``_sparse_attn_dkv_keys_kernel``) over a segment that runs
+    past the entries, with token values outside the tokens: every lane inside."""
+    from coreattn.kernels.sparse_bwd import _sparse_attn_dkv_keys_kernel
+
+    tokens, key_rows, heads, dim = 3, 2, 2, 16
+    q, k, v, do = (torch.randn(tokens if i != 1 and i != 2 else key_rows, heads, dim) for i in range(4))
+    lse, delta = torch.zeros(heads, tokens), torch.zeros(heads, tokens)
+    acc = torch.zeros(key_rows, heads, 2 * dim)
+    row_ptr = torch.tensor([0, 3, 3, 9, 11], dtype=torch.int64)  # segments past the 5 entries
+    entries = torch.tensor([BIG, -BIG, 2, 0, 2**31 - 1], dtype=torch.int32)
+    strides = (0, q.stride(0), q.stride(1), 0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1), 0,
+               do.stride(0), do.stride(1), 0, lse.stride(0), 2 * dim)
+    with interp_memcheck.checking("strict"):
+        _sparse_attn_dkv_keys_kernel[(key_rows * heads,)](
+            q, k, v, do, lse, delta, acc, row_ptr, entries, key_rows * heads, entries.numel(), tokens, tokens,
+            key_rows, key_rows, heads, 1, heads, 0.25, 0.36, *strides, HEAD_DIM_QK=dim, HEAD_DIM_V=dim,
+            BLOCK_DQK=dim, BLOCK_DQK2=0, BLOCK_DV=dim, BLOCK_M=2, BLOCK_G=1, V_IS_K=False, PERSISTENT=False,
+            BATCH_ALIGNED=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import coreattn.kernels.sparse_index as sparse_index
-from coreattn.kernels.sparse_index import INT32_MAX, prepare_topk, transpose_topk
+from coreattn.kernels.sparse_index import INT32_MAX, key_csr, prepare_topk, transpose_topk
 
 
 def _expected_row(row: list[int], length: int | None) -> list[int]:
@@ -68,6 +68,33 @@ def test_token_order_and_index_heads(fmt, heads, chunk, monkeypatch):
             _check_rows(prepared[n, h:h + 1], [row], [int(length[at])])
 
 
+@pytest.mark.parametrize("chunk", [None, 1, 9], ids=["whole", "chunk1", "chunk9"])
+def test_extra_entries_join_every_head_after_the_length(chunk, monkeypatch):
+    """A key window's entries (``extra``, made per chunk of tokens) join every index head's row after
+    topk_length applies to the given entries: the same rows as preparing the concatenation, which is
+    never materialized (each chunk asks for its own tokens' entries only)."""
+    if chunk is not None:
+        monkeypatch.setattr(sparse_index, "PREPARE_CHUNK_ENTRIES", chunk)
+    gen = torch.Generator().manual_seed(4)
+    tokens, heads, n_slots, width = 7, 2, 4, 3
+    raw = torch.randint(-2, 9, (tokens, heads, n_slots), generator=gen)
+    length = torch.randint(0, n_slots + 1, (tokens,), generator=gen)
+    window = torch.randint(-1, 9, (tokens, width), generator=gen)
+    asked = []
+
+    def extra(n0, n1):
+        asked.append((n0, n1))
+        return window[n0:n1]
+
+    prepared = prepare_topk(raw, "thd", length, extra=extra, extra_width=width)
+    given = raw.masked_fill(torch.arange(n_slots) >= length[:, None, None], -1)
+    expected = prepare_topk(torch.cat([given, window[:, None, :].expand(tokens, heads, width)], -1), "thd")
+    assert torch.equal(prepared, expected)
+    assert asked[0][0] == 0 and asked[-1][1] == tokens and all(a[1] == b[0] for a, b in zip(asked, asked[1:]))
+    with pytest.raises(ValueError, match="thd"):
+        prepare_topk(raw.view(1, tokens, heads, n_slots), "bshd", extra=extra, extra_width=width)
+
+
 def test_empty_inputs():
     assert prepare_topk(torch.zeros(0, 4, dtype=torch.int64), "thd").shape == (0, 1, 4)
     assert prepare_topk(torch.zeros(0, 3, 4, dtype=torch.int64), "bshd").shape == (0, 1, 4)
@@ -90,27 +117,61 @@ def _expected_csr(prepared, lo, hi, start, stop, seqlen_q, seqlen_k, batch, skip
     return out
 
 
-@pytest.mark.parametrize("heads, start, stop, skip", [(1, 0, 8, False), (2, 3, 7, True)],
-                         ids=["shared-whole", "per-head-chunk-skipping-rows"])
-def test_csr_by_key_lists_every_valid_entry_in_token_slot_order(heads, start, stop, skip):
-    """``skip``: the rows marked (the range mode's full rows) are left out."""
-    gen = torch.Generator().manual_seed(1)
+def _csr_case(heads, skip, seed=1):
+    gen = torch.Generator().manual_seed(seed)
     batch, seqlen_q, seqlen_k, n_slots = 2, 4, 5, 6
     raw = torch.randint(-2, seqlen_k + 2, (batch * seqlen_q, heads, n_slots), generator=gen)
     prepared = prepare_topk(raw, "thd")
     lo = torch.randint(-1, 2, (batch * seqlen_q,), generator=gen, dtype=torch.int32)
     hi = torch.randint(0, seqlen_k + 2, (batch * seqlen_q,), generator=gen, dtype=torch.int32)
     skip = torch.randint(0, 2, (batch * seqlen_q, heads), generator=gen, dtype=torch.int8) if skip else None
-    csr = transpose_topk(prepared, lo, hi, start, stop, seqlen_q=seqlen_q, seqlen_k=seqlen_k, batch=batch, skip=skip)
-    key_rows = batch * seqlen_k
-    assert csr.row_ptr.dtype == torch.int32 and csr.row_ptr.shape == (heads * key_rows + 1,)
-    assert csr.entries.dtype == torch.int32 and csr.entries.shape == ((stop - start) * heads * n_slots,)
-    expected = _expected_csr(prepared, lo, hi, start, stop, seqlen_q, seqlen_k, batch, skip)
+    return prepared, lo, hi, skip, dict(seqlen_q=seqlen_q, seqlen_k=seqlen_k, batch=batch)
+
+
+@pytest.mark.parametrize("heads, start, stop, skip", [(1, 0, 8, False), (2, 3, 7, True), (2, 5, 6, False)],
+                         ids=["shared-whole", "per-head-chunk-skipping-rows", "one-token"])
+def test_csr_by_key_lists_every_valid_entry_in_token_slot_order(heads, start, stop, skip):
+    """The chunk's CSR compacted to the keys it names, in (head, key row) order, each listing its
+    entries in (token, slot) order; ``skip``: the rows marked (the range mode's full rows) are left out.
+    Its arrays follow the chunk's entries (min(entries, Hidx x key rows) segment slots), not the key rows."""
+    prepared, lo, hi, skip, dims = _csr_case(heads, skip)
+    csr = transpose_topk(prepared, lo, hi, start, stop, skip=skip, **dims)
+    key_rows, n_slots = dims["batch"] * dims["seqlen_k"], prepared.shape[-1]
+    entries_count = (stop - start) * heads * n_slots
+    slots = min(entries_count, heads * key_rows)
+    assert csr.entries.dtype == torch.int32 and csr.entries.shape == (entries_count,)
+    assert csr.seg_ptr.dtype == torch.int32 and csr.seg_ptr.shape == (slots + 1,)
+    assert csr.seg_row.shape == csr.seg_head.shape == (slots,) and csr.n_segs.shape == (1,)
+    expected = _expected_csr(prepared, lo, hi, start, stop, dims["seqlen_q"], dims["seqlen_k"], dims["batch"], skip)
+    n_segs = int(csr.n_segs)
+    ptr, entries = csr.seg_ptr.tolist(), csr.entries.tolist()
+    keys = list(zip(csr.seg_head.tolist(), csr.seg_row.tolist()))
+    assert keys[:n_segs] == sorted(expected), "one segment per named key, in (head, key row) order"
+    for u, key in enumerate(keys[:n_segs]):
+        assert entries[ptr[u]:ptr[u + 1]] == expected[key], key
+    valid = sum(len(v) for v in expected.values())
+    assert ptr[n_segs:] == [valid] * (slots + 1 - n_segs), "segments past the count are empty"
+
+
+@pytest.mark.parametrize("chunk", [None, 7], ids=["whole", "chunks-of-one-token"])
+@pytest.mark.parametrize("heads, skip", [(1, False), (2, True)], ids=["shared", "per-head-skipping-rows"])
+def test_key_csr_lists_the_tokens_naming_each_key_in_order(heads, skip, chunk, monkeypatch):
+    """The key-centric dK/dV's CSR over every token: per (index head, key row) the tokens naming it,
+    ascending, built a chunk at a time (7 entries: one token's 6 slots per chunk) with the same result."""
+    if chunk is not None:
+        monkeypatch.setattr(sparse_index, "KEY_CSR_CHUNK_ENTRIES", chunk)
+    prepared, lo, hi, skip, dims = _csr_case(heads, skip, seed=3)
+    csr = key_csr(prepared, lo, hi, skip=skip, **dims)
+    n_tokens, n_slots = prepared.shape[0], prepared.shape[-1]
+    key_rows = dims["batch"] * dims["seqlen_k"]
+    assert csr.row_ptr.dtype == torch.int64 and csr.row_ptr.shape == (heads * key_rows + 1,)
+    assert csr.entries.dtype == torch.int32 and csr.entries.shape == (n_tokens * heads * n_slots,)
+    expected = _expected_csr(prepared, lo, hi, 0, n_tokens, dims["seqlen_q"], dims["seqlen_k"], dims["batch"], skip)
     ptr, entries = csr.row_ptr.tolist(), csr.entries.tolist()
     for h in range(heads):
         for r in range(key_rows):
             seg = h * key_rows + r
-            assert entries[ptr[seg]:ptr[seg + 1]] == expected.get((h, r), []), (h, r)
+            assert entries[ptr[seg]:ptr[seg + 1]] == [e // n_slots for e in expected.get((h, r), [])], (h, r)
     assert ptr[-1] == sum(len(v) for v in expected.values())
 
 

@@ -9,7 +9,8 @@ any valid entry, sequences shorter than K, empty sequences, padded positions wit
 output and gradient the flash criterion (err <= 2 * err of the same computation in the input dtype
 + eps). Outputs preallocated with NaN must come back without one; tokens without a visible key get
 out 0, lse -inf and zero gradients. The backward is bitwise deterministic, does not depend on how
-its query tokens are chunked, and its atomic variant agrees within rounding.
+its query tokens are chunked, its two deterministic dK/dV schedules (token-centric partials,
+key-centric) and its atomic variant agree within rounding.
 
 Interpreter time is the budget (tests/conftest.py; about 60 s for this file on one core): tokens
 <= 24, K <= 40 (the interpreter's slot blocks are 32), heads <= 20, one 576/512 case with few tokens.
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from attn_cases import KERNEL_DEVICE, assert_flash_criterion, assert_lse_criterion
-from coreattn.kernels.sparse_bwd import ENV_PARTIAL_BUDGET, sparse_attn_bwd
+from coreattn.kernels.sparse_bwd import ENV_PARTIAL_BUDGET, KEYS_MAX_GROUP, SCHEDULES, dkv_schedule, sparse_attn_bwd
 from coreattn.kernels.sparse_fwd import sparse_attn_fwd
 from coreattn.kernels.sparse_index import prepare_topk
 
@@ -227,9 +228,9 @@ class Batch:
         return sparse_attn_fwd(self.q, self.k, self.v, self.topk, self.lo, self.hi, self.case.fmt, self.scale,
                                **self.kw, **kw)
 
-    def backward(self, out, lse, atomic=False):
+    def backward(self, out, lse, atomic=False, schedule=None):
         return sparse_attn_bwd(self.dout, self.q, self.k, self.v, out, lse, self.topk, self.lo, self.hi,
-                               self.case.fmt, self.scale, **self.kw, atomic=atomic)
+                               self.case.fmt, self.scale, **self.kw, atomic=atomic, schedule=schedule)
 
     def leaves(self, dtype=None):
         return [x.detach().cpu().to(dtype or x.dtype).requires_grad_() for x in (self.q, self.k, self.v)
@@ -365,6 +366,53 @@ def test_atomic_variant_agrees_within_rounding(small):
     for a, b in zip(atomic[1:], exact[1:]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     batch.check_backward(atomic)
+
+
+@pytest.mark.parametrize("case", [SparseCase(fmt="bshd", lens=(9, 5), heads_kv=2, per_head=True, rows="mixed",
+                                             n_slots=6),
+                                  SparseCase(lens=(9, 0, 7), heads_q=2, heads_kv=1, dim_qk=48, dim_v=32, absorbed=True,
+                                             n_slots=12)], ids=["bshd-gqa2-per-head-idx-mixed", "thd-absorbed-gqa2"])
+def test_both_dkv_schedules_match_the_reference_and_each_other(case):
+    """The slot mode's dK/dV token-centric ("partials": partial rows and the reduce) and key-centric ("keys": a
+    program per (key row, kv head) over the tokens naming the key): each within the flash criterion and
+    bitwise repeatable, dQ bitwise equal, dK/dV within rounding of each other (they sum in other orders)."""
+    batch = Batch(case, torch.float32, seed=3)
+    out, lse = batch.forward()
+    runs = {schedule: batch.backward(out, lse, schedule=schedule) for schedule in SCHEDULES}
+    for schedule, grads in runs.items():
+        batch.check_backward(grads)
+        again = batch.backward(out, lse, schedule=schedule)
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(grads, again)), schedule
+    partials, keys = runs["partials"], runs["keys"]
+    assert torch.equal(partials[0], keys[0])
+    for a, b in zip(partials[1:], keys[1:]):
+        assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_schedule_choice():
+    """Fewer bytes per (token, kv head, slot): per-head K/V with small groups key-centric, absorbed MLA's
+    wide groups token-centric; COREATTN_SPARSE_DKV and the argument override, atomic first."""
+    from coreattn.kernels.sparse_fwd import sparse_problem
+
+    def problem(heads_q, heads_kv, dim_qk, dim_v, absorbed):
+        q, k = torch.empty(1, heads_q, dim_qk, device="meta"), torch.empty(1, heads_kv, dim_qk, device="meta")
+        v = None if absorbed else torch.empty(1, heads_kv, dim_v, device="meta")
+        return sparse_problem(q, k, v, "thd", dim_v if absorbed else None)
+
+    per_head, gqa16, absorbed = problem(128, 128, 192, 128, False), problem(128, 8, 192, 128, False), \
+        problem(128, 1, 576, 512, True)
+    assert dkv_schedule(per_head, 2, 192 + 128) == "keys"
+    assert dkv_schedule(problem(128, 32, 192, 128, False), 2, 320) == "keys"  # 4 heads a group
+    assert dkv_schedule(gqa16, 2, 320) == "partials"
+    assert dkv_schedule(absorbed, 2, 576) == "partials"
+    assert dkv_schedule(per_head, 2, 320, schedule="partials") == "partials"
+    assert dkv_schedule(per_head, 2, 320, atomic=True, schedule="partials") == "atomic"
+    with pytest.raises(ValueError, match="COREATTN_SPARSE_DKV"):
+        dkv_schedule(per_head, 2, 320, schedule="rows")
+    for group in range(1, 17):  # the byte rule picks the key-centric schedule up to KEYS_MAX_GROUP heads a group only
+        for elem in (2, 4):
+            prob = problem(8 * group, 8, 192, 128, False)
+            assert (dkv_schedule(prob, elem, 320) == "keys") <= (group <= KEYS_MAX_GROUP), (group, elem)
 
 
 class _LoadCalls:

@@ -158,14 +158,26 @@ def test_seam_matches_the_oracle(case, shape):
 
 
 @needs_019
-def test_seam_refuses_a_mask_with_a_finite_bias():
+@pytest.mark.parametrize("validate", ["", "0"], ids=["cpu-checks", "as-on-a-device"])
+def test_seam_refuses_a_mask_with_a_finite_bias(validate, monkeypatch):
+    """A finite bias other than 0 at a selected key: ValueError where coreattn reads values (CPU), and
+    where it does not (a device: COREATTN_VALIDATE=0 runs the CPU path so) a NaN output with no host
+    read and no device-side assert (which would kill a CUDA context); a good mask is untouched."""
+    monkeypatch.setenv("COREATTN_VALIDATE", validate)
     gen = torch.Generator().manual_seed(0)
     b, sq, sk, vis, _ = _seam_case("mask", gen)
-    vis["mask"] = vis["mask"].masked_fill(vis["mask"] == 0, 0.5)
+    good = vis["mask"]
+    vis["mask"] = good.masked_fill(good == 0, 0.5)
     kw = _seam_tensors(b, sq, sk, True, 1, gen, torch.float64)
     kw.update(vis, topk_indices=_indices(b, sq, sk, 6, gen))
-    with pytest.raises(RuntimeError, match="0/-inf masks only"):
-        SEAM.replacement(types.SimpleNamespace(backend="torch"), **kw)
+    module = types.SimpleNamespace(backend="torch")
+    if not validate:
+        with pytest.raises(ValueError, match="0/-inf masks only"):
+            SEAM.replacement(module, **kw)
+        return
+    assert SEAM.replacement(module, **kw).isnan().all()
+    kw["mask"] = good
+    assert not SEAM.replacement(module, **kw).isnan().any()
 
 
 @needs_016

@@ -14,9 +14,12 @@ tests/npu_fused/test_npu_indexer.py. Then, per layer, the steps on the inputs Me
 propagation through the model): the sparse attention (output and the gradients of query, key and the
 V up-projection) against the float64 oracle, relative to Megatron's own step in bf16; and (sbhd) the
 indexer loss and its q/k/weights gradients against the float64 oracle, relative to it in float32,
-Megatron's plain causal bounds having reached the indexer as causal. sbhd runs the sparse attention,
-the indexer top-k and the loss on the operators; packed thd runs the sparse attention there, and the
-indexer (per-row bounds, which the indexer operators do not take) on torch, the fallback logged.
+Megatron's plain causal bounds having reached the indexer as causal. sbhd runs the sparse attention
+(forward and grad), the indexer top-k and the loss on the operators (the top-k of every key fills each
+row's slots the loss operator reads); packed thd runs the sparse attention there, and the indexer
+(per-row bounds, which the indexer operators do not take) on torch, the fallback logged. The stand-in
+computes what the kernels compute (tests/fake_torch_npu_dsa.py): the loss clamps both distributions
+at 1e-8 where Megatron's clamps its target at 1e-10, which these inputs do not reach.
 """
 
 from __future__ import annotations
@@ -96,11 +99,10 @@ def assert_loss_steps(loss_calls):
     the values (a loss of about 2e-4 here)."""
     for layer, (args, kwargs, (indices, logged)) in enumerate(loss_calls, 1):
         assert kwargs["causal"] is True and kwargs["causal_alignment"] == "top_left" and "key_bounds" not in kwargs
-        q, k, w, query, key, _, scale, coeff = args
+        q, k, w, query, key, topk, scale, coeff = args
         leaves = [t.detach().requires_grad_() for t in (q, k, w)]
-        loss = ix.indexer_loss(*leaves, query, key, scale, coeff, topk_indices=indices, sparse=True, layout="sbhd",
-                               causal=True, causal_alignment="top_left")
-        assert torch.equal(loss, logged.detach())
+        again, loss = ix.indexer_topk_and_loss(*leaves, query, key, topk, scale, coeff, **kwargs)
+        assert torch.equal(again, indices) and torch.equal(loss, logged.detach())
         got = [loss] + list(torch.autograd.grad(loss, leaves))
         sq = q.shape[0]
         lo, hi = [[0] * sq] * q.shape[1], [list(range(1, sq + 1))] * q.shape[1]

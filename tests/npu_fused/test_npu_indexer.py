@@ -1,12 +1,18 @@
 """The DSA indexer's top-k and sparse loss on npu_fused (coreattn/layers/npu_fused/indexer.py), on CPU:
-the stand-in torch_npu of tests/fake_torch_npu_dsa.py (the documented contract, computed by the float64
-oracles of tests/indexer_oracle.py and tests/sparse_oracle.py), CPU tensors standing in for npu ones.
+the stand-in torch_npu of tests/fake_torch_npu_dsa.py (what the operators' pages reject, what their
+kernels compute, reading the index rows as the kernels read them: the loss min(K, S2 - S1 + s + 1)
+slots of row s whatever they hold), against the float64 oracles of tests/indexer_oracle.py, CPU
+tensors standing in for npu ones.
 
 Checked: the top-k equals the oracle's selection and order (score descending, then position; -1
-last) though the operator sorts masked keys in and orders ties its own way; the loss and its
-q/k/weights gradients meet the flash criterion against the oracle, fed the attention's statistics
-by a sparse flash attention over the same list; what reaches the operators; each documented limit's
-fallback with its logged reason, and an explicit ``backend="npu_fused"`` outside one raising it.
+last) though the operator sorts masked keys in, orders ties its own way and returns its scores in
+the query's dtype; the loss and its q/k/weights gradients meet the flash criterion against the
+oracle on the operator where each row holds exactly the slots it reads (coreattn's own top-k of
+every key, or of the operator's K), and on the fallback where it would not (packed sequences, a
+top-k narrower than the operator's K, given indices: the stand-in would return garbage there);
+what reaches the operators; each limit's fallback with its logged reason, and an explicit
+``backend="npu_fused"`` outside one raising it; an operator whose kernel the device lacks or whose
+chip it is not built for; no host read.
 """
 
 import logging
@@ -73,9 +79,13 @@ def test_topk_is_the_oracles_selection_in_coreattns_order(npu_dsa, layout, batch
     assert call["query"].shape == (batch, seqlen, H, D) and call["key"].shape == (batch, seqlen_k, 1, D)
 
 
-def _loss_inputs(layout, batch, seqlen, seed=0, dtype=torch.bfloat16):
+def _loss_inputs(layout, batch, seqlen, seed=0, dtype=torch.bfloat16, w_scale=(H * D) ** -0.5):
+    """q, k, weights and the attention side's query [.., NP, 576] and key [.., 1, 576]. The weights are
+    scaled as Megatron pre-scales them (H_I^-1/2 D_I^-1/2): no key of a row gets an index
+    probability below the operator's 1e-8 clamp (see test_logged_loss_differs_where_the_indexer_...)."""
     gen = torch.Generator().manual_seed(seed + 1)
     q, k, w = _side(layout, batch, seqlen, seqlen, dtype, seed)
+    w = (w.float() * w_scale).to(dtype)
     shape = (seqlen, NP, 576) if layout == "thd" else (batch, seqlen, NP, 576)
     query = torch.randn(*shape, generator=gen).to(dtype)
     key = torch.randn(*shape[:-2], 1, 576, generator=gen).to(dtype)
@@ -84,51 +94,134 @@ def _loss_inputs(layout, batch, seqlen, seed=0, dtype=torch.bfloat16):
     return q, k, w, query, key
 
 
-LOSS_CASES = [("thd", 1, 9, dict(cu_seqlens=torch.tensor([0, 4, 9], dtype=torch.int32)), False),
-              ("sbhd", 2, 6, {}, True)]
-
-
-@pytest.mark.parametrize("layout, batch, seqlen, extra, per_token", LOSS_CASES, ids=[c[0] for c in LOSS_CASES])
-def test_sparse_loss_and_gradients_match_the_oracle(npu_dsa, layout, batch, seqlen, extra, per_token):
-    q, k, w, query, key = _loss_inputs(layout, batch, seqlen)
-    gen = torch.Generator().manual_seed(5)
-    idx = torch.randint(-1, seqlen, (batch, seqlen, 5), generator=gen)  # -1, repeats, keys past causality
-    idx[:, :, 1] = idx[:, :, 0]
-    topk_indices = idx[0] if layout == "thd" else (idx.transpose(0, 1) if layout == "sbhd" else idx)
-    scale, coeff = 0.07, 0.5
-    leaves = [t.detach().requires_grad_() for t in (q, k, w)]
-    loss = ix.indexer_loss(*leaves, query, key, scale, coeff, topk_indices=topk_indices, sparse=True, layout=layout,
-                           calculate_per_token_loss=per_token, **extra)
-    got = [loss] + list(torch.autograd.grad(loss, leaves))
-    lo, hi = causal_bounds(batch, seqlen, extra.get("cu_seqlens"))
+def _loss_oracle(q, k, w, query, key, layout, batch, seqlen, idx, scale, coeff, per_token=False, cu_seqlens=None):
+    """[loss, dq, dk, dw] of the float64 oracle and of its float32 evaluation (the naive), over the
+    bshd-shaped top-k ``idx`` [B, S, K] (causal self-attention bounds)."""
+    lo, hi = causal_bounds(batch, seqlen, cu_seqlens)
     results = []
     for dtype in (torch.float64, torch.float32):
-        ref_leaves = [_bshd(t, layout).detach().double().requires_grad_() for t in (q, k, w)]
-        ref_loss = loss_ref(*ref_leaves, _bshd(query, layout), _bshd(key, layout), lo, hi, scale, coeff, sparse=True,
-                            topk_indices=idx, per_token=per_token, dtype=dtype)
-        results.append([ref_loss] + [_bshd(g, layout) if layout != "thd" else g[0]
-                                     for g in torch.autograd.grad(ref_loss, ref_leaves)])
+        leaves = [_bshd(t, layout).detach().double().requires_grad_() for t in (q, k, w)]
+        value = loss_ref(*leaves, _bshd(query, layout), _bshd(key, layout), lo, hi, scale, coeff, sparse=True,
+                         topk_indices=idx, per_token=per_token, dtype=dtype)
+        results.append([value] + [_bshd(g, layout) if layout != "thd" else g[0]
+                                  for g in torch.autograd.grad(value, leaves)])
+    return results
+
+
+def _assert_loss(got, results):
     for name, x, r, n in zip(("loss", "dq", "dk", "dw"), got, *results):  # naive: rounded as its dtype returns it
         assert_flash_criterion(name, x.float(), n.to(x.dtype).float(), r, eps=1e-5 * r.abs().max().item())
+
+
+# rows coreattn's top-k fills whole: every key (top-k >= Sk), in each layout (thd: one sequence)
+WHOLE_ROWS = [("sbhd", 2, 6, 8, True), ("bshd", 2, 5, 5, False), ("thd", 1, 9, 16, False)]
+
+
+@pytest.mark.parametrize("layout, batch, seqlen, topk, per_token", WHOLE_ROWS, ids=[c[0] for c in WHOLE_ROWS])
+def test_loss_on_the_operator_where_its_rows_are_whole(npu_dsa, layout, batch, seqlen, topk, per_token):
+    """indexer_topk_and_loss with a top-k of every key: row s names its s + 1 keys, the min(K, s + 1)
+    slots the operator reads (K = 1,024), so it runs there; loss and gradients as the oracle's."""
+    q, k, w, query, key = _loss_inputs(layout, batch, seqlen)
+    scale, coeff = 0.07, 0.5
+    leaves = [t.detach().requires_grad_() for t in (q, k, w)]
+    indices, loss = ix.indexer_topk_and_loss(*leaves, query, key, topk, scale, coeff, sparse=True, layout=layout,
+                                             calculate_per_token_loss=per_token)
+    got = [loss] + list(torch.autograd.grad(loss, leaves))
+    _assert_loss(got, _loss_oracle(q, k, w, query, key, layout, batch, seqlen, _bshd(indices, layout).long(), scale,
+                                   coeff, per_token))
     fwd = npu_dsa.of("npu_sparse_flash_attention")
     (kl,) = npu_dsa.of("npu_sparse_lightning_indexer_grad_kl_loss")
     assert len(fwd) == 1 and torch.equal(fwd[0]["sparse_indices"], kl["sparse_indices"])
     assert (kl["layout"], kl["sparse_mode"], kl["actual_seq_qlen"]) == ("BSND", 3, None)
-    assert kl["sparse_indices"].shape[-1] == 1024  # 5 entries padded with -1 to the operator's smallest K
+    rows = kl["sparse_indices"].reshape(-1, 1024)
+    assert rows.shape[0] == batch * seqlen
+    counts = (rows >= 0).sum(-1).view(batch, seqlen)  # each row's valid keys: exactly the min(K, s + 1) it reads
+    assert torch.equal(counts, torch.arange(1, seqlen + 1).expand(batch, -1))
+
+
+def _packed(seed=0):
+    """Two sequences of 17 and 23 tokens in one thd stream, top-k 8 (the held-out packed case)."""
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+    return _loss_inputs("thd", 1, 40, seed=seed), dict(cu_seqlens=cu), 8
+
+
+HELD_OUT = {
+    # a later sequence's row s holds fewer keys than the s + 1 slots the one BSND sample reads
+    "packed": lambda: (*_packed(), "packed sequences (cu_seqlens)"),
+    # top-k 8 padded to K 1,024: rows past 8 keys hold -1 inside the min(1024, s + 1) slots it reads
+    "narrow": lambda: (_loss_inputs("bshd", 2, 12), {}, 8, "top-k 8 below the operator's K 1024"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HELD_OUT))
+def test_loss_falls_back_where_the_operator_would_read_minus_one(npu_dsa, caplog, case):
+    """Rows with fewer valid keys than the slots the kernel reads would give a wrong loss and wrong
+    gradients there (the stand-in returns what the kernel returns: stale slots): the fallback runs,
+    the reason logged; loss and gradients as the oracle's."""
+    (q, k, w, query, key), extra, topk, reason = HELD_OUT[case]()
+    layout = "thd" if "cu_seqlens" in extra else "bshd"
+    batch, seqlen = (1, q.shape[0]) if layout == "thd" else q.shape[:2]
+    leaves = [t.detach().requires_grad_() for t in (q, k, w)]
+    with caplog.at_level(logging.INFO, logger="coreattn"):
+        indices, loss = ix.indexer_topk_and_loss(*leaves, query, key, topk, 0.07, 1.0, sparse=True, layout=layout,
+                                                 **extra)
+    assert "indexer loss on the torch backend" in caplog.text and reason in caplog.text
+    assert not npu_dsa.of("npu_sparse_lightning_indexer_grad_kl_loss")
+    got = [loss] + list(torch.autograd.grad(loss, leaves))
+    _assert_loss(got, _loss_oracle(q, k, w, query, key, layout, batch, seqlen, _bshd(indices, layout).long(), 0.07,
+                                   1.0, cu_seqlens=extra.get("cu_seqlens")))
+
+
+def test_loss_over_given_indices_falls_back(npu_dsa, caplog):
+    """topk_indices handed in (-1, repeats, keys past causality): nothing says they fill the slots the
+    operator reads, and nothing is read on the host to find out: the fallback, the reason logged."""
+    q, k, w, query, key = _loss_inputs("sbhd", 2, 6)
+    idx = torch.randint(-1, 6, (2, 6, 5), generator=torch.Generator().manual_seed(5))
+    idx[:, :, 1] = idx[:, :, 0]
+    leaves = [t.detach().requires_grad_() for t in (q, k, w)]
+    with caplog.at_level(logging.INFO, logger="coreattn"):
+        loss = ix.indexer_loss(*leaves, query, key, 0.07, 0.5, topk_indices=idx.transpose(0, 1), sparse=True,
+                               layout="sbhd")
+    assert "given topk_indices" in caplog.text and not npu_dsa.calls
+    got = [loss] + list(torch.autograd.grad(loss, leaves))
+    _assert_loss(got, _loss_oracle(q, k, w, query, key, "sbhd", 2, 6, idx, 0.07, 0.5))
+    with pytest.raises(RuntimeError, match="npu_fused' cannot run this indexer loss call: given topk_indices"):
+        ix.indexer_loss(q, k, w, query, key, 0.07, 0.5, topk_indices=idx.transpose(0, 1), sparse=True, layout="sbhd",
+                        backend="npu_fused")
 
 
 def test_topk_and_loss_select_then_score_on_the_operators(npu_dsa):
     q, k, w, query, key = _loss_inputs("bshd", 2, 6, seed=3)
-    indices, loss = ix.indexer_topk_and_loss(q, k, w, query, key, 3, 0.1, 1.0, sparse=True, layout="bshd",
+    indices, loss = ix.indexer_topk_and_loss(q, k, w, query, key, 6, 0.1, 1.0, sparse=True, layout="bshd",
                                              index_dtype=torch.int32)
     assert indices.dtype == torch.int32
-    assert torch.equal(indices, ix.indexer_topk(q, k, w, 3, layout="bshd", index_dtype=torch.int32).indices)
-    again = ix.indexer_loss(q, k, w, query, key, 0.1, 1.0, topk_indices=indices, sparse=True, layout="bshd")
-    assert torch.equal(loss, again)
+    assert torch.equal(indices, ix.indexer_topk(q, k, w, 6, layout="bshd", index_dtype=torch.int32).indices)
     assert [c["op"] for c in npu_dsa.calls] == ["npu_lightning_indexer", "npu_sparse_flash_attention",
-                                                 "npu_sparse_lightning_indexer_grad_kl_loss", "npu_lightning_indexer",
-                                                 "npu_sparse_flash_attention",
-                                                 "npu_sparse_lightning_indexer_grad_kl_loss"]
+                                                 "npu_sparse_lightning_indexer_grad_kl_loss", "npu_lightning_indexer"]
+    again = ix.indexer_loss(q, k, w, query, key, 0.1, 1.0, topk_indices=indices, sparse=True, layout="bshd")
+    torch.testing.assert_close(loss, again, rtol=1e-5, atol=0)  # the same loss over the same rows, on torch
+    assert len(npu_dsa.calls) == 4
+
+
+def test_logged_loss_differs_where_the_indexer_gives_below_1e_8(npu_dsa):
+    """Index scores so peaked that keys carrying attention get index probabilities below 1e-8: the
+    operator's loss clamps both distributions at 1e-8 (its kernel's VectorLoss), Megatron's only the
+    target inside its log (1e-10), so the logged values differ there, as docs/ascend.md states; the
+    gradients (softmax of the index scores minus the target, unclamped in both) agree."""
+    q, k, w, query, key = _loss_inputs("bshd", 2, 6, w_scale=1.0)
+    leaves = [t.detach().requires_grad_() for t in (q, k, w)]
+    indices, loss = ix.indexer_topk_and_loss(*leaves, query, key, 6, 0.07, 1.0, sparse=True, layout="bshd")
+    assert npu_dsa.of("npu_sparse_lightning_indexer_grad_kl_loss")
+    idx = indices.long()
+    megatron, naive = _loss_oracle(q, k, w, query, key, "bshd", 2, 6, idx, 0.07, 1.0)
+    lo, hi = causal_bounds(2, 6)
+    clamped = loss_ref(q.double(), k.double(), w.double(), query, key, lo, hi, 0.07, 1.0, sparse=True,
+                       topk_indices=idx, clamp=1e-8)
+    assert megatron[0] > 2 * clamped  # the clamp bites: the values differ by far more than rounding
+    assert_flash_criterion("loss (the kernel's definition)", loss.float(), naive[0].float(), clamped,
+                           eps=1e-5 * clamped.abs().item())
+    grads = torch.autograd.grad(loss, leaves)
+    _assert_loss([megatron[0].float()] + list(grads), (megatron, naive))  # the loss slot: the oracle itself
 
 
 # ---- limits ----------------------------------------------------------------------------------
@@ -143,9 +236,9 @@ def _topk_choice(q, k, w, topk=4, relu=True, return_scores=False, override=None,
 
 TOPK_LIMITS = [
     ("identity", dict(relu=False), "ReLU"),
-    ("heads", dict(heads=32), "64 index heads"),
+    ("heads", dict(heads=65), "1 to 64 index heads"),
     ("float32", dict(dtype=torch.float32), "float16 or bfloat16"),
-    ("topk", dict(topk=4096), "up to 2048"),
+    ("topk", dict(topk=3000), "or a multiple of 1024 up to 8192"),
     ("scores", dict(return_scores=True), "sparse_values"),
     ("packed", dict(layout="thd", cu_seqlens=torch.tensor([0, 2, 5], dtype=torch.int32)), "packed sequences"),
     ("bounds", dict(key_bounds=(torch.zeros(2, 5, dtype=torch.int32), torch.ones(2, 5, dtype=torch.int32))),
@@ -189,22 +282,26 @@ def test_loss_outside_a_limit_falls_back_with_the_reason(npu_dsa, caplog, name, 
     over = dict(over)
     q, k, w, query, key = _loss_inputs("bshd", 2, 6)
     query = query[:, :, :over.pop("heads", NP)]
-    idx = torch.randint(0, 6, (2, 6, over.pop("width", 3)), generator=torch.Generator().manual_seed(0))
-    kw = dict(dict(topk_indices=idx, sparse=True, layout="bshd"), **over)
+    kw = dict(dict(sparse=True, layout="bshd"), **over)
     with caplog.at_level(logging.INFO, logger="coreattn"):
-        loss = ix.indexer_loss(q, k, w, query, key, 0.1, 1.0, **kw)
+        _, loss = ix.indexer_topk_and_loss(q, k, w, query, key, 6, 0.1, 1.0, **kw)
     assert "indexer loss on the torch backend" in caplog.text and reason in caplog.text
     assert not npu_dsa.of("npu_sparse_lightning_indexer_grad_kl_loss") and torch.isfinite(loss)
     with pytest.raises(RuntimeError, match="npu_fused' cannot run this indexer loss call: .*" + reason):
-        ix.indexer_loss(q, k, w, query, key, 0.1, 1.0, backend="npu_fused", **kw)
+        ix.indexer_topk_and_loss(q, k, w, query, key, 6, 0.1, 1.0, backend="npu_fused", **kw)
 
 
-def test_loss_rows_past_the_operators_largest_k_fall_back(npu_dsa):
+def test_loss_rows_wider_or_narrower_than_the_operators_k(npu_dsa):
     q, k, w, query, key = _loss_inputs("bshd", 2, 6)
     fit = dict(sparse=True, relu=True, query_valid_rows=None, tp_group=None, fmt="bshd", causal=True,
-               bottom_right=True, key_bounds=False)
-    assert ix.ops.loss_unfit(q, k, w, query, key, width=8192, **fit) is None
+               bottom_right=True, key_bounds=False, selected=True)
+    assert ix.ops.loss_unfit(q, k, w, query, key, width=8192, **fit) is None  # K itself
+    assert ix.ops.loss_unfit(q, k, w, query, key, width=6, **fit) is None  # every key: rows whole
+    assert "top-k 5 below the operator's K 1024" in ix.ops.loss_unfit(q, k, w, query, key, width=5, **fit)
     assert "up to 8192 entries (K), got 8193" in ix.ops.loss_unfit(q, k, w, query, key, width=8193, **fit)
+    assert "given topk_indices" in ix.ops.loss_unfit(q, k, w, query, key, width=6, **dict(fit, selected=False))
+    assert "aligned bottom-right" in ix.ops.loss_unfit(q, k[:, :5], w, query, key, width=5,
+                                                       **dict(fit, bottom_right=False))
 
 
 def test_missing_loss_operator_falls_back(monkeypatch, caplog):
@@ -233,6 +330,40 @@ def test_no_host_read(npu_dsa, monkeypatch):
     q, k, w, query, key = _loss_inputs("sbhd", 2, 6)
     leaves = [t.detach().requires_grad_() for t in (q, k, w)]
     with sync_detector.no_host_reads(monkeypatch):
-        _, loss = ix.indexer_topk_and_loss(*leaves, query, key, 3, 0.1, 1.0, sparse=True, layout="sbhd")
+        _, loss = ix.indexer_topk_and_loss(*leaves, query, key, 6, 0.1, 1.0, sparse=True, layout="sbhd")
         loss.backward()
-    assert [c["op"] for c in npu_dsa.calls][0] == "npu_lightning_indexer" and len(npu_dsa.calls) == 3
+    assert [c["op"] for c in npu_dsa.calls] == ["npu_lightning_indexer", "npu_sparse_flash_attention",
+                                                 "npu_sparse_lightning_indexer_grad_kl_loss"]
+
+
+# ---- whether the operators can run on this device ---------------------------------------------
+
+@pytest.mark.parametrize("op", ["npu_lightning_indexer", "npu_sparse_lightning_indexer_grad_kl_loss"])
+def test_an_operator_without_a_kernel_falls_back_once_remembered(monkeypatch, caplog, op):
+    """The installed CANN has no kernel for the operator torch_npu registers: its first call fails,
+    coreattn remembers it for the device, logs why and runs that step on the fallback."""
+    dsa = install(monkeypatch, unsupported=(op,))
+    q, k, w, query, key = _loss_inputs("bshd", 2, 6)
+    with caplog.at_level(logging.INFO, logger="coreattn"):
+        results = [ix.indexer_topk_and_loss(q, k, w, query, key, 6, 0.1, 1.0, sparse=True, layout="bshd")
+                   for _ in range(2)]
+    reference = ix.indexer_topk_and_loss(q, k, w, query, key, 6, 0.1, 1.0, sparse=True, layout="bshd",
+                                         backend="torch")
+    for indices, loss in results:
+        assert _sets(indices) == _sets(reference[0])
+        torch.testing.assert_close(loss, reference[1], rtol=1e-5, atol=0)
+    assert len(dsa.of(op)) == 1 and f"torch_npu.{op} has no kernel here" in caplog.text
+    npu.cache_clear()
+
+
+def test_a_chip_the_kernels_are_not_built_for_falls_back(monkeypatch, caplog):
+    dsa = install(monkeypatch, soc="Ascend910ProB")  # an Atlas 800 training server (Ascend 910, not A2/A3)
+    q, k, w, query, key = _loss_inputs("bshd", 2, 6)
+    with caplog.at_level(logging.INFO, logger="coreattn"):
+        ix.indexer_topk_and_loss(q, k, w, query, key, 6, 0.1, 1.0, sparse=True, layout="bshd")
+    assert not dsa.calls and "not this NPU (other: Ascend910ProB)" in caplog.text
+    npu.cache_clear()
+
+
+def _sets(indices):
+    return [sorted(j for j in row if j >= 0) for row in indices.reshape(-1, indices.shape[-1]).tolist()]

@@ -8,11 +8,14 @@
 Owns: ``attention.py`` (``attention_forward``, the attention function, and the tables of the
 keyword arguments it honours, ignores and rejects), ``masks.py`` (``padding_mask``, the mask
 builder, and the models and mask patterns it refuses), ``dsa.py`` (DeepSeek Sparse Attention
-models: their mask, indexer and sparse attention) and ``models/`` (Inkling 2's and the T5 family's
-relative position biases as factors, Inkling 2's per-token sinks and block-attention residuals). ``register()`` adds ``attention_forward`` to
+models: their mask, indexer and sparse attention) and ``models/`` (one module per model family
+coreattn runs with its own code: Inkling 2's and the T5 family's relative position biases as factors,
+Inkling 2's per-token sinks and block-attention residuals, MiniMax-M3's block-sparse attention).
+``register()`` adds ``attention_forward`` to
 transformers' ``AttentionInterface`` and ``padding_mask`` to its ``AttentionMaskInterface`` under the
-same name, and wraps the DSA models' indexers (``dsa.install_indexers``: they run coreattn's top-k
-when handed coreattn's mask, transformers' own code otherwise). transformers is imported only by
+same name, wraps the DSA models' indexers (``dsa.install_indexers``: they run coreattn's top-k under
+coreattn, transformers' own code otherwise) and installs the model families' wrappers
+(``models.install``: the bias modules, MiniMax-M3's indexer). transformers is imported only by
 ``register()`` and the functions it installs.
 
 What a call runs (q ``[B, Hq, Sq, Dqk]``, k ``[B, Hkv, Sk, Dqk]``, v ``[B, Hkv, Sk, Dv]`` as the
@@ -31,7 +34,9 @@ model passes them; GQA/MQA and Dv != Dqk natively, the inputs used in place as b
   ``coreattn.sparse_padded_attn``, the mask as per-query key bounds (``dsa.py``);
 - Inkling 2 and the T5 family (``models/``): ``position_bias`` as the bias's factors, computed in
   the kernels (``bias=``), ``sinks`` as per-token ``softmax_offset``, T5's zero cross-attention
-  bias dropped.
+  bias dropped;
+- MiniMax-M3 (``models/minimax_m3.py``): its indexer's ``block_indices`` through
+  ``coreattn.sparse_padded_attn``'s block mode, the same key bounds.
 
 Raises (NotImplementedError or ValueError, naming the feature and the model): keyword arguments
 coreattn does not implement (``attention.REJECTED`` and any it does not know), a 4D attention mask
@@ -63,7 +68,8 @@ def register(name: str = NAME, *, backend=None) -> str:
 
     from coreattn.adapters.transformers import v4
     from coreattn.adapters.transformers.dsa import install_indexers
-    from coreattn.adapters.transformers.models import inkling2, t5
+    from coreattn.adapters.transformers import models
+    from coreattn.adapters.transformers.masks import _sparse_backend
 
     def coreattn_attention(module, query, key, value, attention_mask, **kwargs):
         return attention_forward(module, query, key, value, attention_mask, backend=backend, **kwargs)
@@ -77,8 +83,7 @@ def register(name: str = NAME, *, backend=None) -> str:
     AttentionMaskInterface.register(name, coreattn_mask)
     install_indexers()
     v4.install()
-    inkling2.install()
-    t5.install()
+    models.install(name, _sparse_backend(backend))
     return name
 
 

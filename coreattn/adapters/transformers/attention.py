@@ -14,7 +14,7 @@ import logging
 import torch
 
 from coreattn.adapters.transformers import dsa, v4
-from coreattn.adapters.transformers.models import PositionBias, inkling2, t5
+from coreattn.adapters.transformers.models import PositionBias, inkling2, minimax_m3, t5
 from coreattn.layers.bias import LowRankRelativeBias
 from coreattn.layers.function import POSITION_IDS
 from coreattn.layers.padded_attn import padded_attn
@@ -38,6 +38,7 @@ HONOURED = {
     "max_length_k": "packed sequences (bounds the argument checks only)",
     "position_ids": "packed sequences where the ids do not go up by one",
     "indices": "the DSA indexer's top-k [B, S, K] (DeepSeek-V3.2, GLM-5)",
+    "block_indices": "MiniMax-M3's block selection [B, Hkv, S, blocks]: block-sparse attention",
     "output_attentions": "warns once: no attention weights are returned",
     "softcap": "raises unless None",
 }
@@ -53,7 +54,6 @@ IGNORED = {
 }
 REJECTED = {
     "block_table": "paged attention (block_table)",
-    "block_indices": "block-sparse attention (block_indices, MiniMax-M3-VL's indexer)",
 }
 
 
@@ -82,6 +82,10 @@ def check_kwargs(module, softcap, kwargs, sparse: bool) -> None:
             raise NotImplementedError(f"indices (a sparse-attention top-k) passed without coreattn's DSA mask "
                                       f"({_model(module)}): coreattn serves DSA for {', '.join(dsa.SERVED)}; "
                                       f"{_USE_EAGER}")
+        if key == "block_indices":  # consumed with coreattn's MiniMax-M3 mask (attention_forward)
+            raise NotImplementedError(f"block_indices (block-sparse attention) passed without coreattn's MiniMax-M3 "
+                                      f"mask ({_model(module)}): coreattn serves block-sparse attention for "
+                                      f"{', '.join(minimax_m3.MODEL_TYPES)}; {_USE_EAGER}")
         if key not in HONOURED:
             raise NotImplementedError(f"coreattn does not implement the attention argument {key!r} "
                                       f"({_model(module)}; it may change the result); it takes "
@@ -176,7 +180,7 @@ def _position_bias(module, position_bias) -> tuple[object, bool]:
 
 
 def _check_mask(module, attention_mask) -> None:
-    if attention_mask is None or isinstance(attention_mask, (dsa.SparseMask, v4.HybridMask)):
+    if attention_mask is None or isinstance(attention_mask, (dsa.SparseMask, v4.HybridMask, minimax_m3.BlockMask)):
         return
     if not isinstance(attention_mask, torch.Tensor):
         raise ValueError(f"coreattn takes a [batch, seq] padding mask, got a {type(attention_mask).__name__} "
@@ -196,6 +200,22 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     default. Returns ``(attn_output [B, Sq, Hq, Dv], None)``."""
     if inkling2.is_residual(module):  # head dim = the hidden size over a few block states: a small torch path
         return inkling2.block_residual(module, query, key, value, attention_mask, scaling, dropout), None
+    if isinstance(attention_mask, minimax_m3.BlockMask):
+        block_indices = kwargs.pop("block_indices", None)
+        if block_indices is None and attention_mask.dense is minimax_m3.BOUNDS:  # dense layers, a static cache
+            check_kwargs(module, softcap, kwargs, False)
+            return minimax_m3.dense_attention(module, query, key, value, attention_mask, scaling, dropout), None
+        if block_indices is None:  # MiniMax-M3's dense layers: the padding mask, as any model's
+            return attention_forward(module, query, key, value, attention_mask.dense, dropout, scaling, sliding_window,
+                                     softcap, is_causal, s_aux, backend, **kwargs)
+        check_kwargs(module, softcap, kwargs, False)
+        for name, value_ in (("sliding_window", sliding_window), ("s_aux", s_aux)):
+            if value_ is not None:
+                raise NotImplementedError(f"{name} with block-sparse attention is not supported by coreattn "
+                                          f"({_model(module)}); {_USE_EAGER}")
+        out = minimax_m3.block_sparse_attention(module, query, key, value, attention_mask, block_indices, scaling,
+                                                dropout)
+        return out, None
     sparse = isinstance(attention_mask, dsa.SparseMask)
     check_kwargs(module, softcap, kwargs, sparse)
     attention_mask = t5.padding_mask(module, attention_mask)

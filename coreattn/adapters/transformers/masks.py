@@ -1,8 +1,8 @@
 """coreattn's mask builder for transformers (``AttentionMaskInterface``), and what it refuses.
 
 ``padding_mask`` runs once per model forward. It hands the attention function a ``[B, kv_length]``
-bool keep mask, or None when nothing is padded; DSA models (``dsa.SERVED``) get a ``dsa.SparseMask``
-and DeepSeek-V4 a ``v4.HybridMask``.
+bool keep mask, or None when nothing is padded; DSA models (``dsa.SERVED``) get a ``dsa.SparseMask``,
+DeepSeek-V4 a ``v4.HybridMask`` and MiniMax-M3 a ``models.minimax_m3.BlockMask``.
 It raises, naming the feature, for mask patterns coreattn cannot run and for models whose layers
 change K/V or the mask after it was built (``unsupported_model``).
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from coreattn.adapters.transformers import dsa, v4
+from coreattn.adapters.transformers.models import minimax_m3
 
 _SUPPORTED_PARTS = {
     "sliding_window_overlay.<locals>.inner_mask": "sliding window",
@@ -63,6 +64,9 @@ def unsupported_model(config) -> str | None:
     if config is None:
         return None
     model_type = getattr(config, "model_type", "")
+    if model_type in minimax_m3.MODEL_TYPES:
+        reason = minimax_m3.check_source()
+        return None if reason is None else f"MiniMax-M3's block-sparse attention with this transformers: {reason}"
     if model_type == v4.MODEL_TYPE:
         reason = v4.check_source()
         return None if reason is None else (f"DeepSeek-V4's hybrid attention with this transformers: {reason} (its "
@@ -138,6 +142,15 @@ def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         parts = _unsupported_parts(mask_function)
         if parts:
             raise NotImplementedError(f"coreattn cannot run this mask pattern: {', '.join(parts)}; {_USE_EAGER}")
+    if getattr(config, "model_type", None) in minimax_m3.MODEL_TYPES:  # bounds for its sparse layers, the
+        # padding mask (as any model's) for its dense ones
+        bounds = _bounds_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                              config, _sparse_backend(backend), kwargs.get("device") or torch.device("cpu"))
+        dense = minimax_m3.BOUNDS  # a static cache (a mask narrower than its keys): the bounds serve them too
+        if attention_mask is None or attention_mask.shape[-1] >= kv_length:
+            dense = padding_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                                 use_vmap, None, backend, **kwargs)
+        return minimax_m3.BlockMask(bounds.lo, bounds.hi, dense, bounds.backend)
     if getattr(config, "model_type", None) in dsa.SERVED + (v4.MODEL_TYPE,):
         return _bounds_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, config,
                             _sparse_backend(backend), kwargs.get("device") or torch.device("cpu"))

@@ -71,3 +71,14 @@ def topk_config(target: str, block_k: int) -> IndexerConfig:
 def hadamard_config(target: str) -> IndexerConfig:
     family = _family(target)
     return _INTERPRETER_HADAMARD if family == "interpreter" else _HADAMARD[family]
+
+
+# The block-max scores kernel (kernels/indexer_blocks.py, MiniMax-M3's indexer): one program per query token, the
+# top-k kernel's [heads, dim] x [dim, BLOCK_N] key step and warps, without its candidate sets (a running max per
+# head instead).
+_BLOCK_SCORES = {"interpreter": IndexerConfig(16, 1, 1), "cuda": IndexerConfig(64, 4, 2),
+                 "cdna": IndexerConfig(64, 4, 1, 16), "ascend": IndexerConfig(64, 1, 1)}
+
+
+def block_scores_config(target: str) -> IndexerConfig:
+    return _BLOCK_SCORES[_family(target)]

@@ -3,8 +3,10 @@
 Slot mode (the rows that name part of their range): ``fwd`` and ``dq`` (a program per (query token,
 kv head, block of BLOCK_H q heads) stepping over BLOCK_N of the token's valid slots), ``dkv`` (a
 program per (query token, kv head, block of BLOCK_N slots) stepping over the group's heads in blocks
-of BLOCK_H) and ``reduce`` (a program per (key row, kv head) summing its CSR entries: no tile, warps
-only). A config is an ``AttnConfig`` whose ``block_m`` is BLOCK_H (q heads: the rows of the
+of BLOCK_H), ``reduce`` (programs stepping over the chunk's (key, kv head) segments summing their CSR
+entries: no tile, warps only) and ``keys`` (the key-centric dK/dV of small groups: a program per (key row,
+kv head) stepping over the tokens that name the key, ``block_m`` rows of entries x the group's heads, no
+tl.dot). A config is an ``AttnConfig`` whose ``block_m`` is BLOCK_H (q heads: the rows of the
 forward's and dQ's dots, the inner dimension of dK's) and ``block_n`` BLOCK_N (slots).
 
 Range mode (full rows as dense attention): ``range_fwd``, ``range_dq`` (a program per (block of
@@ -49,8 +51,12 @@ import triton
 from coreattn.kernels.configs.base import AttnConfig
 from coreattn.kernels.configs.targets import ASCEND_STEP_BUDGET, CDNA_TARGETS, FP_FUSION, MAXNREG
 
-KERNELS = ("fwd", "dq", "dkv", "range_fwd", "range_dq", "range_dkv", "reduce", "pre")
+KERNELS = ("fwd", "dq", "dkv", "range_fwd", "range_dq", "range_dkv", "reduce", "keys", "pre", "block_fwd", "block_dq",
+           "block_dkv")
 RANGE_KERNELS = {"range_fwd": "fwd", "range_dq": "dq", "range_dkv": "dkv"}  # each with its slot-mode twin
+# the block mode (block-sparse rows): its forward and dQ tile q heads as the slot mode's, its dK/dV tokens x heads
+# as the range mode's; each with the twin whose fp32 and Ascend configs it takes
+BLOCK_KERNELS = {"block_fwd": "fwd", "block_dq": "dq", "block_dkv": "dkv"}
 MIN_BLOCK_H = 16  # tl.dot's smallest M
 
 _C = AttnConfig
@@ -61,13 +67,20 @@ _W = functools.partial(AttnConfig, matrix_instr_nonkdim=16)
 # Range mode: 16 rows (tokens x heads) over 16 keys, so the short sequences of the tests cross key blocks and
 # a row block holds several tokens (8 with a group of 2).
 _INTERPRETER = {"fwd": _C(16, 32, 1, 1), "dq": _C(16, 32, 1, 1), "dkv": _C(16, 32, 1, 1), "reduce": _C(0, 64, 1, 1),
+                "keys": _C(4, 0, 1, 1),
                 "pre": _C(16, 0, 1, None), "range_fwd": _C(16, 16, 1, 1), "range_dq": _C(16, 16, 1, 1),
-                "range_dkv": _C(16, 16, 1, 1)}
+                "range_dkv": _C(16, 16, 1, 1), "block_fwd": _C(16, 16, 1, 1), "block_dq": _C(16, 16, 1, 1),
+                "block_dkv": _C(16, 16, 1, 1)}
 
 # CUDA and CDNA tables: kernel -> target -> ((max width, max group, AttnConfig), ...), first match wins;
 # width = the larger of the q/k blocks' sum and the v block. fp32 takes _FP32 (no tensor-core MMA at IEEE).
-_TABLES: dict = {kernel: {} for kernel in ("fwd", "dq", "dkv", *RANGE_KERNELS)}
+_TABLES: dict = {kernel: {} for kernel in ("fwd", "dq", "dkv", *RANGE_KERNELS, *BLOCK_KERNELS)}
 _REDUCE = {"cuda": _C(0, 512, 4, 2), "cdna": _W(0, 512, 4, 1)}
+# the key-centric dK/dV (small groups): block_m rows = entries x the group's heads per step, no tl.dot; its fp32
+# q and dO rows take block_m x (q/k + v blocks) registers over 4 warps: fewer rows for wider heads. One stage:
+# with no tl.dot in its loop Triton's pipeliner leaves its gathers synchronous (two compiled no async load)
+_KEYS = {"cuda": ((384, _C(32, 0, 4, 1)), (768, _C(16, 0, 4, 1)), (1 << 30, _C(8, 0, 4, 1))),
+         "cdna": ((384, _C(32, 0, 4, 1)), (768, _C(16, 0, 4, 1)), (1 << 30, _C(8, 0, 4, 1)))}
 # the delta preprocess (the dense kernel): rows per program and warps by v's block
 _PRE = ((128, _C(64, 0, 4, None)), (256, _C(32, 0, 4, None)), (512, _C(16, 0, 8, None)))
 _FP32 = {"fwd": _C(16, 16, 4, 1), "dq": _C(16, 16, 8, 2), "dkv": _C(16, 16, 4, 1)}
@@ -146,6 +159,22 @@ for _target in ("gfx90a", "gfx942"):
     _TABLES["range_fwd"][_target] = _CDNA_RANGE["range_fwd"][:1] + ((1024, 1 << 30, _W(32, 32, 4, 1)),)
 
 
+# Block mode (block-sparse rows, a block's keys read as contiguous rows): the forward and dQ as the slot mode's
+# tables (q heads of one token x keys of a named block). The dK/dV (a program per tile of a block's keys, walking
+# the tokens that name the block, BLOCK_T tokens x BLOCK_H heads per step) reads each token's q and dO rows once per
+# tile, so up to 256 its tile is 64 keys: 16 rows x 64 keys on 8 warps compiled to sm90's wgmma (145-154 registers)
+# and sm100's tcgen05 (96), 4 waves on CDNA (210-216 VGPRs on gfx942, no repeated MFMA; 8 waves repeat it twice),
+# where the range mode's 16 x 16 read them four times as often; above 256 the range mode's tile.
+_BLOCK_TWINS = {"block_fwd": "fwd", "block_dq": "dq", "block_dkv": "range_dkv"}
+for _kernel, _twin in _BLOCK_TWINS.items():
+    for _target, _rows in _TABLES[_twin].items():
+        _TABLES[_kernel][_target] = _rows
+for _target in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120"):
+    _TABLES["block_dkv"][_target] = ((256, 1 << 30, _C(16, 64, 8, 2)),) + _CUDA_RANGE["range_dkv"][1:]
+for _target in CDNA_TARGETS:
+    _TABLES["block_dkv"][_target] = ((256, 1 << 30, _W(16, 64, 4, 1)),) + _CDNA_RANGE["range_dkv"][1:]
+
+
 def range_tile(group: int, rows: int) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_H) of a range-mode tile of ``rows`` MMA rows: the group's q heads rounded up to
     a power of two (at most ``rows``), and as many query tokens as fill the rest."""
@@ -179,6 +208,8 @@ def step_bytes(kernel: str, block_h: int, block_n: int, block_dqk: int, block_dv
 def _ascend(kernel: str, block_dqk: int, block_dv: int, elem: int) -> AttnConfig:
     if kernel == "reduce":
         return _C(0, 64, 1, 1)
+    if kernel == "keys":
+        return _C(16, 0, 1, 1)
     if kernel == "pre":
         return _C(16, 0, 1, None)
     for block_h, block_n in _ASCEND_TILES:
@@ -190,13 +221,13 @@ def _ascend(kernel: str, block_dqk: int, block_dv: int, elem: int) -> AttnConfig
 def sparse_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem: int = 2,
                   group: int = 1) -> AttnConfig:
     """The config of sparse ``kernel`` (``KERNELS``: the slot mode's "fwd", "dq", "dkv", the range
-    mode's "range_fwd", "range_dq", "range_dkv", "reduce", "pre") on ``target``: ``block_dqk`` the
+    mode's "range_fwd", "range_dq", "range_dkv", "reduce", "keys", "pre") on ``target``: ``block_dqk`` the
     q/k blocks' total width (576 for 512 + 64), ``block_dv`` v's block, ``elem`` bytes per input
     element, ``group`` q heads per kv head. ``block_m`` is the slot mode's BLOCK_H, fitted to the group
     (``block_h_for``), and the range mode's MMA rows (``range_tile`` splits them)."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown sparse kernel {kernel!r}; expected one of {KERNELS}")
-    twin = RANGE_KERNELS.get(kernel, kernel)
+    twin = RANGE_KERNELS.get(kernel, BLOCK_KERNELS.get(kernel, kernel))
     if target == "interpreter":
         cfg = _INTERPRETER[kernel]
     elif target == "ascend":
@@ -205,6 +236,8 @@ def sparse_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem:
         cdna = target in CDNA_TARGETS
         if kernel == "reduce":
             cfg = _REDUCE["cdna" if cdna else "cuda"]
+        elif kernel == "keys":
+            cfg = next(c for w, c in _KEYS["cdna" if cdna else "cuda"] if block_dqk + block_dv <= w)
         elif kernel == "pre":
             cfg = next(c for w, c in _PRE if block_dv <= w)
         elif elem == 4:
@@ -216,6 +249,6 @@ def sparse_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem:
                 raise ValueError(f"no sparse {kernel} config for head blocks {block_dqk}/{block_dv} on {target}")
             cfg = rows[0]
         cfg = cfg._replace(fp_fusion=FP_FUSION) if cdna else cfg._replace(maxnreg=MAXNREG, fp_fusion=FP_FUSION)
-    if kernel in ("reduce", "pre") or kernel in RANGE_KERNELS:
+    if kernel in ("reduce", "keys", "pre", "block_dkv") or kernel in RANGE_KERNELS:
         return cfg
     return cfg._replace(block_m=block_h_for(group, cfg.block_m))

@@ -50,8 +50,9 @@ Masks reach the seam as Megatron builds them: per query row key bounds ``[start,
 (``varlen_starts/ends``, identity key positions: passed to the kernels as they are), explicit
 ``key_positions`` or an additive ``[sq, sk]``/``[b, sq, sk]`` mask of 0 and -inf (from a boolean
 ``attention_mask``): both folded into the index list (an entry whose key is not visible becomes -1;
-O(tokens × top-k)), with a device-side assert, no host sync, that the mask holds no finite bias
-other than 0 (Megatron only builds 0/-inf masks here; coreattn's sparse op takes no bias).
+O(tokens × top-k)). The sparse op takes no bias (Megatron builds 0/-inf masks only): another finite
+value at a selected key raises ValueError where coreattn reads values (``checks.reads_values``), else
+makes the output NaN without a host sync (a device-side assert would kill the CUDA context).
 The indexer's bounds are passed as key bounds too, except Megatron's plain causal bounds (no
 packing, context parallelism or custom positions), which 0.19's mask builder
 (``dsa_masking.build_dsattention_forward_mask``, run by Megatron and only observed here) marks as
@@ -72,6 +73,7 @@ import megatron.core
 from megatron.core.transformer.experimental_attention_variant import dsa as _dsa
 
 from coreattn.layers.backends import Backend, parse_backend
+from coreattn.layers.checks import reads_values
 from coreattn.layers.core_attention import CONFIG_BACKEND_ATTR
 from coreattn.layers.dsa import indexer as _indexer
 from coreattn.layers.dsa.sparse_attn import sparse_padded_attn
@@ -81,7 +83,8 @@ MEGATRON_VERSION = getattr(megatron.core, "__version__", "unknown")
 
 def _visible_topk(topk_indices, sq: int, b: int, skv: int, mask=None, starts=None, ends=None, key_positions=None):
     """What each query may attend, as coreattn's sparse op takes it on sbhd tensors: (indices
-    ``[sq, b, K]``, key bounds ``([sq, b], [sq, b])`` or None, top-left causal or not).
+    ``[sq, b, K]``, key bounds ``([sq, b], [sq, b])`` or None, top-left causal or not, a 0-dim bool
+    device tensor that is true where a mask was bad and could not be checked on the host, or None).
 
     Megatron hands ``topk_indices [b, sq, K]`` (key positions in the batch row, or rows of the
     packed stream for thd, where b = 1) with per-row bounds ``[sq]`` shared by the batch (on key
@@ -95,11 +98,11 @@ def _visible_topk(topk_indices, sq: int, b: int, skv: int, mask=None, starts=Non
         starts = starts.to(device=idx.device)[:, None]
         ends = ends.to(device=idx.device)[:, None]
         if key_positions is None:  # identity key positions: the bounds are key rows
-            return idx, (starts.expand(sq, b), ends.expand(sq, b)), False
+            return idx, (starts.expand(sq, b), ends.expand(sq, b)), False, None
         # bounds on key positions: test each named key's position, O(sq * b * K)
         pos = key_positions.to(device=idx.device)[idx.clamp(0, skv - 1)]  # [sq, b, K]
         seen = (idx >= 0) & (idx < skv) & (pos >= starts[..., None]) & (pos < ends[..., None])
-        return torch.where(seen, idx, -1), None, False
+        return torch.where(seen, idx, -1), None, False, None
     if mask is not None:
         if mask.dim() == 2:
             mask = mask.unsqueeze(0)
@@ -108,20 +111,25 @@ def _visible_topk(topk_indices, sq: int, b: int, skv: int, mask=None, starts=Non
         safe = topk_indices.clamp(0, skv - 1).long()  # gather takes int64 (coreattn's indexer hands int32)
         picked = mask.expand(b, sq, skv).gather(-1, safe).transpose(0, 1)  # [sq, b, K]
         named = (idx >= 0) & (idx < skv)
-        torch._assert_async(((picked == 0) | (picked == float("-inf")) | ~named).all(),
-                            "coreattn's DSAttention takes 0/-inf masks only (the sparse op has no additive bias)")
-        return torch.where(named & (picked == 0), idx, -1), None, False
-    return idx, None, True
+        bad = ~((picked == 0) | (picked == float("-inf")) | ~named).all()  # 0-dim, on the mask's device
+        if reads_values(bad):
+            if bad:
+                raise ValueError("DSAttention's attention mask has a finite bias other than 0 at a selected key: "
+                                 "coreattn's DSAttention takes 0/-inf masks only (the sparse op has no bias)")
+            bad = None
+        return torch.where(named & (picked == 0), idx, -1), None, False, bad
+    return idx, None, True, None
 
 
 def _sparse(module, query, key, value, visible, softmax_scale, *, v_head_dim=None, topk_length=None):
     """coreattn's sparse op on sbhd tensors: ``[sq, b, np, dv]``."""
-    idx, bounds, causal = visible
+    idx, bounds, causal, bad = visible
     if topk_length is not None:  # Megatron's [b, sq] -> the op's token dims [sq, b]
         topk_length = topk_length.transpose(0, 1)
-    return sparse_padded_attn(query, key, value, idx, layout="sbhd", causal=causal, causal_alignment="top_left",
-                              softmax_scale=softmax_scale, v_head_dim=v_head_dim, key_bounds=bounds,
-                              topk_length=topk_length, backend=module.backend)
+    out = sparse_padded_attn(query, key, value, idx, layout="sbhd", causal=causal, causal_alignment="top_left",
+                             softmax_scale=softmax_scale, v_head_dim=v_head_dim, key_bounds=bounds,
+                             topk_length=topk_length, backend=module.backend)
+    return out if bad is None else out.masked_fill(bad, float("nan"))  # unchecked on the host: NaN if bad
 
 
 def _run_sparse_attention_v019(module, *, absorbed_mla, query, key, value, up_v_weight, topk_indices,

@@ -40,6 +40,16 @@ _SEMANTICS = """
       ``key_bounds`` still apply): DeepSeek-V4's sliding window of raw keys next to its compressed
       entries. The window's entries join the prepared indices: memory O(tokens x (K + window)).
 
+    ``block_size`` (optional, an int >= 1: block-sparse attention, MiniMax-M3's): an entry names a
+    *block* of ``block_size`` contiguous keys instead of one key: block c of the token's sequence is
+    the key positions ``c * block_size .. (c + 1) * block_size - 1`` counted from the sequence's first
+    key (thd: cu_seqlens_k's row of the sequence; padded: position 0 of the sample, so blocks sit on
+    absolute positions whatever the spans); a negative entry is unused, a block named twice counts
+    once, and every key of a named block then follows the rules above (its sequence, causality: the
+    block holding the query is causal inside, ``key_bounds``). Rows are ``[.., Hkv, nblocks]`` or
+    ``[.., nblocks]``; memory O(tokens x nblocks): a block is never expanded into its keys' indices.
+    Not with ``key_window``.
+
     ``softmax_offset`` (optional, a floating ``[Hq]`` tensor, or one logit per token and head, thd
     ``[T, Hq]`` / padded ``[B, Hq, S]``; differentiable: attention sinks, as gpt-oss's and
     DeepSeek-V4's, Inkling 2's per token): each row's softmax denominator gains ``exp(offset)``, a
@@ -93,8 +103,25 @@ def _check_key_window(key_window) -> tuple[int, int]:
     return left, right
 
 
+def _check_block_size(block_size, key_window) -> int:
+    """0 for token entries, else the block size (an int >= 1)."""
+    if block_size is None:
+        return 0
+    if isinstance(block_size, bool):
+        raise TypeError("block_size must be None or an int >= 1, got bool")
+    try:
+        size = operator.index(block_size)
+    except TypeError:
+        raise TypeError(f"block_size must be None or an int >= 1, got {type(block_size).__name__}") from None
+    if not 1 <= size < 2**31:
+        raise ValueError(f"block_size must be >= 1 (keys per named block), got {size}")
+    if key_window is not None:
+        raise ValueError("key_window adds token entries; it cannot be combined with block_size (block entries)")
+    return size
+
+
 def _run(q, k, v, topk_indices, layout: SparseLayout, topk_length, v_dim: int, key_bounds, softmax_scale, causal,
-         causal_alignment, return_lse, backend, key_window=None, softmax_offset=None):
+         causal_alignment, return_lse, backend, key_window=None, softmax_offset=None, block_size=None):
     """The checks common to both layouts (q, k, v and the layout already checked), then the op."""
     fmt = layout.fmt
     topk = check_topk_indices(topk_indices, q, k.shape[-2], fmt)
@@ -103,10 +130,11 @@ def _run(q, k, v, topk_indices, layout: SparseLayout, topk_length, v_dim: int, k
     scale, bottom_right = _check_common(softmax_scale, causal, causal_alignment, q.shape[-1])
     check_flag("return_lse", return_lse)
     window = _check_key_window(key_window)
+    blocks = _check_block_size(block_size, key_window)
     offset = check_softmax_offset(softmax_offset, q, fmt)
     override = "" if backend is None else parse_backend(backend).value
     out, lse = sparse_attention(q, k, v, topk, length, layout, bounds, causal, bottom_right, scale, v_dim, override,
-                                validate=True, window=window, softmax_offset=offset)
+                                validate=True, window=window, softmax_offset=offset, block_size=blocks)
     return (out, lse) if return_lse else out
 
 
@@ -117,7 +145,7 @@ def sparse_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                        v_head_dim: int | None = None,
                        key_bounds: tuple[torch.Tensor, torch.Tensor] | None = None, return_lse: bool = False,
                        backend: str | Backend | None = None, key_window: tuple[int, int] | None = None,
-                       softmax_offset: torch.Tensor | None = None):
+                       softmax_offset: torch.Tensor | None = None, block_size: int | None = None):
     """Top-k sparse attention over packed variable-length sequences (DeepSeek Sparse Attention's core).
 
     Args:
@@ -139,6 +167,7 @@ def sparse_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
             natural log; not differentiable).
         backend: see below.
         key_window, softmax_offset: keys added around each token, attention sinks (see below).
+        block_size: entries name blocks of that many keys of the token's sequence (see below).
 
     Returns:
         ``out`` ``[Tq, Hq, Dv]`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
@@ -154,7 +183,7 @@ def sparse_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
             check_max_seqlen(name, value, 0)
     return _run(q, k, v, topk_indices, SparseLayout("thd", cu_seqlens_q, None, cu_seqlens_k, None), topk_length,
                 v_dim, key_bounds, softmax_scale, causal, causal_alignment, return_lse, backend, key_window,
-                softmax_offset)
+                softmax_offset, block_size)
 
 
 def sparse_padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, topk_indices: torch.Tensor, *,
@@ -164,7 +193,8 @@ def sparse_padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                        causal_alignment: str = "bottom_right", topk_length: torch.Tensor | None = None,
                        v_head_dim: int | None = None, key_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
                        return_lse: bool = False, backend: str | Backend | None = None,
-                       key_window: tuple[int, int] | None = None, softmax_offset: torch.Tensor | None = None):
+                       key_window: tuple[int, int] | None = None, softmax_offset: torch.Tensor | None = None,
+                       block_size: int | None = None):
     """Top-k sparse attention on a padded batch (bshd, or Megatron's sbhd), used in place.
 
     Args:
@@ -193,7 +223,8 @@ def sparse_padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
     q_start, q_len = check_spans("q_start", q_start, "q_len", q_len, batch, seq_len_dim(q, layout), q.device)
     k_start, k_len = check_spans("k_start", k_start, "k_len", k_len, batch, seq_len_dim(k, layout), q.device)
     return _run(q, k, v, topk_indices, SparseLayout(layout, q_start, q_len, k_start, k_len), topk_length, v_dim,
-                key_bounds, softmax_scale, causal, causal_alignment, return_lse, backend, key_window, softmax_offset)
+                key_bounds, softmax_scale, causal, causal_alignment, return_lse, backend, key_window, softmax_offset,
+                block_size)
 
 
 for _fn in (sparse_varlen_attn, sparse_padded_attn):  # the semantics both docstrings share

@@ -1,41 +1,57 @@
 """The DSA lightning indexer's top-k and sparse loss on torch_npu's operators: the npu_fused mappings.
 
 - ``indexer_topk_npu``: ``npu_lightning_indexer`` (BSND; thd as one sample) with
-  ``sparse_mode`` 3 (its bottom-right causal mask) or 0 (none). It scores ReLU-activated heads,
-  64 heads of 128 against one key of 128, float16/bfloat16, ``sparse_count`` up to 2,048, so a call
-  fits when those hold and its keys are what one of the two modes gives per sample (no
-  ``key_bounds``, no packed ``cu_seqlens``: the operator's index convention across packed
-  sequences is not documented). What the operator does differently is converted: its rows are in
-  score order and may name keys its mask hid (its reference sorts them in with score -inf), so an
-  entry outside the token's bounds becomes -1, and each row is ordered as coreattn orders it
-  (score descending, then position, -1 last) on the scores it returns (``return_value=True``).
-  Which key wins an exact tie for the K-th place is the operator's (not documented).
+  ``sparse_mode`` 3 (its bottom-right causal mask) or 0 (none). It scores ReLU-activated heads, up
+  to 64 heads of 128 against one key of 128, float16/bfloat16 q, k and weights of one dtype,
+  ``sparse_count`` 1 to 2,048 or a multiple of 1,024 up to 8,192, so a call fits when those hold and
+  its keys are what one of the two modes gives per sample (no ``key_bounds``, no packed
+  ``cu_seqlens``: coreattn does not pass the operator sequence lengths). What the operator does
+  differently is converted: its rows are in score order and may name keys its mask hid (its
+  reference sorts them in with score -inf), so an entry outside the token's bounds becomes -1, and
+  each row is ordered as coreattn orders it (score descending, then position, -1 last) on the
+  scores it returns (``return_value=True``; they come back in the query's dtype, so keys whose
+  scores round to one value there are ordered by position). Which key wins an exact tie for the
+  K-th place is the operator's (not documented).
 - ``indexer_loss_npu``: ``npu_sparse_lightning_indexer_grad_kl_loss`` (the sparse loss and its
   q/k/weights gradients in one call) fed the attention's softmax statistics by an
   ``npu_sparse_flash_attention`` forward over the same index list (the pairing the operator
-  documents; the attention side is absorbed MLA, as there). The index list is prepared as sparse
-  attention's (coreattn/layers/npu_fused/sparse.py: the token's bounds applied, repeats dropped, -1
-  last), so the operator's causal mode 3 masks nothing more where the call fits (causal keys, not
-  past its bottom-right diagonal). The rows are padded with -1 to the next K of its table (1,024,
-  2,048, 4,096, ...). Its loss is the sum over rows (MindSpeed divides it by B * S): coreattn scales
-  loss and gradients by ``loss_coeff`` and 1 / rows (not per-token). A row mask
-  (``query_valid_rows``), tensor-parallel heads, identity scoring, the dense loss and sizes outside
-  its table (32, 64 or 128 attention heads, 8 to 64 index heads, S1 <= 8K) fall back.
+  documents; the attention side is absorbed MLA, as there). Its kernel reads ``min(K, S2 - S1 + s +
+  1)`` slots of row s of each sample (its causal mode 3 counted from the sample's start) whatever
+  they hold: a -1 or a key past that count inside them is neither gathered nor masked, and the
+  slot's stale contents enter the loss and the gradients. So it is called only where every row
+  holds exactly that many valid keys by construction (``loss_unfit``): the top-k coreattn selects
+  in the same call (``indexer_topk_and_loss``) over causal keys of whole samples (bottom-right, or
+  as many keys as queries), its width one of the operator's K (1,024, 2,048, 4,096, ...) or every
+  key (top-k >= Sk: each row then names all its causal keys); given ``topk_indices``, packed
+  ``cu_seqlens`` (one BSND sample counts a later sequence's rows from the sample's start) and a
+  narrower top-k (padded to the operator's K: its rows past the top-k hold -1 inside the read
+  slots) fall back, as do a row mask (``query_valid_rows``), tensor-parallel heads, identity
+  scoring, the dense loss and sizes outside its table (32, 64 or 128 attention heads, 8 to 64 index
+  heads, B <= 256, S1 <= 8K, S2 <= 128K). The rows are prepared as sparse attention's
+  (coreattn/layers/npu_fused/sparse.py: ascending, -1 last) and padded with -1 to the operator's K.
+  Its loss is the sum over rows of KL with both distributions clamped at 1e-8 (MindSpeed divides it
+  by B * S; Megatron clamps only the target inside its log, at 1e-10: the logged values differ
+  where the indexer gives a key that carries attention less than 1e-8, docs/ascend.md); coreattn
+  scales loss and gradients by ``loss_coeff`` and 1 / rows (not per-token). Its gradients are
+  Megatron's (softmax of the index scores minus the target).
 
-Nothing here reads a device tensor on the host; the operators take no host lists in BSND.
+Nothing here reads a device tensor on the host; the operators take no host lists in BSND. An
+operator whose kernel turns out missing on the device raises ``NpuOpUnavailable`` from its first
+call (coreattn.kernels.npu.run_npu_op), for the caller to fall back.
 """
 
 from __future__ import annotations
 
 import torch
 
+from coreattn.kernels import npu
 from coreattn.kernels.sparse_index import prepare_topk
 from coreattn.layers.npu_fused.sparse import (SFA_DIM, SFA_DTYPES, SFA_ROPE_DIM, UNLIMITED, op_indices, sfa_forward,
-                                              split_rope, to_bsnd, torch_npu_op)
+                                              split_rope, to_bsnd)
 
-INDEX_HEADS = (64,)  # npu_lightning_indexer: "N1 only supports 64" (a later revision: <= 64 on A2/A3)
+INDEX_HEADS = tuple(range(1, 65))  # npu_lightning_indexer: N1 <= 64 on Atlas A2/A3 (the earlier page: 64 only)
 INDEX_DIM = 128  # D of its query and key
-MAX_SPARSE_COUNT = 2048  # sparse_count in [1, 2048] (a later revision adds 3072, 4096, ..., 8192)
+MAX_SPARSE_COUNT = 8192  # sparse_count in [1, 2048], or a multiple of 1,024 up to 8,192
 CAUSAL, FULL = 3, 0  # sparse_mode: rightDownCausal / defaultMask
 INT32_MAX = 2**31 - 1
 # npu_sparse_lightning_indexer_grad_kl_loss's table of supported sizes
@@ -69,22 +85,30 @@ def _index_side_unfit(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, r
         return (f"{name} takes float16 or bfloat16 q, k and weights of one dtype, got {q.dtype}, {k.dtype}, "
                 f"{weights.dtype}")
     if q.shape[-2] not in heads or q.shape[-1] != INDEX_DIM:
-        return (f"{name} takes {' or '.join(map(str, heads))} index heads of {INDEX_DIM}, got {q.shape[-2]} of "
-                f"{q.shape[-1]}")
+        allowed = f"1 to {heads[-1]}" if heads == INDEX_HEADS else " or ".join(map(str, heads))
+        return f"{name} takes {allowed} index heads of {INDEX_DIM}, got {q.shape[-2]} of {q.shape[-1]}"
     return None
 
 
+def sparse_count_fits(count: int) -> bool:
+    """npu_lightning_indexer's sparse_count: 1 to 2,048, or a multiple of 1,024 up to 8,192."""
+    return 1 <= count <= 2048 or (count <= MAX_SPARSE_COUNT and count % 1024 == 0)
+
+
 def topk_unfit(q, k, weights, topk: int, relu: bool, return_scores: bool, mode: int | str) -> str | None:
-    """None when ``npu_lightning_indexer`` can select this call's top-k, else the limit it breaks."""
+    """None when ``npu_lightning_indexer`` can select this call's top-k, else the limit it breaks
+    (``topk``: the width it selects, min(topk, Sk))."""
     if isinstance(mode, str):
         return f"npu_lightning_indexer: {mode}"
     unfit = _index_side_unfit(q, k, weights, relu, "npu_lightning_indexer", INDEX_HEADS)
     if unfit:
         return unfit
-    if topk > MAX_SPARSE_COUNT:
-        return f"npu_lightning_indexer selects up to {MAX_SPARSE_COUNT} keys (sparse_count), got topk={topk}"
+    if not sparse_count_fits(topk):
+        return (f"npu_lightning_indexer selects 1 to 2048 keys or a multiple of 1024 up to {MAX_SPARSE_COUNT} "
+                f"(sparse_count), got topk={topk}")
     if return_scores:
-        return "npu_lightning_indexer's sparse_values are documented as int32, not coreattn's float32 scores"
+        return ("npu_lightning_indexer's sparse_values come back in the query's dtype, not as coreattn's float32 "
+                "scores")
     return None
 
 
@@ -102,10 +126,10 @@ def indexer_topk_npu(q, k, weights, key_lo, key_hi, topk: int, fmt: str, mode: i
     width = min(topk, seqlen_k)
     if batch * seqlen_q == 0 or width == 0:
         return torch.full((batch * seqlen_q, width), -1, dtype=index_dtype, device=q.device)
-    idx, values = torch_npu_op("npu_lightning_indexer")(
-        query, key, w, actual_seq_lengths_query=None, actual_seq_lengths_key=None, block_table=None,
-        layout_query="BSND", layout_key="BSND", sparse_count=width, sparse_mode=mode, pre_tokens=UNLIMITED,
-        next_tokens=UNLIMITED, return_value=True)
+    idx, values = npu.run_npu_op(
+        "npu_lightning_indexer", query.device, query, key, w, actual_seq_lengths_query=None,
+        actual_seq_lengths_key=None, block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=width,
+        sparse_mode=mode, pre_tokens=UNLIMITED, next_tokens=UNLIMITED, return_value=True)
     idx = idx.reshape(batch * seqlen_q, width).to(torch.int64)
     values = values.reshape(batch * seqlen_q, width).to(torch.float32)
     kept = (idx >= key_lo.to(torch.int64)[:, None]) & (idx < key_hi.to(torch.int64)[:, None])
@@ -123,21 +147,30 @@ def loss_topk(width: int) -> int | None:
 
 
 def loss_unfit(q, k, weights, query, key, *, sparse: bool, relu: bool, query_valid_rows, tp_group, fmt: str,
-               causal: bool, bottom_right: bool, key_bounds: bool, width: int) -> str | None:
+               causal: bool, bottom_right: bool, key_bounds: bool, width: int, selected: bool = False,
+               packed: bool = False) -> str | None:
     """None when ``npu_sparse_lightning_indexer_grad_kl_loss`` can compute this call's loss over index
-    rows of ``width`` entries, else why not. Its causal mode 3 must mask nothing the prepared index
-    list keeps: causal keys not past the bottom-right diagonal of the sample (thd: one sample,
-    packed sequences included)."""
+    rows of ``width`` entries, else why not. Its kernel reads min(K, S2 - S1 + s + 1) slots of row s
+    whatever they hold, so each row must hold exactly that many valid keys by construction: rows of
+    the top-k coreattn ``selected`` in this call, over causal keys of whole samples (not ``packed``
+    sequences), as many as the operator's K or every key (module docstring)."""
     name = "npu_sparse_lightning_indexer_grad_kl_loss"
     if not sparse:
         return ("the dense loss: npu_dense_lightning_indexer_grad_kl_loss takes per-head keys of 128 + 64 (N2 = N1) "
                 "and the dense attention's softmax_max/softmax_sum, which no documented torch_npu attention "
                 "operator returns in its layout")
+    read = f"{name} reads min(K, S2 - S1 + s + 1) slots of every row s whatever they hold"
+    if not selected:
+        return (f"given topk_indices: {read}, which only rows coreattn's top-k selects in the same call fill by "
+                "construction (indexer_topk_and_loss)")
     batch = 1 if fmt == "thd" else (q.shape[0] if fmt == "bshd" else q.shape[1])
     seqlen_q, seqlen_k = (q.shape[0], k.shape[0]) if fmt != "bshd" else (q.shape[1], k.shape[1])
     if key_bounds or not causal:
         return f"{name} documents its causal sparse_mode 3 only: causal keys without key_bounds"
-    if (fmt == "thd" or not bottom_right) and seqlen_k < seqlen_q:
+    if packed:
+        return (f"packed sequences (cu_seqlens): {read}, counted from the start of the one BSND sample, and a later "
+                "sequence's rows hold fewer keys than their position there")
+    if (fmt == "thd" or not bottom_right) and seqlen_k != seqlen_q:
         return (f"{name}'s causal mode is aligned bottom-right: top-left causal over {seqlen_q} queries and "
                 f"{seqlen_k} keys")
     unfit = _index_side_unfit(q, k, weights, relu, name, LOSS_INDEX_HEADS)
@@ -154,8 +187,12 @@ def loss_unfit(q, k, weights, query, key, *, sparse: bool, relu: bool, query_val
                 f"got query {tuple(query.shape)}, key {tuple(key.shape)}")
     if query.shape[-2] not in LOSS_HEADS:
         return f"{name} takes {', '.join(map(str, LOSS_HEADS))} attention heads, got {query.shape[-2]}"
-    if loss_topk(width) is None:
+    k_op = loss_topk(width)
+    if k_op is None:
         return f"{name} takes index rows of up to {LOSS_TOPK[-1]} entries (K), got {width}"
+    if width != k_op and width < seqlen_k:
+        return (f"top-k {width} below the operator's K {k_op}: {read}, and rows with more than {width} causal keys "
+                f"hold -1 inside them")
     if batch > LOSS_MAX_BATCH or seqlen_q > LOSS_MAX_SEQLEN_Q or seqlen_k > LOSS_MAX_SEQLEN_K:
         return (f"{name} takes B <= {LOSS_MAX_BATCH}, S1 <= {LOSS_MAX_SEQLEN_Q}, S2 <= {LOSS_MAX_SEQLEN_K} (thd: one "
                 f"sample of T), got B {batch}, S1 {seqlen_q}, S2 {seqlen_k}")
@@ -177,10 +214,10 @@ def indexer_loss_npu(q, k, weights, query, key, key_lo, key_hi, fmt: str, *, sof
     idx, has_key = op_indices(prepared, key_lo, key_hi, seqlen_k, batch)
     halves = split_rope(query, fmt) + split_rope(key, fmt)  # query, query_rope, key, key_rope
     _, smax, ssum = sfa_forward(*halves, idx, softmax_scale)
-    dq, dk, dw, loss = torch_npu_op("npu_sparse_lightning_indexer_grad_kl_loss")(
-        halves[0], halves[2], query_index, key_index, w, idx, smax, ssum, softmax_scale, query_rope=halves[1],
-        key_rope=halves[3], actual_seq_qlen=None, actual_seq_klen=None, layout="BSND", sparse_mode=CAUSAL,
-        pre_tokens=UNLIMITED, next_tokens=UNLIMITED)
+    dq, dk, dw, loss = npu.run_npu_op(
+        "npu_sparse_lightning_indexer_grad_kl_loss", q.device, halves[0], halves[2], query_index, key_index, w, idx,
+        smax, ssum, softmax_scale, query_rope=halves[1], key_rope=halves[3], actual_seq_qlen=None,
+        actual_seq_klen=None, layout="BSND", sparse_mode=CAUSAL, pre_tokens=UNLIMITED, next_tokens=UNLIMITED)
     scale = float(loss_coeff) / (1.0 if per_token else max(batch * seqlen_q, 1))
     loss = loss.reshape(()).to(torch.float32) * scale
     if not grads:

@@ -27,6 +27,7 @@ CHUNK_BYTES = {"cpu": 16 * 2**20}  # per device type; a CPU chunk's temporaries 
 LOW_WORD = 2**32 - 1
 NEG_INF_WORD = -2139095041  # the ordered high word of -inf: keys at or below it are never selected
 MIN_KEY = -(2**63)
+NAN_WORD = 0x7FC00000  # the ordered high word of every NaN score (the positive quiet NaN's)
 
 
 def chunk_bytes(device: torch.device | None = None) -> int:
@@ -123,6 +124,7 @@ def pack_keys(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor
     s = torch.where(scores == 0, torch.zeros_like(scores), scores).to(torch.float32)  # -0.0 -> +0.0
     bits = s.view(torch.int32)
     okey = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    okey = torch.where(torch.isnan(s), NAN_WORD, okey)  # any NaN (either sign): above +inf, as torch.topk
     keys = (okey.to(torch.int64) << 32) | (LOW_WORD - positions.to(torch.int64))
     return torch.where(valid, keys, torch.full_like(keys, MIN_KEY))
 
@@ -154,7 +156,7 @@ def select(scores: torch.Tensor, valid: torch.Tensor, k0: int, width: int) -> tu
         ranked = torch.where(ranked == 0, torch.zeros_like(ranked), ranked)
         order = torch.sort(ranked, dim=1, descending=True, stable=True).indices[:, :take]
         top = ranked.gather(1, order)
-        ok = top > float("-inf")
+        ok = (top > float("-inf")) | top.isnan()
         idx[:, :take] = torch.where(ok, positions[order], torch.full_like(order, -1))
         out[:, :take] = torch.where(ok, top, torch.full_like(top, float("-inf")))
         return idx, out

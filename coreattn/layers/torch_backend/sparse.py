@@ -51,6 +51,7 @@ import os
 import torch
 
 from coreattn.layers.checks import reads_values
+from coreattn.layers.torch_backend.sparse_block_rows import BlockRows
 from coreattn.layers.torch_backend.sparse_blocks import block_bwd, block_cost, block_fwd
 from coreattn.layers.torch_backend.sparse_inputs import SparseProblem, by_sample, lse_by_sample, new_lse
 from coreattn.layers.torch_backend.sparse_plan import Plan, UnitStats, plan_device, plan_host, static_width, unit_stats
@@ -86,9 +87,17 @@ def _plan(p: SparseProblem, k: torch.Tensor, backward: bool) -> tuple[UnitStats 
     return None, plan_device(p.units, width, unit_bytes(p, width, backward, k_elt), budget, device)
 
 
+def _rows(topk, blocks):
+    """The prepared rows as token rows: block mode's (``blocks``: the launchers' ``BlockLayout``) expanded
+    per chunk by ``BlockRows``."""
+    return topk if blocks is None else BlockRows(topk, blocks.size)
+
+
 def sparse_attn_torch_fwd(q, k, v, topk, key_lo, key_hi, fmt: str, softmax_scale: float, *, v_dim: int | None = None,
-                          out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
-    """(out, lse) of top-k sparse attention; ``out`` / ``lse`` may be given to be written in place."""
+                          out: torch.Tensor | None = None, lse: torch.Tensor | None = None, blocks=None):
+    """(out, lse) of top-k sparse attention; ``out`` / ``lse`` may be given to be written in place;
+    ``blocks``: the block mode (``topk`` holds the key rows of named blocks, sparse_block_rows.py)."""
+    topk = _rows(topk, blocks)
     v_dim = v.shape[-1] if v is not None else v_dim
     p = SparseProblem(q, k, v, topk, key_lo, key_hi, fmt, softmax_scale, v_dim)
     out = q.new_empty(tuple(q.shape[:-1]) + (v_dim,)) if out is None else out
@@ -106,10 +115,11 @@ def sparse_attn_torch_fwd(q, k, v, topk, key_lo, key_hi, fmt: str, softmax_scale
 
 
 def sparse_attn_torch_bwd(dout, q, k, v, out, lse, topk, key_lo, key_hi, fmt: str, softmax_scale: float, *,
-                          v_dim: int | None = None, atomic: bool = False):
+                          v_dim: int | None = None, atomic: bool = False, blocks=None):
     """(dq, dk, dv or None) from the forward's out and lse; absorbed (v None): dV is folded into dk's
     first ``v_dim`` columns. ``atomic`` is the launcher's option and changes nothing here (this
-    backward is always deterministic)."""
+    backward is always deterministic); ``blocks`` as for the forward."""
+    topk = _rows(topk, blocks)
     v_dim = v.shape[-1] if v is not None else v_dim
     p = SparseProblem(q, k, v, topk, key_lo, key_hi, fmt, softmax_scale, v_dim)
     dq = torch.zeros_like(q, memory_format=torch.contiguous_format)

@@ -1,13 +1,17 @@
-"""Model-specific paths of coreattn's transformers adapter: the models whose attention needs more
-than the attention function (their own modules wrapped while "coreattn" runs them).
+"""One module per transformers model family that coreattn runs with its own code (as transformers lays out
+``models/<name>/``): the models whose attention needs more than the attention function, their own modules
+wrapped while "coreattn" runs them. Each module names the transformers methods it wraps or relies on and
+the release it was written against, and refuses (``check_source``), naming the method, under a
+transformers whose wrapped code differs.
 
 Owns: ``inkling2.py`` (Inkling 2 and Inkling 2 Loop: the low-rank relative bias's factors, the
-per-token sinks, the block-attention residuals) and ``t5.py`` (the T5 family's bucketed relative
-bias, its all-zeros cross-attention bias). Each module names the transformers methods it wraps or
-relies on and the release it was written against, and refuses (``check_source``) a transformers
-whose code there differs. Shared here: ``PositionBias`` (what a wrapped bias module hands the
-attention function instead of its ``[B, H, S, T]`` tensor), ``uses_coreattn`` and the source check
-(``source_reason``).
+per-token sinks, the block-attention residuals), ``t5.py`` (the T5 family's bucketed relative
+bias, its all-zeros cross-attention bias) and ``minimax_m3.py`` (MiniMax-M3, ``minimax_m3_vl``: its
+indexer's block-max top-k and its block-sparse attention). Shared here: ``install`` (the one registry:
+every family's wrappers, as ``register()`` installs them), ``PositionBias`` (what a wrapped bias module
+hands the attention function instead of its ``[B, H, S, T]`` tensor), ``uses_coreattn`` and the source
+check (``source_reason``). The shared machinery (the attention function, the mask builder) is the
+package root's.
 
 May import: ``coreattn.kernels``, ``coreattn.layers`` and ``coreattn.adapters.transformers``;
 transformers inside functions only.
@@ -21,6 +25,17 @@ import inspect
 import textwrap
 
 RELEASE = "5.25.0"  # the transformers release the modules here were written against
+
+
+def install(name: str, sparse_backend=None) -> list[str]:
+    """Wrap every family's modules (idempotent) for the attention implementation ``name``, MiniMax-M3's
+    indexer pinned to ``sparse_backend``; the model types this transformers has."""
+    from coreattn.adapters.transformers.models import inkling2, minimax_m3, t5
+
+    installed = inkling2.install() + t5.install()
+    if minimax_m3.install(name, sparse_backend):
+        installed += list(minimax_m3.MODEL_TYPES)
+    return installed
 
 
 class PositionBias:

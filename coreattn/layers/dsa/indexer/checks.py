@@ -111,16 +111,26 @@ def check_index_dtype(index_dtype) -> torch.dtype:
     return index_dtype
 
 
-def check_topk(topk) -> int:
-    if isinstance(topk, bool):
-        raise TypeError("topk must be an int, got bool")
+def _int_at_least(value, name: str, low: int) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
     try:
-        topk = operator.index(topk)
+        value = operator.index(value)
     except TypeError:
-        raise TypeError(f"topk must be an int, got {type(topk).__name__}") from None
-    if topk < 1:
-        raise ValueError(f"topk must be >= 1, got {topk}")
-    return topk
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def check_topk(topk, name: str = "topk") -> int:
+    """An int >= 1."""
+    return _int_at_least(topk, name, 1)
+
+
+def check_count(value, name: str) -> int:
+    """An int >= 0."""
+    return _int_at_least(value, name, 0)
 
 
 def check_span(max_seqlen, tokens: Tokens) -> int | None:

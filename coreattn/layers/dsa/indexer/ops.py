@@ -18,16 +18,19 @@ from typing import NamedTuple
 
 import torch
 
+from coreattn.kernels import npu
 from coreattn.layers.backends import NPU_LOSS_OPS, NPU_TOPK_OPS, Backend
 from coreattn.layers.dsa.indexer import checks
 from coreattn.layers.dsa.indexer.function import HadamardFunction, IndexerLossFunction, indexer_backend, loss_npu
 from coreattn.layers.npu_fused.indexer import indexer_topk_npu, loss_unfit, mask_mode, topk_unfit
+from coreattn.layers.torch_backend.indexer_blocks import block_topk_torch
 from coreattn.layers.torch_backend.indexer_loss import loss_torch
 from coreattn.layers.torch_backend.indexer_topk import topk_torch
 
 
 class IndexerTopk(NamedTuple):
     indices: torch.Tensor  # index_dtype [*tokens, K], K = min(topk, Sk): score descending, then position; -1 unused
+    # (block mode: [*tokens, H, K] block ids, K = min(topk, blocks))
     scores: torch.Tensor | None  # float32 [*tokens, K] (float64 for float64 inputs on torch), -inf unused
 
 
@@ -50,15 +53,30 @@ def _mask_mode(tokens, cu_seqlens, causal, causal_alignment, key_bounds):
                      cu_seqlens is not None, key_bounds is not None)
 
 
-def _topk_backend(q, k, weights, topk, relu, return_scores, mode, backend) -> Backend:
+def _topk_backend(tokens, q, k, weights, topk, relu, return_scores, mode, backend) -> Backend:
+    width = min(topk, tokens.seqlen_k)
     return indexer_backend(q.device, backend, what="indexer top-k", ops=NPU_TOPK_OPS,
-                           unfit=lambda: topk_unfit(q, k, weights, topk, relu, return_scores, mode))
+                           unfit=lambda: topk_unfit(q, k, weights, width, relu, return_scores, mode))
+
+
+def _select(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, chosen: Backend, index_dtype, mode,
+            backend):
+    """``_topk`` on ``chosen``; where torch_npu's indexer turns out to have no kernel on this device
+    (its first call says so, remembered), on the backend chosen again (unless the caller named npu_fused)."""
+    try:
+        return _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, chosen, index_dtype, mode)
+    except npu.NpuOpUnavailable:
+        again = _topk_backend(tokens, q, k, weights, topk, relu, return_scores, mode, backend)
+        if again is Backend.NPU_FUSED:
+            raise
+        return _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, again, index_dtype, mode)
 
 
 def indexer_topk(q, k, weights, topk: int, *, layout: str = "thd", cu_seqlens=None, causal: bool = True,
                  causal_alignment: str = "bottom_right", key_bounds=None, relu: bool = True,
                  return_scores: bool = False, max_seqlen=None, backend=None,
-                 index_dtype: torch.dtype = torch.int64) -> IndexerTopk:
+                 index_dtype: torch.dtype = torch.int64, block_size: int | None = None,
+                 local_blocks: int = 1) -> IndexerTopk:
     """The ``topk`` keys of largest index score for every query token, without a [T, T] tensor.
 
     ``score[n, j] = sum_h weights[n, h] * act(q[n, h] . k[j])`` in float32 (act: ReLU with
@@ -77,7 +95,22 @@ def indexer_topk(q, k, weights, topk: int, *, layout: str = "thd", cu_seqlens=No
     ``max_seqlen`` (thd, optional host int): at least every row's key span, the tail past
     ``cu_seqlens[-1]`` included; the torch backend on a GPU then scores each chunk of rows against
     the keys within that span only (it reads no bounds there: no sync), not the whole stream.
+
+    **Block mode** (``block_size`` B, ``weights`` None: MiniMax-M3's indexer): the keys are cut into
+    blocks of B (block c: positions ``origin + c * B ..``, ``origin`` the row's first visible key in thd,
+    its sequence's start; 0 in the padded layouts) and every head h selects on its own: block c scores
+    ``max act(q[n, h] . k[j])`` over the block's visible keys (no weights, no head sum; act as above:
+    ``relu=False`` is MiniMax-M3's raw q . k), -inf without one; the ``local_blocks`` blocks ending at the
+    row's last visible key's block (at least block 0) score +inf, always kept. Indices are block ids
+    ``[*tokens, H, K]``, K = min(topk, cdiv(Sk, B)), ordered by the same rule (the lower block first among
+    equal scores), -1 unused: the rows ``sparse_*_attn(..., block_size=B)`` takes with H = its Hkv.
+    Memory: ``[*tokens, H, K]`` and one chunk of scores, never ``[T, T]``. The Triton kernel
+    (coreattn/kernels/indexer_blocks.py) computes the block scores; the selection is torch's top-k on
+    them (T / B blocks per row).
     """
+    if block_size is not None:
+        return _block_topk(q, k, weights, topk, layout, cu_seqlens, causal, causal_alignment, key_bounds, relu,
+                           return_scores, max_seqlen, backend, index_dtype, block_size, local_blocks)
     tokens, q, k, weights = checks.check_index_side(q, k, weights, layout)
     topk = checks.check_topk(topk)
     index_dtype = checks.check_index_dtype(index_dtype)
@@ -85,10 +118,41 @@ def indexer_topk(q, k, weights, topk: int, *, layout: str = "thd", cu_seqlens=No
                                           causal_alignment=causal_alignment, bounds=key_bounds,
                                           max_seqlen=checks.check_span(max_seqlen, tokens))
     mode = _mask_mode(tokens, cu_seqlens, causal, causal_alignment, key_bounds)
-    chosen = _topk_backend(q, k, weights, topk, relu, return_scores, mode, backend)
+    chosen = _topk_backend(tokens, q, k, weights, topk, relu, return_scores, mode, backend)
     with torch.no_grad():
-        idx, scores = _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, chosen, index_dtype,
-                            mode)
+        idx, scores = _select(tokens, q, k, weights, lo, hi, key_range, topk, relu, return_scores, chosen, index_dtype,
+                              mode, backend)
+    return IndexerTopk(tokens.unflat(idx), None if scores is None else tokens.unflat(scores))
+
+
+def _block_topk(q, k, weights, topk, layout, cu_seqlens, causal, causal_alignment, key_bounds, relu, return_scores,
+                max_seqlen, backend, index_dtype, block_size, local_blocks) -> IndexerTopk:
+    """indexer_topk's block mode (see its docstring)."""
+    if weights is not None:
+        raise ValueError("weights must be None with block_size: each head selects its own blocks (no head sum)")
+    block_size = checks.check_topk(block_size, "block_size")
+    local_blocks = checks.check_count(local_blocks, "local_blocks")
+    stand_in = q.new_zeros(()).expand(q.shape[:-1]) if isinstance(q, torch.Tensor) else None  # no weights to check
+    tokens, q, k, _ = checks.check_index_side(q, k, stand_in, layout)
+    topk = checks.check_topk(topk)
+    index_dtype = checks.check_index_dtype(index_dtype)
+    lo, hi, key_range = checks.key_bounds(tokens, q.device, cu_seqlens=cu_seqlens, causal=causal,
+                                          causal_alignment=causal_alignment, bounds=key_bounds,
+                                          max_seqlen=checks.check_span(max_seqlen, tokens))
+    chosen = indexer_backend(q.device, backend, what="indexer block top-k", ops=NPU_TOPK_OPS,
+                             unfit=lambda: "npu_lightning_indexer has no block-max scoring (block_size)")
+    options = dict(block_size=block_size, local_blocks=local_blocks, relu=relu, return_scores=return_scores,
+                   index_dtype=index_dtype)
+    scorer = None
+    if chosen is Backend.TRITON and q.dtype != torch.float64:  # the kernel scores, torch selects
+        from coreattn.kernels.indexer_blocks import indexer_block_scores
+
+        def scorer(row0, row1, n_blocks):
+            return indexer_block_scores(q, k, lo, hi, tokens.layout, row0, row1, block_size=block_size,
+                                        n_blocks=n_blocks, relu=relu)
+    with torch.no_grad():
+        idx, scores = block_topk_torch(q, k, lo, hi, topk, tokens.layout, key_range=key_range, scorer=scorer,
+                                       **options)
     return IndexerTopk(tokens.unflat(idx), None if scores is None else tokens.unflat(scores))
 
 
@@ -104,21 +168,28 @@ def _loss(q, k, weights, query, key, softmax_scale, loss_coeff, topk_indices, to
     rows = checks.check_query_valid_rows(query_valid_rows, tokens, q.device)
     given = isinstance(topk_indices, torch.Tensor) and topk_indices.dim() > 0
     width = min(topk, tokens.seqlen_k) if topk is not None else (topk_indices.shape[-1] if given else 0)
-    loss_backend = indexer_backend(
-        q.device, backend, what="indexer loss", ops=NPU_LOSS_OPS,
-        unfit=lambda: loss_unfit(q, k, weights, query, key, sparse=sparse, relu=relu, query_valid_rows=rows,
-                                 tp_group=tp_group, fmt=layout, causal=causal,
-                                 bottom_right=causal_alignment == "bottom_right", key_bounds=key_bounds is not None,
-                                 width=width))
+    selects = topk is not None  # the rows are coreattn's top-k of this call (loss_unfit)
+
+    def choose_loss():
+        return indexer_backend(
+            q.device, backend, what="indexer loss", ops=NPU_LOSS_OPS,
+            unfit=lambda: loss_unfit(q, k, weights, query, key, sparse=sparse, relu=relu, query_valid_rows=rows,
+                                     tp_group=tp_group, fmt=layout, causal=causal,
+                                     bottom_right=causal_alignment == "bottom_right",
+                                     key_bounds=key_bounds is not None, width=width, selected=selects,
+                                     packed=cu_seqlens is not None))
+
+    loss_backend = choose_loss()
     selected = None
     chosen = None
     if topk is not None:
         mode = _mask_mode(tokens, cu_seqlens, causal, causal_alignment, key_bounds)
-        chosen = _topk_backend(q, k, weights, topk, relu, False, mode, backend)
+        chosen = _topk_backend(tokens, q, k, weights, topk, relu, False, mode, backend)
     if chosen is not None and (chosen is Backend.NPU_FUSED or loss_backend is Backend.NPU_FUSED
                                or (chosen is Backend.TRITON and q.dtype != torch.float64)):
         with torch.no_grad():  # the kernel (or operator) selects; the loss takes its indices
-            selected, _ = _topk(tokens, q, k, weights, lo, hi, key_range, topk, relu, False, chosen, index_dtype, mode)
+            selected, _ = _select(tokens, q, k, weights, lo, hi, key_range, topk, relu, False, chosen, index_dtype,
+                                  mode, backend)
         topk_indices, topk = selected, None
     elif topk_indices is not None:
         topk_indices = checks.check_topk_indices(topk_indices, tokens, q.device)
@@ -128,8 +199,14 @@ def _loss(q, k, weights, query, key, softmax_scale, loss_coeff, topk_indices, to
                    topk=topk, relu=relu, query_valid_rows=rows, per_token=bool(calculate_per_token_loss),
                    tp_group=tp_group, key_range=key_range, index_dtype=index_dtype)
     impl = loss_npu if loss_backend is Backend.NPU_FUSED else loss_torch
-    loss, computed = IndexerLossFunction.apply(q, k, weights, query, key, lo, hi, topk_indices,
-                                               torch.is_grad_enabled(), options, impl)
+    try:
+        loss, computed = IndexerLossFunction.apply(q, k, weights, query, key, lo, hi, topk_indices,
+                                                   torch.is_grad_enabled(), options, impl)
+    except npu.NpuOpUnavailable:  # its first call found no kernel on this device (remembered): the fallback
+        if choose_loss() is Backend.NPU_FUSED:
+            raise
+        loss, computed = IndexerLossFunction.apply(q, k, weights, query, key, lo, hi, topk_indices,
+                                                   torch.is_grad_enabled(), options, loss_torch)
     if topk is not None:  # the torch chunks selected them
         selected = computed
     return loss, None if selected is None else tokens.unflat(selected)
