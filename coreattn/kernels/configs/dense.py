@@ -298,9 +298,9 @@ def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False
     GQA at 192/128 splits too (``gqa``: each query step moves to another q head, whose addresses
     take the last registers): in one pass it took 253-254 registers at 23b22de and spilled 4-16 B
     in fp16 and bf16 since the address clamps of issue 30 (Triton 3.9.0); two passes take 158-226.
-    MLA's 192/128 is MHA and stays one pass. A bias with per-row coefficients (``bias``: Inkling 2's, 16
-    table reads per score) splits as dropout does: at 192/128 its one pass on sm90 spilled 144 B stored
-    and 292 B loaded (Triton 3.7.1)."""
+    MLA's 192/128 is MHA and stays one pass. An additive bias (``bias``) splits as dropout does: at
+    192/128 one pass on sm90 spilled 144 B stored and 292 B loaded with Inkling 2's per-row coefficients
+    (16 table reads per score) and 4 B with T5's bucketed table; two passes took 0 (Triton 3.7.1)."""
     if target in ("interpreter", "ascend"):
         return False
     return block_dqk + block_dv > (256 if dropout or bias or (gqa and target == "sm90") else 320)
