@@ -245,3 +245,45 @@ def test_opcheck_with_a_bias():
         bwd = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse) + args[3:20] + (
             None, "torch", table.detach(), None if coef is None else coef.detach(), lo, clamp)
         torch.library.opcheck(torch.ops.coreattn.attn_bwd.default, bwd)
+
+
+@pytest.mark.interpreter_only("runs the kernels' looped mode under the interpreter")
+def test_bias_kernels_looped_launch_is_bitwise_the_unlooped(monkeypatch):
+    """A biased forward + backward through the launch seam (kernels/launch.py) with the interpreter's
+    grid shrunk to 3 programs: the launches past it, the table-gradient kernel's included, loop over
+    their tasks (PERSISTENT) and give bitwise what one program per task gives."""
+    from coreattn.kernels import launch as seam
+
+    case = Case(dqk=16, dv=16, hq=2, hkv=1, lens_q=(5, 12))
+    q, k, v, cu_q, cu_k, max_q, max_k = make_inputs(case, F32, KERNEL_DEVICE, requires_grad=True)
+    gen = torch.Generator().manual_seed(4)
+    states = torch.randn(q.shape[0], 2, 3, generator=gen).to(q.device).requires_grad_()
+    proj = torch.randn(3, 6, generator=gen).to(q.device).requires_grad_()
+    emb = torch.randn(8, 2, generator=gen).to(q.device).requires_grad_()
+    g = torch.randn(q.shape[0], 2, 16, generator=gen).to(q.device)
+
+    def run():
+        results = []
+        for bias, table in ((LowRankRelativeBias(states, proj), [states, proj]),
+                            (BucketedRelativeBias(emb, True, 6), [emb])):
+            out = coreattn.varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, backend="triton", bias=bias)
+            results += [out, *torch.autograd.grad(out, [q, k, v, *table], g)]
+        return results
+
+    plain = run()
+    looped = []
+    real_fit, real_max = seam.fit_grid, seam.max_programs
+
+    def spy(*args, **kwargs):
+        grid, was_looped = real_fit(*args, **kwargs)
+        looped.append((args[1], was_looped))
+        return grid, was_looped
+
+    monkeypatch.setattr(seam, "max_programs", lambda target, num_warps=4: 3 if target == "interpreter"
+                        else real_max(target, num_warps))
+    monkeypatch.setattr(seam, "fit_grid", spy)
+    again = run()
+    # per bias the forward, the delta preprocess, dQ and the table gradient (2 heads x 2 query tiles) loop
+    assert sum(was for _, was in looped) >= 8, looped
+    for a, b in zip(plain, again):
+        assert torch.equal(a, b)
