@@ -287,3 +287,15 @@ def test_bias_kernels_looped_launch_is_bitwise_the_unlooped(monkeypatch):
     assert sum(was for _, was in looped) >= 8, looped
     for a, b in zip(plain, again):
         assert torch.equal(a, b)
+
+
+def test_a_table_past_int32_entries_is_refused():
+    """The kernels address a table's rows with int32 lane offsets: a table of 2**31 entries per head or
+    more is refused, naming the bias (an expanded view: nothing allocated)."""
+    from coreattn.kernels.attn_common import TableBias, bias_args
+    from coreattn.kernels.packing import packed
+
+    q = torch.empty(4, 2, 8)
+    table = torch.empty(1, 1, 1).expand(1, 2, 2**30)
+    with pytest.raises(ValueError, match="bias"):
+        bias_args(TableBias(table, None, 0, True), packed(cu_from_lens((4,), "cpu")), q)

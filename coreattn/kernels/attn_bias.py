@@ -197,8 +197,8 @@ def _bias_grad_task(pid, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, map_pt
     k_ids = kb * BLOCK_KB + tl.arange(0, BLOCK_KB)
     part = part_ptr + chunk.to(tl.int64) * stride_pc + head.to(tl.int64) * stride_ph
     # addresses inside the buffer for every lane: rows and entries clamped, the mask keeps the values right
-    tl.store(part + tl.minimum(r_ids, BIAS_RANK - 1)[:, None] * stride_pr + tl.minimum(k_ids, bias_extent - 1)[None, :],
-             acc,
+    tl.store(part + _lane_offsets(tl.minimum(r_ids, BIAS_RANK - 1)[:, None], stride_pr, False)
+             + tl.minimum(k_ids, bias_extent - 1)[None, :], acc,
              mask=(r_ids[:, None] < BIAS_RANK) & (k_ids[None, :] < bias_extent))
 
 

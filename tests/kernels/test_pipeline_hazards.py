@@ -241,5 +241,6 @@ def test_every_i32_stride_offset_is_a_lane_offset(compiled, arch):
             if not (m and (m.group(1), int(m.group(2))) in lines) and not arch.startswith("gfx"):
                 elsewhere.append(f"{_label(r)}: {site}")
     assert not elsewhere, "i32 stride products outside _lane_offsets:\n" + "\n".join(elsewhere)
-    assert all(r["i32_offsets"] for r in mine if r["kernel"] in ATTENTION + ("bwd_pre",)), "no lane offsets seen"
-    assert not [r for r in mine if r["kernel"] not in ATTENTION + ("bwd_pre",) and r["i32_offsets"]]
+    lanes = ATTENTION + ("bwd_pre", "bias_grad")  # the kernels with lane offsets (an INT64_LANES flag)
+    assert all(r["i32_offsets"] for r in mine if r["kernel"] in lanes), "no lane offsets seen"
+    assert not [r for r in mine if r["kernel"] not in lanes and r["i32_offsets"]]
