@@ -197,7 +197,8 @@ def _bias_grad_task(pid, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, map_pt
     k_ids = kb * BLOCK_KB + tl.arange(0, BLOCK_KB)
     part = part_ptr + chunk.to(tl.int64) * stride_pc + head.to(tl.int64) * stride_ph
     # addresses inside the buffer for every lane: rows and entries clamped, the mask keeps the values right
-    tl.store(part + _lane_offsets(tl.minimum(r_ids, BIAS_RANK - 1)[:, None], stride_pr, False)
+    # (its rows are bias_extent apart: a contiguous buffer; the product's factors constexprs, below 2**31)
+    tl.store(part + tl.minimum(r_ids, BIAS_RANK - 1)[:, None] * bias_extent
              + tl.minimum(k_ids, bias_extent - 1)[None, :], acc,
              mask=(r_ids[:, None] < BIAS_RANK) & (k_ids[None, :] < bias_extent))
 
@@ -207,7 +208,7 @@ def _attn_bwd_bias_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr,
     table_ptr, coef_ptr, part_ptr,
     batch, heads, n_tiles, n_chunks, n_kblocks, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left,
-    window_right, drop_threshold, drop_scale, bias_lo, bias_extent, stride_th, stride_cb, stride_ct, stride_ch,
+    window_right, drop_threshold, drop_scale, bias_lo, bias_extent: tl.constexpr, stride_th, stride_cb, stride_ct, stride_ch,
     stride_pc, stride_ph, stride_pr,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_lb, stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks,

@@ -360,7 +360,7 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, q_desc, q2_desc, do_desc,
-    table_ptr, coef_ptr, stride_cb, stride_ct, stride_ch, stride_th, bias_lo, bias_extent,
+    table_ptr, coef_ptr, stride_cb, stride_ct, stride_ch, stride_th, bias_lo, bias_extent: tl.constexpr,
     batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
     drop_threshold, drop_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -662,7 +662,7 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr,
     map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, k_desc, k2_desc, v_desc,
-    table_ptr, coef_ptr, stride_cb, stride_ct, stride_ch, stride_th, bias_lo, bias_extent, dcoef_ptr, far_ptr,
+    table_ptr, coef_ptr, stride_cb, stride_ct, stride_ch, stride_th, bias_lo, bias_extent: tl.constexpr, dcoef_ptr, far_ptr,
     stride_far,
     batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
     drop_threshold, drop_scale,

@@ -318,7 +318,7 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
 def _varlen_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr,
     max_ptr, k_desc, k2_desc, v_desc, table_ptr, coef_ptr, stride_cb, stride_ct, stride_ch, stride_th, bias_lo,
-    bias_extent,
+    bias_extent: tl.constexpr,
     batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
     drop_threshold, drop_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
