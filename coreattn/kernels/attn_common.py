@@ -108,7 +108,7 @@ def bias_args(bias: TableBias | None, q_pack: Packing, dummy: torch.Tensor) -> d
         return dict(table_ptr=dummy, coef_ptr=dummy, stride_cb=0, stride_ct=0, stride_ch=0, stride_th=0, bias_lo=0,
                     bias_extent=1)
     heads_t, rank, extent = bias.table.shape
-    if rank * extent > INT32_MAX:  # the kernels' table rows are lane offsets (_lane_offsets): int32 up to here
+    if rank * extent > INT32_MAX:  # the kernels' table rows are int32 products r x extent (a constexpr) up to here
         raise ValueError(f"bias: a table of {rank} rows x {extent} entries per head passes 2**31 - 1 entries")
     coef = bias.coef
     cb, ct, ch = seq_strides(coef, q_pack.fmt) if coef is not None else (0, 0, 0)
@@ -348,7 +348,8 @@ def _bias_scores(coef_ptrs, table_base, dist, lo, extent, RANK: tl.constexpr, CO
     ``0 <= dist - lo < extent``; outside that the table's end entries (CLAMP) or 0. ``coef_ptrs``
     holds each query row's coefficients' address (broadcast against ``dist``: [M, 1] or [1, M]),
     its row clamped into the sequence by the caller; ``table_base`` the head's [RANK, extent] table.
-    Every table address is clamped into the table, so masked lanes stay in bounds too.
+    Every table address is clamped into the table, so masked lanes stay in bounds too. ``extent`` is a
+    constexpr (a table's size, fixed per model: one compile per table shape, never per batch).
     Cost per pair: RANK gathered table loads and RANK multiply-adds (plus RANK row loads per row);
     without COEF (RANK 1) one load."""
     at = dist - lo
@@ -362,9 +363,10 @@ def _bias_scores(coef_ptrs, table_base, dist, lo, extent, RANK: tl.constexpr, CO
             for rr in tl.static_range(RANK_CHUNK):
                 r = tl.minimum(r0 + rr, RANK - 1)  # a row past RANK re-reads the last, its coefficient zeroed
                 c = tl.where(r0 + rr < RANK, tl.load(coef_ptrs + r).to(tl.float32), 0.0)
-                # the row's offset: an int32 lane offset in every variant (r < RANK: under RANK x extent < 2**31,
-                # which bias_args checks; in int64 the rows' addresses spilled on sm90)
-                bias += c * tl.load(table_base + _lane_offsets(r, extent, False) + at).to(tl.float32)
+                # the row's offset: r x extent with the extent a constexpr (the kernels' bias_extent), int32 in every
+                # variant (r < RANK: under RANK x extent < 2**31, which bias_args checks; in int64, or with a runtime
+                # extent, the rows' addresses spilled on sm90)
+                bias += c * tl.load(table_base + r * extent + at).to(tl.float32)
     else:
         bias = tl.load(table_base + at).to(tl.float32)
     if not CLAMP:
@@ -409,7 +411,7 @@ def _bias_row_grads(ds, p, dp, dcoef, far, table_base, dist, lo, extent, RANK: t
         r_ids = tl.arange(0, RB)
         for r0 in range(0, RANK, RANK_CHUNK):  # chunks, as in _bias_scores
             for rr in tl.static_range(RANK_CHUNK):
-                row = table_base + _lane_offsets(tl.minimum(r0 + rr, RANK - 1), extent, False)  # _bias_scores
+                row = table_base + tl.minimum(r0 + rr, RANK - 1) * extent  # as in _bias_scores
                 entry = tl.load(row + at_in).to(tl.float32)
                 if not CLAMP:
                     entry = tl.where(inside, entry, 0.0)

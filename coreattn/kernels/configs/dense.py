@@ -229,8 +229,15 @@ _FP32_CDNA = ((128, _W(32, 32, 2, 1)), (256, _W(16, 16, 1, 1)))
 # 3.7.1; the bias kernels step over 16 keys (8 registers per [M, N] tile per thread at 8 warps)
 _BIAS_STEP = tuple((w, _C(128, 16, 8, 2)) for w in (64, 128, 192, 256))
 _BIAS = {"fwd": {"sm90": _BIAS_STEP, "sm100": _BIAS_STEP}, "dkdv": {}, "dq": {"sm90": _BIAS_STEP, "sm100": _BIAS_STEP}}
-# with per-row coefficients (Inkling 2's rank 16) the dQ kernel also holds their gradient and reads the table twice
-_BIAS_COEF = {"fwd": {}, "dkdv": {}, "dq": {}}
+# with per-row coefficients (Inkling 2's rank 16) the dQ kernel also holds their gradient and reads the table twice:
+# on sm90 its 128 x 16 tile spilled at 192/128 (28 B under Triton 3.7.1, 100 B under 3.9.0) and at 256 (244-440 B),
+# as did the forward's at 256 under 3.9.0 (112 B). Half the rows at 192/128 (64 x 16, still two warpgroups of
+# wgmma) and at 256 the forward; the dQ at 256 on 32 x 16 with 4 warps, which is mma.sync, not wgmma (64 x 16
+# spilled 88-92 B there): smaller, slower tiles without spills (docs/compile-report.md)
+_BIAS_COEF_FWD = ((256, _C(64, 16, 8, 2)),)
+_BIAS_COEF_DQ = ((192, _C(64, 16, 8, 2)), (256, _C(32, 16, 4, 2)))
+_BIAS_COEF = {"fwd": {"sm90": _BIAS_COEF_FWD, "sm100": _BIAS_COEF_FWD}, "dkdv": {},
+              "dq": {"sm90": _BIAS_COEF_DQ, "sm100": _BIAS_COEF_DQ}}
 
 
 def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, elem: int,
