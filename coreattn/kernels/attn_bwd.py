@@ -816,7 +816,7 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         grid, persistent = launch_grid(q.device, target, n_tiles_k, heads_kv)
         # wide heads: dK and dV accumulators together would not fit the register file, so two passes
         split = split_dkdv(block_dqk + block_dqk2, block_dv, target, dropout_p > 0, gqa=heads_q != heads_kv,
-                           bias=has_bias)
+                           bias=bias_kind)
         passes = ((True, False), (False, True)) if split else ((True, True),)
         loop = loop_flags(cfg_dkdv, target, cfg_dkdv.tma and usable((q_pack, k_pack), ((q, block_dqk + block_dqk2),
                                                                                         (dout, block_dv))))

@@ -296,7 +296,7 @@ def fwd_config(device: torch.device, block_dqk: int, block_dv: int, elem: int = 
 
 
 def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False, gqa: bool = False,
-               bias: bool = False) -> bool:
+               bias: bool | str = False) -> bool:
     """On CUDA and CDNA, dK and dV of a key tile are computed in two passes of the dK/dV kernel when
     their fp32 accumulators (BLOCK_N x (Dqk + Dv)) cannot stay in registers: 64 rows per warpgroup x
     (256 + 256) columns is 256 registers per thread, the whole register file (with dropout,
@@ -307,9 +307,14 @@ def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False
     in fp16 and bf16 since the address clamps of issue 30 (Triton 3.9.0); two passes take 158-226.
     MLA's 192/128 is MHA and stays one pass. An additive bias (``bias``) splits as dropout does: at
     192/128 one pass on sm90 spilled 144 B stored and 292 B loaded with Inkling 2's per-row coefficients
-    (16 table reads per score) and 4 B with T5's bucketed table; two passes took 0 (Triton 3.7.1)."""
+    (16 table reads per score) and 4 B with T5's bucketed table; two passes took 0 (Triton 3.7.1). With per-row
+    coefficients (``bias == "coef"``) on sm90 and sm100 from 128/128 on: the one pass there took 255 registers and
+    its INT64_LANES variant spilled 4 B under Triton 3.6.0 (GQA, per-token sinks), and neither 16 x 64 nor 32 x 64
+    kept both variants spill-free under 3.6.0-3.9.0; two passes do (240-255 registers)."""
     if target in ("interpreter", "ascend"):
         return False
+    if bias == "coef" and target in ("sm90", "sm100"):
+        return block_dqk + block_dv > 192
     return block_dqk + block_dv > (256 if dropout or bias or (gqa and target == "sm90") else 320)
 
 
