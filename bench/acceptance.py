@@ -19,7 +19,9 @@ something hangs; time a part leaves unused goes to the parts after it):
    kernels against dense varlen attention over the same tokens, forward + backward, where every
    row is full (top-k past the sequence) and where most are sparse; alone, after the bench.
 
-The CUDA tests include the sparse-attention kernels' and the public sparse functions' tests, and
+The CUDA tests include the sparse-attention kernels' and the public sparse functions' tests, the
+relative biases' and per-token sinks' (``tests/test_bias.py``, ``tests/test_token_sinks.py``: the
+bias kernels compiled, against the float64 oracle), and
 the GPU tests (tests/test_gpu.py) the DSA indexer's kernels and the sparse kernels' full and mixed
 rows against float64 references, their determinism and their recompiles on CUDA.
 
@@ -64,7 +66,7 @@ CUDA_TEST_FILES = ("tests/test_varlen_fwd.py", "tests/test_varlen_bwd.py", "test
                    "tests/test_padded_attn.py", "tests/kernels/test_tile_map.py", "tests/kernels/test_dropout_rng.py",
                    "tests/megatron/test_core_attention.py", "tests/test_bad_input.py",
                    "tests/kernels/test_sparse_kernels.py", "tests/test_sparse_attn.py",
-                   "tests/test_sparse_bad_input.py")
+                   "tests/test_sparse_bad_input.py", "tests/test_bias.py", "tests/test_token_sinks.py")
 CPU_TESTS = ("tests/kernels/test_dropout_rng.py", "-k", "philox")  # a Triton kernel under the interpreter
 CPU_SELFCHECK = ("--case", "hdim64-causal-qk-lens-differ", "--dtype", "fp16")
 GPU_BENCH = ("--quick", "--what", "attention", "--configs", "hdim128x128", "--providers", "coreattn", "torch-varlen",

@@ -5,6 +5,8 @@ performance data for the torch backend, written to bench/results/<cpu>_<date>/ b
 ``python -m bench --what sparse`` runs the sparse (top-k, DeepSeek Sparse Attention) section alone
 (bench/sparse.py): time and peak memory over T at fixed top-k, coreattn against Megatron-Core's own
 DSA path and dense attention (Megatron's rows need megatron-core >= 0.19 in the interpreter).
+``python -m bench --what bias`` runs the attention-bias section (bench/bias.py): Inkling 2's and T5's
+relative biases, coreattn against eager attention with the materialized bias and FlexAttention.
 ``python -m bench --what kernels [--arch sm90 gfx942 ...] [--int64-lanes]`` is the compile report
 (bench/kernels.py): static compiler output per CUDA or AMD CDNA architecture, no GPU needed, written to
 bench/results/compile-report_<date>/ (compile-report-cdna_<date>/ when every arch is a CDNA one)."""
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench import bias as bias_bench
 from bench import configs, cpu_attention, masks
 from bench import sparse as sparse_bench
 from bench import kernels as kernels_report
@@ -32,8 +35,8 @@ from bench.flops import MODES
 from bench.providers import PRIMARY, PROVIDERS
 from bench.report import NOT_PERF, add_speedups, format_table, write_json
 
-WHAT = ("attention", "masks", "cp", "layer", "cpu", "sparse", "kernels")
-# cpu and sparse (minutes of CPU time) and kernels (the compile report, minutes of compiling) run when asked for
+WHAT = ("attention", "masks", "cp", "layer", "cpu", "sparse", "bias", "kernels")
+# cpu, sparse and bias (minutes of CPU time) and kernels (the compile report, minutes of compiling) run when asked for
 DEFAULT_WHAT = ("attention", "masks", "cp", "layer")
 
 
@@ -60,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=list(cpu_attention.PROVIDERS), help="providers of the CPU attention section")
     p.add_argument("--sparse-providers", nargs="+", choices=list(sparse_bench.PROVIDERS),
                    default=list(sparse_bench.PROVIDERS), help="providers of the sparse attention section")
+    p.add_argument("--bias-providers", nargs="+", choices=list(bias_bench.PROVIDERS),
+                   default=list(bias_bench.PROVIDERS), help="providers of the attention-bias section")
     p.add_argument("--cpu-threads", type=int, help="torch threads in the CPU and sparse sections' workers (default: "
                    "torch's choice, one per core); 1 gives steadier ratios on a loaded machine")
     p.add_argument("--arch", nargs="+", choices=list(kernels_report.ALL_ARCHS), default=list(kernels_report.ALL_ARCHS),
@@ -119,13 +124,14 @@ def main(argv=None) -> int:
     layer_cfgs = [c for c in layer_bench.layer_configs(on_gpu, args.quick) if configs.matches(c.id, args.configs)]
     cpu_cases = [c for c in cpu_attention.cpu_cases(args.quick) if configs.matches(c.id, args.configs)]
     sparse_cases = [c for c in sparse_bench.sparse_cases(args.quick, on_gpu) if configs.matches(c.id, args.configs)]
+    bias_cases = [c for c in bias_bench.bias_cases(args.quick, on_gpu) if configs.matches(c.id, args.configs)]
     modes = tuple(args.modes or configs.attention_modes(args.quick))
     run_attn, run_masks, run_cp = "attention" in args.what, "masks" in args.what, "cp" in args.what
     run_layer, run_cpu, run_kernels = "layer" in args.what, "cpu" in args.what, "kernels" in args.what
-    run_sparse = "sparse" in args.what
+    run_sparse, run_bias = "sparse" in args.what, "bias" in args.what
     sparse_device = device if on_gpu else torch.device("cpu")
     cpu_modes = tuple(m for m in (args.modes or cpu_attention.MODES) if m in cpu_attention.MODES)
-    cpu_only = set(args.what) <= {"cpu", "sparse"} and not (run_sparse and on_gpu)
+    cpu_only = set(args.what) <= {"cpu", "sparse", "bias"} and not ((run_sparse or run_bias) and on_gpu)
     if cpu_only:
         device = torch.device("cpu")  # the sections measure the CPU whatever else is there
 
@@ -166,6 +172,13 @@ def main(argv=None) -> int:
                 reasons = {p: sparse_bench.skip_reason(c, p, "fwdbwd", sparse_device) for p in args.sparse_providers}
                 skipped = "; ".join(f"{p} skipped: {r}" for p, r in reasons.items() if r)
                 print(f"  {c.id}" + (f"  ({skipped})" if skipped else ""))
+        if run_bias:
+            print(f"attention with a relative bias on {sparse_device.type}: providers {' '.join(args.bias_providers)}")
+            for c in bias_cases:
+                reasons = {p: bias_bench.skip_reason(c, p, m, sparse_device) for p in args.bias_providers
+                           for m in bias_bench.MODES}
+                skipped = "; ".join(sorted({f"{p} skipped: {r}" for p, r in reasons.items() if r}))
+                print(f"  {c.id}" + (f"  ({skipped})" if skipped else ""))
         if run_kernels:
             print(f"compile report (static compiler output, no GPU): archs {' '.join(args.arch)}")
             for problem in kernels_report.problems(args.quick):
@@ -180,6 +193,8 @@ def main(argv=None) -> int:
         report_name = "compile-report-cdna" if set(args.arch) <= set(CDNA_ARCHS) else "compile-report"
     elif set(args.what) == {"sparse"}:
         report_name = f"sparse-{device_slug(sparse_device)}"
+    elif set(args.what) == {"bias"}:
+        report_name = f"bias-{device_slug(sparse_device)}"
     out = args.out or _default_out(device, meta["performance_data"], report_name)
     out.mkdir(parents=True, exist_ok=True)
     total = (len(attn_cfgs) * len(modes) * len(args.providers) * len(args.dtype) if run_attn else 0) + \
@@ -188,6 +203,7 @@ def main(argv=None) -> int:
             (len(layer_cfgs) * len(layer_bench.IMPLS) * len(args.dtype) if run_layer else 0) + \
             (cpu_attention.count(cpu_cases, args.cpu_providers, cpu_modes) if run_cpu else 0) + \
             (sparse_bench.count(sparse_cases, args.sparse_providers, sparse_device) if run_sparse else 0) + \
+            (bias_bench.count(bias_cases, args.bias_providers, sparse_device) if run_bias else 0) + \
             (len(kernels_report.problems(args.quick)) * len(args.arch) if run_kernels else 0)
     isolate = args.isolation == "process" or (args.isolation == "auto" and on_gpu)
     meta["isolation"] = "worker process, a fresh one after a fault" if isolate else "none (this process)"
@@ -205,6 +221,10 @@ def main(argv=None) -> int:
             sparse_modes = tuple(m for m in (args.modes or sparse_bench.MODES) if m in sparse_bench.MODES)
             rows += sparse_bench.run_sparse(sparse_cases, args.sparse_providers, args.quick, sparse_device, bar,
                                             sparse_modes, args.cpu_threads)
+        if run_bias:
+            bias_modes = tuple(m for m in (args.modes or bias_bench.MODES) if m in bias_bench.MODES)
+            rows += bias_bench.run_bias(bias_cases, args.bias_providers, args.quick, sparse_device, bar, bias_modes,
+                                        args.cpu_threads)
         if run_kernels:
             rows += kernels_report.run_kernels(args.arch, args.quick, bar, int64_lanes=args.int64_lanes)
     add_speedups(rows, PRIMARY)

@@ -93,7 +93,9 @@ def sweep_problems(dtypes=SWEEP_DTYPES) -> list[SparseProblem]:
 
 def problems(quick: bool = False) -> list:
     """bf16 MHA and fp16 GQA-4 at every main head dim, causal and not; one fp32 row; dropout,
-    softmax offset (with the sink-gradient dQ), max logit and a padded batch with keep masks (causal bf16) at every main head dim;
+    softmax offset (with the sink-gradient dQ), max logit, a padded batch with keep masks, the two
+    additive biases (Inkling 2's low-rank, T5's bucketed: with the table-gradient kernel) and per-token
+    sinks (causal bf16) at every main head dim;
     then the sparse kernels' problems (``sparse_problems``). quick: the bf16 causal problems only
     and the quick sparse ones."""
     if quick:
@@ -102,7 +104,7 @@ def problems(quick: bool = False) -> list:
     cases += [Problem(qk, v, "fp16", causal, group=4) for qk, v in MAIN_DIMS for causal in (False, True)]
     cases.append(Problem(128, 128, "fp32", False))
     cases += [Problem(qk, v, "bf16", True, feature=f) for qk, v in FEATURE_DIMS
-              for f in ("dropout", "sink", "max_logit", "keep")]
+              for f in ("dropout", "sink", "max_logit", "keep", "bias_rel", "bias_t5", "token_sink")]
     return cases + sparse_problems()
 
 

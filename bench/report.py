@@ -8,6 +8,8 @@ from pathlib import Path
 
 NOT_PERF = "NOT PERFORMANCE DATA (CPU run: it checks the suite, not the kernels)"
 CPU_PERF = "the CPU attention section is performance data for the torch backend (python -m bench --what cpu)"
+BIAS_PERF = ("the bias section is performance data for the torch backend, eager attention and FlexAttention on this "
+             "CPU (python -m bench --what bias)")
 SPARSE_PERF = ("the sparse section is performance data for the torch backend, Megatron's own DSA path, dense "
                "attention and transformers' eager DeepSeek-V4 and MiniMax-M3 attention on this CPU (python -m bench --what sparse)")
 KERNELS_NOTE = ("the compile report is static compiler output for emulated CUDA and AMD CDNA targets "
@@ -104,6 +106,14 @@ def format_table(rows: list[dict], meta: dict, primary: str = "coreattn") -> str
                      "allocator settings; growth = this row / the same provider at T/2: x2 linear, x4 quadratic):\n" +
                      _table(["config", "regime", "mode", "provider", "ms", "x megatron", "x dense", "x eager", "GFLOP/s",
                              "extra MiB", "time growth", "memory growth", "note"], sparse))
+    bias = _bias_lines(rows)
+    if bias:
+        parts.append("attention with a relative bias, one causal sequence (time: every provider of a (config, mode) in "
+                     "one subprocess, calls interleaved; x eager / x flex / x nobias = this time over eager attention's "
+                     "(the materialized bias) / FlexAttention's / coreattn's without the bias, from that process; "
+                     "extra = the call's peak memory on top of its inputs, from its own subprocess):\n" +
+                     _table(["config", "mode", "provider", "ms", "x eager", "x flex", "x nobias", "extra MiB", "note"],
+                            bias))
     if any(r["kind"] == "kernels" for r in rows):
         from bench.kernels import format_tables
 
@@ -139,6 +149,7 @@ def not_perf_note(rows: list[dict]) -> str:
         return KERNELS_NOTE
     return NOT_PERF + ("; " + CPU_PERF if any(r["kind"] == "cpu" for r in rows) else "") + \
         ("; " + SPARSE_PERF if any(r["kind"] == "sparse" for r in rows) else "") + \
+        ("; " + BIAS_PERF if any(r["kind"] == "bias" for r in rows) else "") + \
         ("; " + KERNELS_NOTE if any(r["kind"] == "kernels" for r in rows) else "")
 
 
@@ -155,6 +166,20 @@ def _cpu_lines(rows: list[dict]) -> list[list[str]]:
             note = (note + "; " if note else "") + f"{'under' if under else 'OVER'} {MEMORY_LIMIT_GIB} GiB"
         lines.append([r["config"], r["mode"], r["provider"], _fmt(r.get("ms"), ".1f"), _fmt(r.get("peak_rss_mib"), ".0f"),
                       _fmt(r.get("extra_mib"), ".0f"), note])
+    return lines
+
+
+def _bias_lines(rows: list[dict]) -> list[list[str]]:
+    lines = []
+    for r in rows:
+        if r["kind"] != "bias" or r["status"] == "skipped":
+            continue
+        note = "" if r["status"] == "ok" else f"{r['status']}: {r['reason']}"
+        if r.get("memory_error"):
+            note = (note + "; " if note else "") + f"memory: {r['memory_error']}"
+        lines.append([r["config"], r["mode"], r["provider"], _fmt(r.get("ms"), ".1f"), _fmt(r.get("x_eager"), ".2f"),
+                      _fmt(r.get("x_flex"), ".2f"), _fmt(r.get("x_nobias"), ".2f"), _fmt(r.get("extra_mib"), ".0f"),
+                      note])
     return lines
 
 

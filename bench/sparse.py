@@ -421,12 +421,10 @@ def _setup(spec: dict):
     return SparseBenchCase(**spec["case"]), device, torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def time_worker(spec: dict) -> dict:
-    """{provider: [ms, ...]} of every provider of the spec, their calls interleaved round by round."""
-    case, device, dtype = _setup(spec)
-    mode, providers = spec["mode"], spec["providers"]
-    prepared = {p: _prepare(case, p, mode, device, dtype) for p in providers}
-    times = {p: [] for p in providers}
+def time_rounds(prepared: dict, mode: str, device: torch.device, spec: dict) -> dict:
+    """{provider: [ms, ...]} of ``prepared`` ({provider: (fn, leaves, dout)}), their calls interleaved round
+    by round until the spec's repetitions and the time budgets say stop; also the torch threads."""
+    times = {p: [] for p in prepared}
     start = time.perf_counter()
     while True:
         for p, (fn, leaves, dout) in prepared.items():
@@ -435,17 +433,15 @@ def time_worker(spec: dict) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times[p].append((time.perf_counter() - t0) * 1e3)
-        rounds, elapsed = len(times[providers[0]]), (time.perf_counter() - start) / len(providers)
+        rounds, elapsed = len(next(iter(times.values()))), (time.perf_counter() - start) / len(prepared)
         if spec["quick"] or rounds >= MAX_REPS or elapsed >= TIME_BUDGET_S \
                 or (rounds >= spec["reps"] and elapsed >= MORE_REPS_S):
             break
     return {"times": times, "threads": torch.get_num_threads()}
 
 
-def memory_worker(spec: dict) -> dict:
-    """The peak memory of one call of one provider on top of its inputs."""
-    case, device, dtype = _setup(spec)
-    fn, leaves, dout = _prepare(case, spec["provider"], spec["mode"], device, dtype)
+def call_memory(fn, leaves, dout, mode: str, device: torch.device) -> dict:
+    """The peak memory of one call (``_call``) on top of what is resident before it."""
     cuda = device.type == "cuda"
     gc.collect()
     if cuda:
@@ -456,7 +452,7 @@ def memory_worker(spec: dict) -> dict:
     else:
         base = _status_kib("VmRSS")
         exact = _reset_peak()
-    _call(fn, leaves, spec["mode"], dout)
+    _call(fn, leaves, mode, dout)
     if cuda:
         torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) / 2**10 if cuda else _status_kib("VmHWM")
@@ -465,11 +461,25 @@ def memory_worker(spec: dict) -> dict:
             "memory": "torch.cuda.max_memory_allocated" if cuda else "VmHWM (peak RSS), memory allocator settings"}
 
 
+def time_worker(spec: dict) -> dict:
+    """{provider: [ms, ...]} of every provider of the spec, their calls interleaved round by round."""
+    case, device, dtype = _setup(spec)
+    mode = spec["mode"]
+    return time_rounds({p: _prepare(case, p, mode, device, dtype) for p in spec["providers"]}, mode, device, spec)
+
+
+def memory_worker(spec: dict) -> dict:
+    """The peak memory of one call of one provider on top of its inputs."""
+    case, device, dtype = _setup(spec)
+    fn, leaves, dout = _prepare(case, spec["provider"], spec["mode"], device, dtype)
+    return call_memory(fn, leaves, dout, spec["mode"], device)
+
+
 # ---- the parent
 
 
-def _run_child(spec: dict, memory: bool) -> dict:
-    result = worker_json(["-m", "bench.sparse", json.dumps(spec)], SUBPROCESS_TIMEOUT_S, memory)
+def _run_child(spec: dict, memory: bool, module: str = "bench.sparse") -> dict:
+    result = worker_json(["-m", module, json.dumps(spec)], SUBPROCESS_TIMEOUT_S, memory)
     if "error" in result:
         raise RuntimeError(result["error"])
     return result
@@ -485,17 +495,19 @@ def _base_row(case: SparseBenchCase, mode: str, provider: str, device: torch.dev
             "dtype": "bfloat16" if device.type == "cuda" else "float32", "device": device.type}
 
 
-def run_sparse(cases: Iterable[SparseBenchCase], providers: list[str], quick: bool, device: torch.device,
-               progress=None, modes=MODES, threads: int | None = None) -> list[dict]:
-    """One row per (case, mode, provider): time from the (case, mode)'s time worker, memory from the
-    row's own memory worker."""
+def run_groups(cases, providers: list[str], quick: bool, device: torch.device, progress, modes, threads,
+               module: str, base_row, skip, ratios) -> list[dict]:
+    """One row per (case, mode, provider) of a section whose workers are ``python -m module SPEC``: time
+    from the (case, mode)'s time worker (every live provider in it), memory from the row's own memory
+    worker; ``base_row(case, mode, provider, device)``, ``skip(case, provider, mode, device)`` (a reason
+    or None) and ``ratios(group)`` are the section's."""
     rows = []
     for case in cases:
         for mode in modes:
-            group = [_base_row(case, mode, p, device) for p in providers]
+            group = [base_row(case, mode, p, device) for p in providers]
             live = []
             for row in group:
-                reason = skip_reason(case, row["provider"], mode, device)
+                reason = skip(case, row["provider"], mode, device)
                 if reason:
                     row.update(status="skipped", reason=reason)
                 else:
@@ -503,7 +515,7 @@ def run_sparse(cases: Iterable[SparseBenchCase], providers: list[str], quick: bo
             spec = {"case": case._asdict(), "mode": mode, "device": str(device), "reps": 1 if quick else 3,
                     "quick": quick, "threads": threads, "providers": [r["provider"] for r in live]}
             try:
-                timed = _run_child(dict(spec, kind="time"), memory=False) if live else {}
+                timed = _run_child(dict(spec, kind="time"), False, module) if live else {}
             except RuntimeError as exc:
                 timed = {"error": str(exc).splitlines()[0][:300]}
             for row in live:
@@ -512,16 +524,27 @@ def run_sparse(cases: Iterable[SparseBenchCase], providers: list[str], quick: bo
                     continue
                 ms_all = timed["times"][row["provider"]]
                 row.update(status="ok", ms=statistics.median(ms_all), ms_min=min(ms_all), ms_all=ms_all,
-                           threads=timed["threads"], gflops=row["flops"] / (statistics.median(ms_all) * 1e-3) / 1e9)
+                           threads=timed["threads"])
+                if "flops" in row:
+                    row["gflops"] = row["flops"] / (row["ms"] * 1e-3) / 1e9
                 try:
-                    row.update(_run_child(dict(spec, kind="memory", provider=row["provider"]), memory=True))
+                    row.update(_run_child(dict(spec, kind="memory", provider=row["provider"]), True, module))
                 except RuntimeError as exc:
                     row.update(memory_error=str(exc).splitlines()[0][:300])
                 if progress is not None:
                     progress.update(1)
-                    progress.set_postfix_str(f"sparse {case.id} {mode} {row['provider']}"[:60], refresh=False)
-            add_ratios(group)
+                    progress.set_postfix_str(f"{row['kind']} {case.id} {mode} {row['provider']}"[:60], refresh=False)
+            ratios(group)
             rows += group
+    return rows
+
+
+def run_sparse(cases: Iterable[SparseBenchCase], providers: list[str], quick: bool, device: torch.device,
+               progress=None, modes=MODES, threads: int | None = None) -> list[dict]:
+    """One row per (case, mode, provider): time from the (case, mode)'s time worker, memory from the
+    row's own memory worker."""
+    rows = run_groups(cases, providers, quick, device, progress, modes, threads, "bench.sparse", _base_row,
+                      skip_reason, add_ratios)
     add_growth(rows)
     return rows
 

@@ -8,6 +8,7 @@ the local device. Each package's docstring says what it owns and may import.
 
 from coreattn import masks
 from coreattn.layers.backends import Backend
+from coreattn.layers.bias import BucketedRelativeBias, LowRankRelativeBias
 from coreattn.layers.context_parallel import cp_attn
 from coreattn.layers.dsa.indexer import (hadamard_transform, indexer_loss, indexer_topk, indexer_topk_and_loss,
                                      rotate_activation)
@@ -17,6 +18,6 @@ from coreattn.layers.varlen_attn import flash_attn_varlen_func, varlen_attn
 
 __version__ = "0.1.0"
 
-__all__ = ["Backend", "masks", "varlen_attn", "flash_attn_varlen_func", "padded_attn", "cp_attn", "sparse_varlen_attn",
+__all__ = ["Backend", "masks", "LowRankRelativeBias", "BucketedRelativeBias", "varlen_attn", "flash_attn_varlen_func", "padded_attn", "cp_attn", "sparse_varlen_attn",
            "sparse_padded_attn", "indexer_topk", "indexer_loss", "indexer_topk_and_loss", "hadamard_transform",
            "rotate_activation", "__version__"]

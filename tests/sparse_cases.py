@@ -43,6 +43,7 @@ class SparseCase:
     full_rows: float = 0.0  # this share of the rows name every key of their causal range (and masked extras)
     key_window: tuple[int, int] | None = None  # keys added around each token (DeepSeek-V4's sliding window)
     sinks: bool = False  # a softmax offset per q head (differentiable)
+    token_sinks: bool = False  # with sinks: one per token and head instead (thd [T, Hq], padded [B, Hq, S])
     # "random": every row mixes visible keys with everything that must be masked; "mixed": runs of
     # rows of one kind each (mixed_row): whole causal ranges, windows, random subsets, a key or two
     rows: str = "random"
@@ -60,7 +61,7 @@ class SparseCase:
         if self.key_window is not None:
             parts.append(f"window{self.key_window[0]}-{self.key_window[1]}")
         if self.sinks:
-            parts.append("sinks")
+            parts.append("token-sinks" if self.token_sinks else "sinks")
         if self.full_rows:
             parts.append("all-rows-full" if self.full_rows >= 1 else f"full-rows{int(self.full_rows * 100)}")
         return "-".join(parts)
@@ -216,7 +217,13 @@ class SparseInputs:
             self.kwargs["key_window"] = case.key_window
         self.sinks = None
         if case.sinks:
-            self.sinks = torch.randn(case.hq, generator=gen).to(torch.float64 if dtype == torch.float64 else torch.float32)
+            work = torch.float64 if dtype == torch.float64 else torch.float32
+            if case.token_sinks:
+                self.sinks = torch.randn(len(rows), case.hq, generator=gen).to(work)  # [N, Hq]
+                if padded:  # [B, Hq, S]
+                    self.sinks = self.sinks.view(batch, sq, case.hq).transpose(1, 2).contiguous()
+            else:
+                self.sinks = torch.randn(case.hq, generator=gen).to(work)
             self.sinks.requires_grad_()
             self.kwargs["softmax_offset"] = self.sinks
         if padded:
@@ -280,7 +287,13 @@ class SparseInputs:
         """(out [N, Hq, Dv], lse [N, Hq]) of the oracle (upcast) or the naive same-dtype baseline."""
         return sparse_attention_ref(self.flat(self.q), self.by_sample(self.k), self.by_sample(self.v), self.sets,
                                     self.token_sample, v_head_dim=self.case.dv, upcast=upcast,
-                                    softmax_scale=self.kwargs.get("softmax_scale"), sinks=self.sinks)
+                                    softmax_scale=self.kwargs.get("softmax_scale"), sinks=self.flat_sinks())
+
+    def flat_sinks(self) -> torch.Tensor | None:
+        """The sinks as the oracle takes them: ``[Hq]``, or ``[N, Hq]`` per token."""
+        if self.sinks is None or self.sinks.dim() < 2 or self.case.layout == "thd":
+            return self.sinks
+        return self.sinks.transpose(1, 2).reshape(-1, self.sinks.shape[1])
 
     def leaves(self):
         return [t for t in (self.q, self.k, self.v, self.sinks) if t is not None]

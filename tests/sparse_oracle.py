@@ -63,7 +63,7 @@ def sparse_attention_ref(q, k, v, sets, token_sample, *, v_head_dim=None, softma
     whose keys are ``k[token_sample[n]]`` (``k [B, Sk, Hkv, D]``; thd: B = 1), v likewise or None
     (V = the first ``v_head_dim`` columns of k). ``sets[n][h]``: visible key positions of token n for
     index head h (one head shared by every kv head, or one per kv head). A token with no visible
-    key outputs zeros and lse -inf."""
+    key outputs zeros and lse -inf. ``sinks``: ``[Hq]``, or ``[N, Hq]`` per query row."""
     dtype = q.dtype
     work = torch.float64 if upcast else torch.float32
     hq, hkv = q.shape[1], k.shape[2]
@@ -83,12 +83,13 @@ def sparse_attention_ref(q, k, v, sets, token_sample, *, v_head_dim=None, softma
         s = s.masked_fill(~mask, float("-inf"))
         row_max = s.amax(-1, keepdim=True) if s.shape[-1] else s.new_full((hq, 1), float("-inf"))
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
-        if sinks is not None:  # a virtual key of logit sinks[h] and value zero
-            row_max = torch.maximum(row_max, sinks.to(work)[:, None].detach())
+        if sinks is not None:  # a virtual key of logit sinks[h] (or sinks[n, h]) and value zero
+            sink = (sinks if sinks.dim() == 1 else sinks[n]).to(work)[:, None]
+            row_max = torch.maximum(row_max, sink.detach())
         e = torch.exp(s - row_max)
         denom = e.sum(-1, keepdim=True)
         if sinks is not None:
-            denom = denom + torch.exp(sinks.to(work)[:, None] - row_max)
+            denom = denom + torch.exp(sink - row_max)
         p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
         if not upcast:
             p = p.to(dtype).to(work)

@@ -49,7 +49,7 @@ BAD = [
     ("dropout-nan", dict(dropout_p=float("nan")), ValueError, "dropout_p must be in"),
     ("dropout-type", dict(dropout_p="0.1"), TypeError, "dropout_p must be a float"),
     ("offset-shape", dict(softmax_offset=torch.zeros(H + 1)), ValueError, "softmax_offset has 5 entries but q has 4"),
-    ("offset-dim", dict(softmax_offset=torch.zeros(1, H)), ValueError, "softmax_offset must have 1 dims"),
+    ("offset-dim", dict(softmax_offset=torch.zeros(1, H)), ValueError, r"softmax_offset has shape \(1, 4\); expected \[Hq\]"),
     ("offset-int", dict(softmax_offset=torch.zeros(H, dtype=torch.int32)), TypeError, "softmax_offset must be a floating"),
     ("offset-type", dict(softmax_offset=[0.0] * H), TypeError, "softmax_offset must be a torch.Tensor"),
     ("offset-device", dict(softmax_offset=torch.zeros(H, device="meta")), ValueError, "softmax_offset is on meta"),

@@ -524,3 +524,32 @@ def test_compile_report_tables_show_i32_stride_offsets():
     assert lines[1].split()[-3:] == ["hazards", "i32", "offs"]
     assert lines[3].endswith(" 8") and lines[4].endswith(" 0 (i64)") and lines[5].endswith(" -")
     assert "i32 offs = " in text
+
+
+def test_bias_section_smoke(tmp_path, capsys):
+    """``--what bias`` alone: coreattn with and without the bias and eager attention with the materialized
+    bias timed in one subprocess (the ratios from it), each row's memory from its own; FlexAttention's
+    backward skipped on CPU with the reason."""
+    argv = ["--what", "bias", "--quick", "--configs", "t5", "--bias-providers", "coreattn", "coreattn-nobias", "eager",
+            "flex", "--modes", "fwdbwd", "--out", str(tmp_path), "--no-plots"]
+    assert cli.main(argv) == 0
+    doc, out = json.loads((tmp_path / "results.json").read_text()), capsys.readouterr().out
+    rows = {r["provider"]: r for r in doc["results"] if r["kind"] == "bias"}
+    core = rows["coreattn"]
+    assert core["status"] == "ok" and core["ms"] > 0 and core["extra_mib"] is not None
+    assert core["x_eager"] == core["ms"] / rows["eager"]["ms"] and core["x_nobias"] == core["ms"] / rows[
+        "coreattn-nobias"]["ms"]
+    assert rows["flex"]["status"] == "skipped" and "backward on CPU" in rows["flex"]["reason"]
+    assert "attention with a relative bias" in out and doc["meta"]["performance_data"] is True
+
+
+def test_bias_section_eager_rows_compute_what_coreattn_computes():
+    """The eager provider's materialized bias is the one coreattn computes in registers."""
+    import torch
+
+    from bench import bias as bias_bench
+
+    for kind in ("rel", "t5"):
+        case = bias_bench.BiasBenchCase(kind, 40, 2)
+        outs = [bias_bench.build(case, p, torch.device("cpu"), torch.float32)[0]() for p in ("coreattn", "eager")]
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

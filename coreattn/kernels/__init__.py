@@ -2,7 +2,9 @@
 
 Owns: ``attn_fwd.py`` / ``attn_bwd.py`` (the attention kernels and their launchers
 ``varlen_attn_fwd`` / ``varlen_attn_bwd``: configs, output allocation, grid), ``attn_common.py``
-(the ``@triton.jit`` helpers both share: masks in registers, dropout, row loads and stores),
+(the ``@triton.jit`` helpers both share: masks in registers, dropout, row loads and stores, an
+additive bias's scores and its descriptor ``TableBias``), ``attn_bias.py`` (the bias table's
+gradient kernel and launcher),
 ``tile_map.py`` (the per-call tile map: which sequence and rows each attention program works on,
 and the one layout check per call),
 ``configs/`` (launch configs, one file per concern: ``targets.py``, which target a device is;

@@ -23,11 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import (LENGTH_STRIDES, _batch_stride, _cols, _dropout_keep, _first_gid, _first_row,
+from coreattn.kernels.attn_bias import bias_table_grad
+from coreattn.kernels.attn_common import (LENGTH_STRIDES, TableBias, _batch_stride, _bias_band, _bias_near,
+                                          _bias_row_grads, _bias_scores, _cols, _dropout_keep, _first_gid, _first_row,
                                           _key_range, _lane_offsets, _load_keep, _load_rows, _poison, _query_range,
-                                          _store_rows, _tile_visible, _visible, batch_aligned)
-from coreattn.kernels.attn_fwd import (LOG2E, RUNTIME_INTS, dot_precision, dropout_args, kernel_window, lane_flags,
-                                       launch_grid, mask_flags)
+                                          _store_rows, _tile_visible, _visible, batch_aligned, bias_args)
+from coreattn.kernels.attn_fwd import (LOG2E, RUNTIME_INTS, bias_rows, dot_precision, dropout_args, kernel_window,
+                                       lane_flags, launch_grid, mask_flags)
 from coreattn.kernels.configs.base import head_blocks
 from coreattn.kernels.configs.dense import bwd_configs, preprocess_config, split_dkdv
 from coreattn.kernels.configs.pick import tuned_fallback
@@ -107,11 +109,13 @@ def _load_row_stats(lse_base, delta_base, rows, row_mask, last_row):
 def _dkdv_q_step(dk, dk2, dv, head, m0, offs_m, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_seq, q_keep_base,
                  stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, stride_qks, cols, seqlen_q, seqlen_k, shift,
                  window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids,
-                 drop_threshold, drop_scale, q_desc, q2_desc, do_desc, q_row0, HEAD_DIM_QK: tl.constexpr,
+                 drop_threshold, drop_scale, q_desc, q2_desc, do_desc, q_row0, coef_seq, table_ptr, stride_ct,
+                 stride_ch, stride_th, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK: tl.constexpr,
                  HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
                  HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, INT64_LANES: tl.constexpr):
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, INT64_LANES: tl.constexpr,
+                 BIAS: tl.constexpr, BIAS_RANK: tl.constexpr, BIAS_COEF: tl.constexpr, BIAS_CLAMP: tl.constexpr):
     """Query block [m0, m0 + BLOCK_M) of q head ``head``. TMA: q and dO through descriptors (row
     ``q_row0 + m0``); in the MASKED blocks, which hold the partial last block (see _dkdv_tile),
     their rows past the sequence (another sequence's) are zeroed: a P of 0 times a non-finite q or
@@ -139,7 +143,14 @@ def _dkdv_q_step(dk, dk2, dv, head, m0, offs_m, k, k2, v, k_keep, q_seq, do_seq,
     sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [N, M]
     if BLOCK_DQK2 > 0:
         sT = tl.dot(k2, tl.trans(q2), sT, input_precision=DOT_PRECISION)
-    pT = tl.math.exp2(sT * sm_scale_log2 - lse[None, :])
+    sT = sT * sm_scale_log2
+    if BIAS:  # the forward's bias, transposed: keys as rows; the step's q head's coefficients and table
+        coef_ptrs = (coef_seq + h64 * stride_ch + tl.cast(m0, tl.int64) * stride_ct
+                     + _lane_offsets(tl.minimum(offs_m, seqlen_q - 1 - m0)[None, :], stride_ct, INT64_LANES))
+        if _bias_near(m0, near_lo, near_hi, BIAS_CLAMP):
+            sT += _bias_scores(coef_ptrs, table_ptr + h64 * stride_th, rows[None, :] + shift - cols[:, None],
+                               bias_lo, bias_extent, BIAS_RANK, BIAS_COEF, BIAS_CLAMP) * 1.4426950408889634
+    pT = tl.math.exp2(sT - lse[None, :])
     if MASKED:
         vis = _visible(rows[None, :], cols[:, None], seqlen_k, shift, window_left, window_right, HAS_LEFT,
                        HAS_RIGHT, False)
@@ -173,13 +184,15 @@ def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_s
                   stride_qh, stride_dot, stride_doh, stride_lh, stride_qks, cols, m_lo, m_hi, head0, group,
                   seqlen_q, seqlen_k, shift, window_left, window_right,
                   sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
-                  q_desc, q2_desc, do_desc, q_row0,
+                  q_desc, q2_desc, do_desc, q_row0, coef_seq, table_ptr, stride_ct, stride_ch, stride_th, bias_lo,
+                  bias_extent, near_lo, near_hi,
                   HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                   BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
                   HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                   MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
-                  INT64_LANES: tl.constexpr):
+                  INT64_LANES: tl.constexpr, BIAS: tl.constexpr, BIAS_RANK: tl.constexpr, BIAS_COEF: tl.constexpr,
+                  BIAS_CLAMP: tl.constexpr):
     """Query blocks [m_lo, m_hi) of each q head head0 .. head0 + group - 1 (GQA), as one flat loop
     (block-major: the group's heads of a block one after the other), so no loop nests around the
     pipelined steps; WARP_SPEC as in the forward's _fwd_kv_steps. A step's head is ``step % group``,
@@ -197,8 +210,10 @@ def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_s
                 offs_m, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_seq, q_keep_base, stride_qt, stride_qh,
                 stride_dot, stride_doh, stride_lh, stride_qks, cols, seqlen_q, seqlen_k, shift, window_left,
                 window_right, sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
-                q_desc, q2_desc, do_desc, q_row0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M,
-                HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, MASKED, DOT_PRECISION, TMA, INT64_LANES)
+                q_desc, q2_desc, do_desc, q_row0, coef_seq, table_ptr, stride_ct, stride_ch, stride_th, bias_lo,
+                bias_extent, near_lo, near_hi, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M,
+                HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, MASKED, DOT_PRECISION, TMA, INT64_LANES,
+                BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
     else:
         for step in range(0, n_blocks * group):
             dk, dk2, dv = _dkdv_q_step(
@@ -206,14 +221,17 @@ def _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_s
                 offs_m, k, k2, v, k_keep, q_seq, do_seq, lse_seq, delta_seq, q_keep_base, stride_qt, stride_qh,
                 stride_dot, stride_doh, stride_lh, stride_qks, cols, seqlen_q, seqlen_k, shift, window_left,
                 window_right, sm_scale_log2, seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
-                q_desc, q2_desc, do_desc, q_row0, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M,
-                HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, MASKED, DOT_PRECISION, TMA, INT64_LANES)
+                q_desc, q2_desc, do_desc, q_row0, coef_seq, table_ptr, stride_ct, stride_ch, stride_th, bias_lo,
+                bias_extent, near_lo, near_hi, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M,
+                HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, DK, DV, MASKED, DOT_PRECISION, TMA, INT64_LANES,
+                BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
     return dk, dk2, dv
 
 
 @triton.jit
 def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, map_ptr, q_keep_ptr, k_keep_ptr,
-               q_gid_ptr, k_gid_ptr, rng_ptr, q_desc, q2_desc, do_desc,
+               q_gid_ptr, k_gid_ptr, rng_ptr, q_desc, q2_desc, do_desc, table_ptr, coef_ptr, stride_cb, stride_ct,
+               stride_ch, stride_th, bias_lo, bias_extent,
                batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2,
                window_left, window_right, drop_threshold, drop_scale,
                stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -224,7 +242,8 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
                PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
                DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr, INT64_LANES: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr, INT64_LANES: tl.constexpr,
+               BIAS: tl.constexpr, BIAS_RANK: tl.constexpr, BIAS_COEF: tl.constexpr, BIAS_CLAMP: tl.constexpr):
     """Task ``task`` of the (key tile, kv head) grid, heads fastest (``heads`` = kv heads): dK and/or
     dV (DK, DV) of one key tile. TMA: q and dO through the descriptors ``q_desc`` (``q2_desc``) and
     ``do_desc`` (packed thd only)."""
@@ -247,6 +266,10 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
             v_base = v_ptr + seq64 * stride_vb + k_start.to(tl.int64) * stride_vt + kv64 * stride_vh
             q_keep_base = q_keep_ptr + seq64 * stride_qkb + q_row * stride_qks
             k_keep_base = k_keep_ptr + seq64 * stride_kkb + k_start.to(tl.int64) * stride_kks
+            coef_seq = coef_ptr + seq64 * stride_cb + q_row * stride_ct  # BIAS: the query rows' coefficients
+            # BIAS: the query blocks m0 whose distances to these keys meet the table (kernels/attn_common.py)
+            near_lo, near_hi = _bias_band(n0 - shift, n0 - shift + (BLOCK_N - 1), BLOCK_M, 1 - bias_lo - bias_extent,
+                                          bias_extent)
             cols = n0 + tl.arange(0, BLOCK_N)
             col_ok = cols < seqlen_k
             k_row0 = k_start + n0
@@ -282,25 +305,31 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
                                         stride_doh, stride_lh, stride_qks, cols, lo, full_lo, kv_head * group,
                                         group, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
                                         seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
-                                        q_desc, q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
-                                        BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
-                                        DROPOUT, DK, DV, True, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
+                                        q_desc, q2_desc, do_desc, q_start, coef_seq, table_ptr, stride_ct,
+                                        stride_ch, stride_th, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK, HEAD_DIM_V,
+                                        BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP,
+                                        HAS_K_KEEP, DROPOUT, DK, DV, True, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES,
+                                        BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
             dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
                                         delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
                                         stride_doh, stride_lh, stride_qks, cols, full_lo, full_hi, kv_head * group,
                                         group, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
                                         seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
-                                        q_desc, q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
-                                        BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
-                                        DROPOUT, DK, DV, False, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
+                                        q_desc, q2_desc, do_desc, q_start, coef_seq, table_ptr, stride_ct,
+                                        stride_ch, stride_th, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK, HEAD_DIM_V,
+                                        BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP,
+                                        HAS_K_KEEP, DROPOUT, DK, DV, False, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES,
+                                        BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
             dk, dk2, dv = _dkdv_q_steps(dk, dk2, dv, k, k2, v, k_keep, q_seq, do_seq, lse_ptr + stat_seq,
                                         delta_ptr + stat_seq, q_keep_base, stride_qt, stride_qh, stride_dot,
                                         stride_doh, stride_lh, stride_qks, cols, full_hi, hi, kv_head * group,
                                         group, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
                                         seed, rng_offset, drop_head0, q_gid0, k_ids, drop_threshold, drop_scale,
-                                        q_desc, q2_desc, do_desc, q_start, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
-                                        BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
-                                        DROPOUT, DK, DV, True, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
+                                        q_desc, q2_desc, do_desc, q_start, coef_seq, table_ptr, stride_ct,
+                                        stride_ch, stride_th, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK, HEAD_DIM_V,
+                                        BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP,
+                                        HAS_K_KEEP, DROPOUT, DK, DV, True, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES,
+                                        BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
             # the head offsets are added here and the rows counted from the sample's start, so no
             # more than one row index stays live over the loops (sm90 192/128 is at 254 registers)
             dk_base = dk_ptr + kv64 * stride_dkh
@@ -331,6 +360,7 @@ def _dkdv_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, q_desc, q2_desc, do_desc,
+    table_ptr, coef_ptr, stride_cb, stride_ct, stride_ch, stride_th, bias_lo, bias_extent: tl.constexpr,
     batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
     drop_threshold, drop_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -341,7 +371,8 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_GID: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
-    INT64_LANES: tl.constexpr, TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
+    INT64_LANES: tl.constexpr, TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False, BIAS: tl.constexpr = False,
+    BIAS_RANK: tl.constexpr = 1, BIAS_COEF: tl.constexpr = False, BIAS_CLAMP: tl.constexpr = False,
 ):
     # grid: n_tiles key tiles x kv heads (``heads``) programs; PERSISTENT: those tasks over a
     # core-count 1D grid
@@ -349,7 +380,8 @@ def _attn_bwd_dkdv_kernel(
         for task in range(tl.program_id(0), n_tiles * heads, tl.num_programs(0)):
             t = tl.minimum(task, n_tiles * heads - 1)  # addresses inside for any task (see attn_common)
             _dkdv_tile(t, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, map_ptr,
-                       q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, q_desc, q2_desc, do_desc, batch, heads,
+                       q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, q_desc, q2_desc, do_desc, table_ptr,
+                       coef_ptr, stride_cb, stride_ct, stride_ch, stride_th, bias_lo, bias_extent, batch, heads,
                        n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left,
                        window_right, drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb,
                        stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
@@ -357,31 +389,37 @@ def _attn_bwd_dkdv_kernel(
                        stride_dkh, stride_dvb, stride_dvt, stride_dvh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
                        BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
                        PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, DK, DV, DOT_PRECISION, TMA, WARP_SPEC,
-                       INT64_LANES)
+                       INT64_LANES, BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
     else:
         _dkdv_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, map_ptr,
-                   q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, q_desc, q2_desc, do_desc, batch,
+                   q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, q_desc, q2_desc, do_desc, table_ptr,
+                   coef_ptr, stride_cb, stride_ct, stride_ch, stride_th, bias_lo, bias_extent, batch,
                    heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left,
                    window_right, drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt,
                    stride_kh, stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb,
                    stride_lh, stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dkb, stride_dkt, stride_dkh,
                    stride_dvb, stride_dvt, stride_dvh, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
                    BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, PACKED, HAS_Q_KEEP,
-                   HAS_K_KEEP, DROPOUT, HAS_GID, DK, DV, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
+                   HAS_K_KEEP, DROPOUT, HAS_GID, DK, DV, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES, BIAS, BIAS_RANK,
+                   BIAS_COEF, BIAS_CLAMP)
 
 
 @triton.jit
-def _dq_kv_step(dq, dq2, delta_exact, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left, window_right,
-                sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale,
-                k_desc, k2_desc, v_desc, k_row0, k_col, v_col,
+def _dq_kv_step(dq, dq2, delta_exact, dcoef, far, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base,
+                k_keep_base, stride_kt, stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
+                window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale,
+                k_desc, k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs, table_base, bias_lo, bias_extent, near_lo, near_hi,
                 HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                 BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
                 HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, SINK_GRAD: tl.constexpr, MASKED: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, INT64_LANES: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, INT64_LANES: tl.constexpr, BIAS: tl.constexpr,
+                BIAS_RANK: tl.constexpr, BIAS_COEF: tl.constexpr, BIAS_CLAMP: tl.constexpr, BIAS_GRAD: tl.constexpr,
+                BIAS_RB: tl.constexpr):
     """dQ over key block [n0, n0 + BLOCK_N); with SINK_GRAD also delta_exact += rowsum(P * dP) in
-    fp32 (the softmax offset's gradient needs delta without the output's rounding). TMA: k and v
+    fp32 (the softmax offset's gradient needs delta without the output's rounding); with BIAS the
+    forward's bias joins the scores and, with BIAS_GRAD, its coefficients' gradient and the rows'
+    sums beyond a clamped table accumulate (kernels/attn_common.py ``_bias_row_grads``). TMA: k and v
     through descriptors; in the MASKED (edge) blocks their rows past the sequence (another
     sequence's) are zeroed, since dS and P are 0 there and 0 * inf would be NaN. Rows are clamped to
     the sequence's last (seqlen_k >= 1)."""
@@ -406,7 +444,15 @@ def _dq_kv_step(dq, dq2, delta_exact, n0, offs_n, q, q2, do, lse, delta, q_keep,
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N]
     if BLOCK_DQK2 > 0:
         s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
-    p = tl.math.exp2(s * sm_scale_log2 - lse[:, None])
+    s = s * sm_scale_log2
+    dist = rows[:, None] + shift - cols[None, :]  # BIAS: query - key distance of each pair
+    near = n0 == n0  # BIAS: whether the tile meets the bias's band (kernels/attn_common.py _bias_near)
+    if BIAS:
+        near = _bias_near(n0, near_lo, near_hi, BIAS_CLAMP)
+        if near:
+            s += _bias_scores(coef_ptrs, table_base, dist, bias_lo, bias_extent, BIAS_RANK, BIAS_COEF,
+                              BIAS_CLAMP) * 1.4426950408889634
+    p = tl.math.exp2(s - lse[:, None])
     if MASKED:
         vis = _tile_visible(rows, n0, offs_n, q_keep, k_keep_base, stride_kks, seqlen_k, shift, window_left,
                             window_right, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, INT64_LANES)
@@ -417,49 +463,60 @@ def _dq_kv_step(dq, dq2, delta_exact, n0, offs_n, q, q2, do, lse, delta, q_keep,
         dp = tl.where(keep, dp * drop_scale, 0.0)
     if SINK_GRAD:
         delta_exact += tl.sum(p * dp, 1)
-    ds = (p * (dp - delta[:, None])).to(k.dtype)
+    ds = p * (dp - delta[:, None])
+    if BIAS_GRAD:
+        if near:
+            dcoef, far = _bias_row_grads(ds, p, dp, dcoef, far, table_base, dist, bias_lo, bias_extent, BIAS_RANK,
+                                         BIAS_RB, BIAS_COEF, BIAS_CLAMP)
+    ds = ds.to(k.dtype)
     dq += tl.dot(ds, k, input_precision=DOT_PRECISION)
     if BLOCK_DQK2 > 0:
         dq2 += tl.dot(ds, k2, input_precision=DOT_PRECISION)
-    return dq, dq2, delta_exact
+    return dq, dq2, delta_exact, dcoef, far
 
 
 @triton.jit
-def _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                 stride_vt, stride_kks, rows, n_lo, n_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
-                 sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale,
-                 k_desc, k2_desc, v_desc, k_row0, k_col, v_col,
+def _dq_kv_steps(dq, dq2, delta_exact, dcoef, far, q, q2, do, lse, delta, q_keep, k_base, v_base,
+                 k_keep_base, stride_kt, stride_vt, stride_kks, rows, n_lo, n_hi, seqlen_q, seqlen_k, shift,
+                 window_left, window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold,
+                 drop_scale, k_desc, k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs, table_base, bias_lo,
+                 bias_extent, near_lo, near_hi,
                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                  BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
                  HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, SINK_GRAD: tl.constexpr, MASKED: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr, INT64_LANES: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr, INT64_LANES: tl.constexpr,
+                 BIAS: tl.constexpr, BIAS_RANK: tl.constexpr, BIAS_COEF: tl.constexpr, BIAS_CLAMP: tl.constexpr,
+                 BIAS_GRAD: tl.constexpr, BIAS_RB: tl.constexpr):
     """dQ over key blocks [n_lo, n_hi); WARP_SPEC as in the forward's _fwd_kv_steps."""
     offs_n = tl.arange(0, BLOCK_N)
     if WARP_SPEC:
         for n0 in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=True):
-            dq, dq2, delta_exact = _dq_kv_step(
-                dq, dq2, delta_exact, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left, window_right,
-                sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale, k_desc, k2_desc,
-                v_desc, k_row0, k_col, v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, MASKED, DOT_PRECISION, TMA,
-                INT64_LANES)
+            dq, dq2, delta_exact, dcoef, far = _dq_kv_step(
+                dq, dq2, delta_exact, dcoef, far, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base,
+                k_keep_base, stride_kt, stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
+                window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale, k_desc,
+                k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs, table_base, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK,
+                HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
+                DROPOUT, SINK_GRAD, MASKED, DOT_PRECISION, TMA, INT64_LANES, BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP,
+                BIAS_GRAD, BIAS_RB)
     else:
         for n0 in range(n_lo, n_hi, BLOCK_N):
-            dq, dq2, delta_exact = _dq_kv_step(
-                dq, dq2, delta_exact, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base, k_keep_base, stride_kt,
-                stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left, window_right,
-                sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale, k_desc, k2_desc,
-                v_desc, k_row0, k_col, v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, MASKED, DOT_PRECISION, TMA,
-                INT64_LANES)
-    return dq, dq2, delta_exact
+            dq, dq2, delta_exact, dcoef, far = _dq_kv_step(
+                dq, dq2, delta_exact, dcoef, far, n0, offs_n, q, q2, do, lse, delta, q_keep, k_base, v_base,
+                k_keep_base, stride_kt, stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
+                window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0, drop_threshold, drop_scale, k_desc,
+                k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs, table_base, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK,
+                HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP,
+                DROPOUT, SINK_GRAD, MASKED, DOT_PRECISION, TMA, INT64_LANES, BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP,
+                BIAS_GRAD, BIAS_RB)
+    return dq, dq2, delta_exact, dcoef, far
 
 
 @triton.jit
 def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr, map_ptr, q_keep_ptr, k_keep_ptr,
-             q_gid_ptr, k_gid_ptr, rng_ptr, k_desc, k2_desc, v_desc,
+             q_gid_ptr, k_gid_ptr, rng_ptr, k_desc, k2_desc, v_desc, table_ptr, coef_ptr, stride_cb, stride_ct,
+             stride_ch, stride_th, bias_lo, bias_extent, dcoef_ptr, far_ptr, stride_far,
              batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2,
              window_left, window_right, drop_threshold, drop_scale,
              stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -470,10 +527,15 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
              PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
              DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, SINK_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-             TMA: tl.constexpr, WARP_SPEC: tl.constexpr, INT64_LANES: tl.constexpr):
+             TMA: tl.constexpr, WARP_SPEC: tl.constexpr, INT64_LANES: tl.constexpr, BIAS: tl.constexpr,
+             BIAS_RANK: tl.constexpr, BIAS_COEF: tl.constexpr, BIAS_CLAMP: tl.constexpr, BIAS_GRAD: tl.constexpr,
+             BIAS_RB: tl.constexpr):
     """Task ``task`` of the (query tile, q head) grid, heads fastest. With SINK_GRAD, rowsum(P * dP)
-    of each row goes to ``dsink_ptr`` (lse's layout). TMA: k and v through the descriptors
-    ``k_desc`` (``k2_desc``) and ``v_desc`` (packed thd only)."""
+    of each row goes to ``dsink_ptr`` (lse's layout). With BIAS_GRAD, the bias coefficients' gradient
+    goes to ``dcoef_ptr`` (fp32, the coefficients' layout and strides; BIAS_COEF) and, for a clamped
+    table, each row's sums of dS beyond its ends to ``far_ptr`` (two fp32 buffers in lse's layout,
+    ``stride_far`` apart). TMA: k and v through the descriptors ``k_desc`` (``k2_desc``) and
+    ``v_desc`` (packed thd only)."""
     head = task % heads
     tile = task // heads
     h64 = head.to(tl.int64)
@@ -516,11 +578,21 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
                 drop_head = head + tl.load(rng_ptr + 2).to(tl.int32)
                 q_ids = _first_gid(q_gid_ptr, seq, q_start, seqlen_q_total, PACKED, HAS_GID) + rows
                 k_gid0 = _first_gid(k_gid_ptr, seq, k_start, seqlen_k_total, PACKED, HAS_GID)
+            # BIAS: the tile's rows' coefficients (rows clamped into the sequence) and the head's table
+            coef_rows = (seq64 * stride_cb + q_start.to(tl.int64) * stride_ct + h64 * stride_ch
+                         + tl.cast(m0, tl.int64) * stride_ct
+                         + _lane_offsets(tl.minimum(tl.arange(0, BLOCK_M), seqlen_q - 1 - m0)[:, None], stride_ct,
+                                         INT64_LANES))  # [M, 1] element offsets
+            coef_ptrs = coef_ptr + coef_rows
+            table_base = table_ptr + h64 * stride_th
+            near_lo, near_hi = _bias_band(m0 + shift, m0 + shift + (BLOCK_M - 1), BLOCK_N, bias_lo, bias_extent)
             dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
             dq2 = dq
             if BLOCK_DQK2 > 0:
                 dq2 = tl.zeros([BLOCK_M, BLOCK_DQK2], tl.float32)
             delta_exact = tl.zeros([BLOCK_M], tl.float32)
+            dcoef = tl.zeros([BLOCK_M, BIAS_RB], tl.float32)
+            far = tl.zeros([BLOCK_M, 4], tl.float32)
             lo, full_lo, full_hi, hi = _key_range(m0, seqlen_q, seqlen_k, shift, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP or HAS_K_KEEP)
             k_col = 0  # TMA: the kv head's first column in the [T, Hkv * D] views
@@ -528,35 +600,47 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
             if TMA:
                 k_col = (kv64 * stride_kh).to(tl.int32)
                 v_col = (kv64 * stride_vh).to(tl.int32)
-            dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
-                                                k_keep_base, stride_kt, stride_vt, stride_kks, rows, lo, full_lo,
-                                                seqlen_q, seqlen_k, shift, window_left, window_right,
-                                                sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
-                                                drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_start, k_col,
-                                                v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
-                                                BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT,
-                                                SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
-            dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
-                                                k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_lo,
-                                                full_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
-                                                sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
-                                                drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_start, k_col,
-                                                v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
-                                                BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT,
-                                                SINK_GRAD, False, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
-            dq, dq2, delta_exact = _dq_kv_steps(dq, dq2, delta_exact, q, q2, do, lse, delta, q_keep, k_base, v_base,
-                                                k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_hi, hi,
-                                                seqlen_q, seqlen_k, shift, window_left, window_right,
-                                                sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0,
-                                                drop_threshold, drop_scale, k_desc, k2_desc, v_desc, k_start, k_col,
-                                                v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
-                                                BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT,
-                                                SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
+            dq, dq2, delta_exact, dcoef, far = _dq_kv_steps(
+                dq, dq2, delta_exact, dcoef, far, q, q2, do, lse, delta, q_keep, k_base, v_base,
+                k_keep_base, stride_kt, stride_vt, stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift,
+                window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0, drop_threshold,
+                drop_scale, k_desc, k2_desc, v_desc, k_start, k_col, v_col, coef_ptrs, table_base, bias_lo,
+                bias_extent, near_lo, near_hi, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES, BIAS,
+                BIAS_RANK, BIAS_COEF, BIAS_CLAMP, BIAS_GRAD, BIAS_RB)
+            dq, dq2, delta_exact, dcoef, far = _dq_kv_steps(
+                dq, dq2, delta_exact, dcoef, far, q, q2, do, lse, delta, q_keep, k_base, v_base,
+                k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift,
+                window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0, drop_threshold,
+                drop_scale, k_desc, k2_desc, v_desc, k_start, k_col, v_col, coef_ptrs, table_base, bias_lo,
+                bias_extent, near_lo, near_hi, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, False, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES, BIAS,
+                BIAS_RANK, BIAS_COEF, BIAS_CLAMP, BIAS_GRAD, BIAS_RB)
+            dq, dq2, delta_exact, dcoef, far = _dq_kv_steps(
+                dq, dq2, delta_exact, dcoef, far, q, q2, do, lse, delta, q_keep, k_base, v_base,
+                k_keep_base, stride_kt, stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift,
+                window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head, q_ids, k_gid0, drop_threshold,
+                drop_scale, k_desc, k2_desc, v_desc, k_start, k_col, v_col, coef_ptrs, table_base, bias_lo,
+                bias_extent, near_lo, near_hi, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, SINK_GRAD, True, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES, BIAS,
+                BIAS_RANK, BIAS_COEF, BIAS_CLAMP, BIAS_GRAD, BIAS_RB)
             dq_base = dq_head + seq64 * stride_dqb + q_start.to(tl.int64) * stride_dqt
             _store_rows(dq_base, stride_dqt, m0, row_ok, seqlen_q - 1, dq * sm_scale, dq2 * sm_scale, HEAD_DIM_QK,
                         BLOCK_DQK, BLOCK_DQK2, BLOCK_M, INT64_LANES)
             if SINK_GRAD:
                 tl.store(dsink_ptr + stat + tl.minimum(rows, seqlen_q - 1), delta_exact, mask=row_ok)
+            if BIAS_GRAD:
+                if BIAS_COEF:
+                    r_ids = tl.arange(0, BIAS_RB)
+                    tl.store(dcoef_ptr + coef_rows + tl.minimum(r_ids, BIAS_RANK - 1)[None, :], dcoef,
+                             mask=row_ok[:, None] & (r_ids[None, :] < BIAS_RANK))
+                if BIAS_CLAMP:  # each row's dS beyond the ends: sum(p * dp) - rowsum(P * dP) * sum(p) (SINK_GRAD)
+                    c = tl.arange(0, 4)[None, :]
+                    far_lo = tl.sum(tl.where(c == 0, far, 0.0), 1) - delta_exact * tl.sum(tl.where(c == 1, far, 0.0), 1)
+                    far_hi = tl.sum(tl.where(c == 2, far, 0.0), 1) - delta_exact * tl.sum(tl.where(c == 3, far, 0.0), 1)
+                    far_rows = far_ptr + stat + tl.minimum(rows, seqlen_q - 1)
+                    tl.store(far_rows, far_lo, mask=row_ok)
+                    tl.store(far_rows + stride_far, far_hi, mask=row_ok)
     else:
         n_rows_q = seqlen_q_total
         if not PACKED:
@@ -565,12 +649,21 @@ def _dq_tile(task, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsin
                 BLOCK_M)
         if SINK_GRAD:
             _poison(dsink_ptr + h64 * stride_lh, tile, n_tiles, n_rows_q, seqlen_q_total, stride_lb, 1, 1, 1, BLOCK_M)
+        if BIAS_GRAD:
+            if BIAS_COEF:
+                _poison(dcoef_ptr + h64 * stride_ch, tile, n_tiles, n_rows_q, seqlen_q_total, stride_cb, stride_ct,
+                        BIAS_RANK, BIAS_RB, BLOCK_M)
+            if BIAS_CLAMP:
+                _poison(far_ptr + h64 * stride_lh, tile, n_tiles, n_rows_q, seqlen_q_total, stride_lb, 1, 1, 1,
+                        BLOCK_M)
 
 
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def _attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr,
     map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, k_desc, k2_desc, v_desc,
+    table_ptr, coef_ptr, stride_cb, stride_ct, stride_ch, stride_th, bias_lo, bias_extent: tl.constexpr, dcoef_ptr, far_ptr,
+    stride_far,
     batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
     drop_threshold, drop_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -581,7 +674,9 @@ def _attn_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_GID: tl.constexpr, SINK_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
-    INT64_LANES: tl.constexpr, TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
+    INT64_LANES: tl.constexpr, TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False, BIAS: tl.constexpr = False,
+    BIAS_RANK: tl.constexpr = 1, BIAS_COEF: tl.constexpr = False, BIAS_CLAMP: tl.constexpr = False,
+    BIAS_GRAD: tl.constexpr = False, BIAS_RB: tl.constexpr = 1,
 ):
     # grid: n_tiles query tiles x q heads (``heads``) programs; PERSISTENT: those tasks over a
     # core-count 1D grid
@@ -589,25 +684,30 @@ def _attn_bwd_dq_kernel(
         for task in range(tl.program_id(0), n_tiles * heads, tl.num_programs(0)):
             t = tl.minimum(task, n_tiles * heads - 1)  # addresses inside for any task (see attn_common)
             _dq_tile(t, q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr, map_ptr,
-                     q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, k_desc, k2_desc, v_desc, batch, heads,
-                     n_tiles,
+                     q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, k_desc, k2_desc, v_desc, table_ptr,
+                     coef_ptr, stride_cb, stride_ct, stride_ch, stride_th, bias_lo, bias_extent, dcoef_ptr, far_ptr,
+                     stride_far, batch, heads, n_tiles,
                      seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
                      drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                      stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
                      stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dqb, stride_dqt, stride_dqh,
                      HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N,
                      HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID,
-                     SINK_GRAD, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
+                     SINK_GRAD, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES, BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP,
+                     BIAS_GRAD, BIAS_RB)
     else:
         _dq_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dsink_ptr, map_ptr,
-                 q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, k_desc, k2_desc, v_desc, batch, heads, n_tiles,
+                 q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, k_desc, k2_desc, v_desc, table_ptr, coef_ptr,
+                 stride_cb, stride_ct, stride_ch, stride_th, bias_lo, bias_extent, dcoef_ptr, far_ptr, stride_far,
+                 batch, heads, n_tiles,
                  seqlen_q_total, seqlen_k_total, group, sm_scale, sm_scale_log2, window_left, window_right,
                  drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                  stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
                  stride_qkb, stride_qks, stride_kkb, stride_kks, stride_dqb, stride_dqt, stride_dqh,
                  HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N,
                  HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID,
-                 SINK_GRAD, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
+                 SINK_GRAD, DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES, BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP,
+                 BIAS_GRAD, BIAS_RB)
 
 
 @on_device
@@ -617,7 +717,7 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     softmax_scale: float, window_left: int = -1, window_right: int = -1, bottom_right: bool = True,
                     dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
                     *, dropout_p: float = 0.0, rng_state: torch.Tensor | None = None,
-                    sink_rowsum: torch.Tensor | None = None):
+                    sink_rowsum: torch.Tensor | None = None, bias: TableBias | None = None):
     """Launch the backward kernels; returns dq, dk, dv in the layouts and dtypes of q, k, v.
 
     ``dout`` may be any strided view with last stride 1 (it is made so if not); ``out`` and
@@ -629,6 +729,9 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     ``sink_rowsum``: an fp32 buffer in lse's layout, zero-filled, that receives rowsum(P * dP) of each
     row, accumulated in fp32 from the unrounded P (the softmax offset's gradient:
     coreattn.layers.function.softmax_offset_grad); None skips it.
+    ``bias``: the forward's additive bias (kernels/attn_common.py ``TableBias``); the result is then
+    (dq, dk, dv, d_table, d_coef): its table's gradient (fp32, the table's shape; kernels/attn_bias.py)
+    and its coefficients' (fp32 in the coefficients' layout, None without coefficients).
     """
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -639,23 +742,29 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     dk = new_like(k, k_pack, dim_qk) if dk is None else dk
     dv = new_like(v, k_pack, dim_v) if dv is None else dv
     seqlen_q_total, seqlen_k_total = seq_len_dim(q, q_pack.fmt), seq_len_dim(k, k_pack.fmt)
+    d_coef = None if bias is None or bias.coef is None else torch.zeros_like(bias.coef, dtype=torch.float32)
+    done = (dq, dk, dv) if bias is None else (dq, dk, dv, torch.zeros_like(bias.table, dtype=torch.float32), d_coef)
     if batch == 0 or (q.numel() == 0 and k.numel() == 0):
-        return dq, dk, dv
+        return done
     limit = max(seqlen_q_total, seqlen_k_total)
     window_left, window_right = kernel_window(window_left, limit), kernel_window(window_right, limit)
     target = target_of(q.device)
     block_dqk, block_dqk2, block_dv = head_blocks(dim_qk, dim_v)
+    has_bias = bias is not None
     cls = launch_class(q, v, window_left, window_right, heads_kv=heads_kv, dropout=dropout_p > 0,
-                       sink=sink_rowsum is not None, keep=q_pack.keep is not None or k_pack.keep is not None)
+                       sink=sink_rowsum is not None, keep=q_pack.keep is not None or k_pack.keep is not None,
+                       bias=has_bias)
     blocks = (block_dqk + block_dqk2, block_dv, q.element_size())
     cols = max(block_dqk + block_dqk2, block_dv)  # the widest row a kernel reads or writes
-    cfg_dkdv, cfg_dq = bwd_configs(q.device, *blocks, dropout=dropout_p > 0, cls=cls)
+    bias_kind = False if not has_bias else "coef" if bias.coef is not None else True  # configs/dense.py
+    cfg_dkdv, cfg_dq = bwd_configs(q.device, *blocks, dropout=dropout_p > 0, cls=cls, bias=bias_kind)
     lanes_dkdv = lane_flags(max(cfg_dkdv.block_m, cfg_dkdv.block_n), cols,
-                            ((q_pack, (q, dout)), (k_pack, (k, v, dk, dv))))
-    lanes_dq = lane_flags(max(cfg_dq.block_m, cfg_dq.block_n), cols, ((q_pack, (q, dout, dq)), (k_pack, (k, v))))
+                            ((q_pack, (q, dout) + bias_rows(bias)), (k_pack, (k, v, dk, dv))))
+    lanes_dq = lane_flags(max(cfg_dq.block_m, cfg_dq.block_n), cols,
+                          ((q_pack, (q, dout, dq) + bias_rows(bias)), (k_pack, (k, v))))
     if lanes_dq["INT64_LANES"]:  # that variant's own tile where it has one (no more rows: still INT64_LANES)
-        cfg_dq = bwd_configs(q.device, *blocks, dropout=dropout_p > 0, cls=cls, int64_lanes=True)[1]
-    cfg_pre = preprocess_config(q.device, *blocks, dropout=dropout_p > 0, cls=cls)
+        cfg_dq = bwd_configs(q.device, *blocks, dropout=dropout_p > 0, cls=cls, int64_lanes=True, bias=bias_kind)[1]
+    cfg_pre = preprocess_config(q.device, *blocks, dropout=dropout_p > 0, cls=cls, bias=bias_kind)
 
     delta = new_rowstat(q, q_pack, fill=0.0)  # [H, T] or [B, H, S]
     if q.numel() > 0:
@@ -675,6 +784,8 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     q_pack, q, dout = side_stand_ins(q_pack, q, dout)
     k_pack, k, v = side_stand_ins(k_pack, k, v)
     lse, delta = stand_in(lse, -1), stand_in(delta, -1)
+    if has_bias and bias.coef is not None:  # the coefficients are q-shaped: their stand-in too
+        bias = bias._replace(coef=stand_in(bias.coef, 1 if q_pack.fmt == "bshd" else 0))
     common = dict(batch=batch, seqlen_q_total=seqlen_q_total, seqlen_k_total=seqlen_k_total,
                   group=heads_q // heads_kv, sm_scale=softmax_scale, sm_scale_log2=softmax_scale * LOG2E,
                   window_left=window_left, window_right=window_right,
@@ -689,10 +800,14 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                   HEAD_DIM_QK=dim_qk, HEAD_DIM_V=dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2,
                   BLOCK_DV=block_dv, DOT_PRECISION=dot_precision(q.dtype, target),
                   **dropout_args(dropout_p, rng_state, q_pack, k_pack),
-                  **mask_flags(window_left, window_right, bottom_right, q_pack, k_pack))
+                  **mask_flags(window_left, window_right, bottom_right, q_pack, k_pack), **bias_args(bias, q_pack, lse))
     n_tiles_k = tile_bound(batch, seqlen_k_total, cfg_dkdv.block_n, k_pack.fmt == "thd")
     n_tiles_q = tile_bound(batch, seqlen_q_total, cfg_dq.block_m, q_pack.fmt == "thd")
     run_dkdv, run_dq = has_k and n_tiles_k > 0, has_q and n_tiles_q > 0
+    if has_bias and sink_rowsum is None:  # the table's gradient sums dS over rows: it takes the exact rowsum(P * dP)
+        sink_rowsum = stand_in(new_rowstat(q, q_pack, fill=0.0), -1)
+    # a clamped bias table: the dQ kernel's sums of each row's dS beyond its ends, [2, lse's layout]
+    far = torch.zeros((2,) + tuple(lse.shape), dtype=torch.float32, device=q.device) if has_bias and bias.clamp else None
     if run_dkdv or run_dq:  # one layout check for both kernels, a map for each
         dq_map, dkdv_map = tile_maps(q_pack, k_pack, seqlen_q_total, seqlen_k_total, target,
                                      q_tiles=(cfg_dq.block_m, n_tiles_q) if run_dq else None,
@@ -700,7 +815,8 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if run_dkdv:
         grid, persistent = launch_grid(q.device, target, n_tiles_k, heads_kv)
         # wide heads: dK and dV accumulators together would not fit the register file, so two passes
-        split = split_dkdv(block_dqk + block_dqk2, block_dv, target, dropout_p > 0, gqa=heads_q != heads_kv)
+        split = split_dkdv(block_dqk + block_dqk2, block_dv, target, dropout_p > 0, gqa=heads_q != heads_kv,
+                           bias=bias_kind)
         passes = ((True, False), (False, True)) if split else ((True, True),)
         loop = loop_flags(cfg_dkdv, target, cfg_dkdv.tma and usable((q_pack, k_pack), ((q, block_dqk + block_dqk2),
                                                                                         (dout, block_dv))))
@@ -720,9 +836,17 @@ def varlen_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         k_desc, k2_desc = row_descriptors(k, cfg_dq.block_n, block_dqk, block_dqk2) if loop["TMA"] else (None, None)
         launch(target, _attn_bwd_dq_kernel, grid, q, k, v, dout, lse, delta, dq,
                lse if sink_rowsum is None else sink_rowsum, dq_map, k_desc=k_desc, k2_desc=k2_desc,
+               dcoef_ptr=lse if d_coef is None else d_coef, far_ptr=lse if far is None else far,
+               stride_far=0 if far is None else far.stride(0), BIAS_GRAD=has_bias,
+               BIAS_RB=max(16, triton.next_power_of_2(bias.table.shape[1])) if has_bias and bias.coef is not None
+               else 1,
                v_desc=row_descriptor(v, cfg_dq.block_n, block_dv) if loop["TMA"] else None, heads=heads_q,
                n_tiles=n_tiles_q, SINK_GRAD=sink_rowsum is not None,
                **dict(zip(("stride_dqb", "stride_dqt", "stride_dqh"), seq_strides(dq, q_pack.fmt))),
                BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, PERSISTENT=persistent, **lanes_dq, **loop,
                **cfg_dq.launch(), **common)
-    return dq, dk, dv
+    if not has_bias:
+        return dq, dk, dv
+    d_table = bias_table_grad(dout, q, k, v, lse, sink_rowsum, q_pack, k_pack, softmax_scale, window_left,
+                              window_right, bottom_right, bias, far, dropout_p, rng_state) if has_q else done[3]
+    return dq, dk, dv, d_table, d_coef

@@ -31,9 +31,13 @@ plus lanes too (``_load_keep``).
 """
 
 import contextlib
+from typing import NamedTuple
 
+import torch
 import triton
 import triton.language as tl
+
+from coreattn.kernels.packing import Packing, seq_strides
 
 # Strides that follow the token count or padded length (lse/delta [H, T] or [B, H, S]; keep masks
 # [B, S]): listed in the kernels' do_not_specialize with the lengths, or Triton would compile a
@@ -82,6 +86,35 @@ def forced_int64_lanes(value: bool):
         yield
     finally:
         _FORCED_LANES.pop()
+
+
+class TableBias(NamedTuple):
+    """An additive attention bias computed in registers (``_bias_scores``): for query i, key j and q
+    head h, with d = i + shift - j (shift as for the causal diagonal: Lk - Lq bottom-right, else 0),
+    ``bias = sum_r coef[i, h, r] * table[h or 0, r, d - lo]`` where ``0 <= d - lo < extent``; outside
+    that the end entries (``clamp``) or 0. Inkling 2's low-rank relative bias is coef = the relative
+    states, table = its projection (one table for every head), lo 0; T5's bucketed bias is no coef and
+    a table per head over d in [-max_distance, max_distance], clamped (coreattn.layers.bias)."""
+
+    table: torch.Tensor  # [Ht, R, E] float32, Ht 1 (shared by the q heads) or Hq; contiguous
+    coef: torch.Tensor | None  # [.., Hq, R] float32 in q's layout (last stride 1), or None (R = 1)
+    lo: int
+    clamp: bool
+
+
+def bias_args(bias: TableBias | None, q_pack: Packing, dummy: torch.Tensor) -> dict:
+    """The attention kernels' bias arguments (BIAS off without one)."""
+    if bias is None:
+        return dict(table_ptr=dummy, coef_ptr=dummy, stride_cb=0, stride_ct=0, stride_ch=0, stride_th=0, bias_lo=0,
+                    bias_extent=1)
+    heads_t, rank, extent = bias.table.shape
+    if rank * extent > INT32_MAX:  # the kernels' table rows are int32 products r x extent (a constexpr) up to here
+        raise ValueError(f"bias: a table of {rank} rows x {extent} entries per head passes 2**31 - 1 entries")
+    coef = bias.coef
+    cb, ct, ch = seq_strides(coef, q_pack.fmt) if coef is not None else (0, 0, 0)
+    return dict(table_ptr=bias.table, coef_ptr=coef if coef is not None else bias.table, stride_cb=cb, stride_ct=ct,
+                stride_ch=ch, stride_th=bias.table.stride(0) if heads_t > 1 else 0, bias_lo=bias.lo,
+                bias_extent=extent, BIAS=True, BIAS_RANK=rank, BIAS_COEF=coef is not None, BIAS_CLAMP=bias.clamp)
 
 
 @triton.jit
@@ -301,3 +334,94 @@ def _store_rows(base, stride_t, r0, row_ok, last_row, x, x2, HEAD_DIM: tl.conste
         offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
         tl.store(ptrs + _cols(offs_d2, HEAD_DIM, BLOCK_D + BLOCK_D2)[None, :], x2.to(dtype),
                  mask=row_ok[:, None] & (offs_d2[None, :] < HEAD_DIM))
+
+
+RANK_CHUNK = tl.constexpr(4)  # a low-rank bias's table rows read per iteration of its loop (_bias_scores)
+
+
+@triton.jit
+def _bias_scores(coef_ptrs, table_base, dist, lo, extent, RANK: tl.constexpr, COEF: tl.constexpr,
+                 CLAMP: tl.constexpr):
+    """The additive attention bias (natural-log units, fp32) of a tile of (query, key) pairs whose
+    distances are ``dist`` = i + shift - j (any 2D shape; shift as for the causal diagonal):
+    ``sum_r coef[i, r] * table[r, dist - lo]`` (``coef`` 1 and RANK 1 without COEF), for
+    ``0 <= dist - lo < extent``; outside that the table's end entries (CLAMP) or 0. ``coef_ptrs``
+    holds each query row's coefficients' address (broadcast against ``dist``: [M, 1] or [1, M]),
+    its row clamped into the sequence by the caller; ``table_base`` the head's [RANK, extent] table.
+    Every table address is clamped into the table, so masked lanes stay in bounds too. ``extent`` is a
+    constexpr (a table's size, fixed per model: one compile per table shape, never per batch).
+    Cost per pair: RANK gathered table loads and RANK multiply-adds (plus RANK row loads per row);
+    without COEF (RANK 1) one load."""
+    at = dist - lo
+    inside = (at >= 0) & (at < extent)
+    at = tl.minimum(tl.maximum(at, 0), extent - 1)
+    if COEF:
+        bias = at.to(tl.float32) * 0.0
+        # RANK_CHUNK rows unrolled per iteration of a loop: at most that many [M, N] table reads live at once
+        # (all 16 of Inkling 2's unrolled spilled on sm90; one per iteration spilled more)
+        for r0 in range(0, RANK, RANK_CHUNK):
+            for rr in tl.static_range(RANK_CHUNK):
+                r = tl.minimum(r0 + rr, RANK - 1)  # a row past RANK re-reads the last, its coefficient zeroed
+                c = tl.where(r0 + rr < RANK, tl.load(coef_ptrs + r).to(tl.float32), 0.0)
+                # the row's offset: r x extent with the extent a constexpr (the kernels' bias_extent), int32 in every
+                # variant (r < RANK: under RANK x extent < 2**31, which bias_args checks; in int64, or with a runtime
+                # extent, the rows' addresses spilled on sm90)
+                bias += c * tl.load(table_base + r * extent + at).to(tl.float32)
+    else:
+        bias = tl.load(table_base + at).to(tl.float32)
+    if not CLAMP:
+        bias = tl.where(inside, bias, 0.0)
+    return bias
+
+
+@triton.jit
+def _bias_band(a_lo, a_hi, BLOCK: tl.constexpr, lo, extent):
+    """The starts ``b0`` of the blocks of BLOCK indices b0 .. b0 + BLOCK - 1 that hold some pair at a
+    distance ``a - b`` in [lo, lo + extent), for a in [a_lo, a_hi]: [near_lo, near_hi] (scalars, computed
+    once per tile so a step's check is two compares). The forward and dQ kernels pass the query rows
+    plus the shift as ``a`` and step over key blocks; the dK/dV kernel, whose steps are query blocks,
+    passes its keys as ``a`` mirrored (a = n - shift, the distances negated: lo -> -lo - extent + 1)."""
+    return a_lo - lo - extent - BLOCK + 2, a_hi - lo
+
+
+@triton.jit
+def _bias_near(b0, near_lo, near_hi, CLAMP: tl.constexpr):
+    """Whether the block starting at ``b0`` has any bias to add (``_bias_band``'s interval): always with a
+    clamped table; without, only where its distances meet the table (Inkling 2's full layers: the
+    1,024-distance band of a long sequence), so the blocks outside skip the bias's work."""
+    if CLAMP:
+        return b0 == b0
+    return (b0 >= near_lo) & (b0 <= near_hi)
+
+
+@triton.jit
+def _bias_row_grads(ds, p, dp, dcoef, far, table_base, dist, lo, extent, RANK: tl.constexpr, RB: tl.constexpr,
+                    COEF: tl.constexpr, CLAMP: tl.constexpr):
+    """The dQ kernel's share of a bias's gradient from a tile's ds = dL/d(logit) = p * (dp - delta)
+    ([M, N] fp32, 0 at masked pairs; ``dist`` as for ``_bias_scores``): ``dcoef [M, RB] += sum_j ds *
+    table[r, dist - lo]`` (COEF); with CLAMP, ``far [M, 4]`` gathers, for the pairs beyond the table's
+    low end (dist < lo) and its high end (dist >= lo + extent), sum(p * dp) and sum(p) per row, from
+    which the caller forms their sums of dS with the exact rowsum(P * dP) (the delta of the rounded
+    output would carry its rounding into a sum over every row). They join the end entries' gradient;
+    the entries inside come from the bias gradient kernel (kernels/attn_bias.py)."""
+    at = dist - lo
+    if COEF:
+        inside = (at >= 0) & (at < extent)
+        at_in = tl.minimum(tl.maximum(at, 0), extent - 1)
+        r_ids = tl.arange(0, RB)
+        for r0 in range(0, RANK, RANK_CHUNK):  # chunks, as in _bias_scores
+            for rr in tl.static_range(RANK_CHUNK):
+                row = table_base + tl.minimum(r0 + rr, RANK - 1) * extent  # as in _bias_scores
+                entry = tl.load(row + at_in).to(tl.float32)
+                if not CLAMP:
+                    entry = tl.where(inside, entry, 0.0)
+                dcoef += tl.where(r_ids[None, :] == r0 + rr, tl.sum(ds * entry, 1)[:, None], 0.0)
+    if CLAMP:
+        pdp = p * dp
+        low, high = at < 0, at >= extent
+        c = tl.arange(0, 4)[None, :]
+        far += (tl.where(c == 0, tl.sum(tl.where(low, pdp, 0.0), 1)[:, None], 0.0)
+                + tl.where(c == 1, tl.sum(tl.where(low, p, 0.0), 1)[:, None], 0.0)
+                + tl.where(c == 2, tl.sum(tl.where(high, pdp, 0.0), 1)[:, None], 0.0)
+                + tl.where(c == 3, tl.sum(tl.where(high, p, 0.0), 1)[:, None], 0.0))
+    return dcoef, far

@@ -24,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from coreattn.kernels.attn_common import (LENGTH_STRIDES, _cols, _dropout_keep, _first_gid, _first_row, _key_range,
-                                          _lane_offsets, _load_keep, _load_rows, _poison, _tile_visible, int64_lanes)
+from coreattn.kernels.attn_common import (LENGTH_STRIDES, _bias_band, _bias_near, _bias_scores, _cols, _dropout_keep, _first_gid, _first_row,
+                                          _key_range, _lane_offsets, _load_keep, _load_rows, _poison, _tile_visible,
+                                          TableBias, bias_args, int64_lanes)
 from coreattn.kernels.configs.base import head_blocks
 from coreattn.kernels.configs.dense import fwd_config
 from coreattn.kernels.configs.pick import tuned_fallback
@@ -83,10 +84,12 @@ def _qk_scores(q, q2, k_base, stride_kt, n0, offs_n, col_ok, k_desc, k2_desc, k_
 def _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt,
                  stride_kks, rows, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2, seed,
                  rng_offset, head, q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col,
+                 coef_ptrs, table_base, bias_lo, bias_extent, near_lo, near_hi,
                  HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                  BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
                  HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
-                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, INT64_LANES: tl.constexpr):
+                 MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, INT64_LANES: tl.constexpr,
+                 BIAS: tl.constexpr, BIAS_RANK: tl.constexpr, BIAS_COEF: tl.constexpr, BIAS_CLAMP: tl.constexpr):
     """Key block [n0, n0 + BLOCK_N). TMA: k and v through descriptors; in the MASKED (edge) blocks
     the rows past the sequence are another sequence's (or zeros past T), so v's are zeroed there: a
     probability of 0 times a non-finite value would be NaN. The unmasked blocks lie inside the
@@ -97,6 +100,10 @@ def _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_ba
     offs_k = tl.minimum(offs_n, seqlen_k - 1 - n0)  # [N] rows from n0, inside the sequence
     s = _qk_scores(q, q2, k_base, stride_kt, n0, offs_k, col_ok, k_desc, k2_desc, k_row0, k_col, HEAD_DIM_QK,
                    BLOCK_DQK, BLOCK_DQK2, MASKED, DOT_PRECISION, TMA, INT64_LANES) * sm_scale_log2  # [M, N], log2
+    if BIAS:  # the additive bias, from the pairs' distances (kernels/attn_common.py _bias_scores)
+        if _bias_near(n0, near_lo, near_hi, BIAS_CLAMP):
+            s += _bias_scores(coef_ptrs, table_base, rows[:, None] + shift - cols[None, :], bias_lo, bias_extent,
+                              BIAS_RANK, BIAS_COEF, BIAS_CLAMP) * 1.4426950408889634
     if TMA:
         v = v_desc.load([k_row0 + n0, v_col])  # [N, DV]
         if MASKED:
@@ -129,11 +136,13 @@ def _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_ba
 def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt, stride_vt, stride_kks,
                   rows, n_lo, n_hi, seqlen_q, seqlen_k, shift, window_left, window_right, sm_scale_log2,
                   seed, rng_offset, head, q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col,
+                  coef_ptrs, table_base, bias_lo, bias_extent, near_lo, near_hi,
                   HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr,
                   BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_Q_KEEP: tl.constexpr,
                   HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  TMA: tl.constexpr, WARP_SPEC: tl.constexpr, INT64_LANES: tl.constexpr):
+                  TMA: tl.constexpr, WARP_SPEC: tl.constexpr, INT64_LANES: tl.constexpr, BIAS: tl.constexpr,
+                  BIAS_RANK: tl.constexpr, BIAS_COEF: tl.constexpr, BIAS_CLAMP: tl.constexpr):
     """Key blocks [n_lo, n_hi). WARP_SPEC: the loop is warp-specialized (Triton splits loads, MMAs
     and softmax into partitions); it is a separate loop so that the plain one stays what
     Tritons without ``tl.range(warp_specialize=)`` (triton-ascend 3.2) parse."""
@@ -145,24 +154,29 @@ def _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, str
                                          k_keep_base, stride_kt,
                                          stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
                                          window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
-                                         drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col, HEAD_DIM_QK,
+                                         drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs,
+                                         table_base, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK,
                                          HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                                         HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, MASKED, DOT_PRECISION, TMA, INT64_LANES)
+                                         HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, MASKED, DOT_PRECISION, TMA, INT64_LANES,
+                                         BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
     else:
         for n0 in range(n_lo, n_hi, BLOCK_N):
             acc, m_i, l_i = _fwd_kv_step(acc, m_i, l_i, n0, offs_n, offs_dv, q, q2, q_keep, k_base, v_base,
                                          k_keep_base, stride_kt,
                                          stride_vt, stride_kks, rows, seqlen_q, seqlen_k, shift, window_left,
                                          window_right, sm_scale_log2, seed, rng_offset, head, q_ids, k_gid0,
-                                         drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col, HEAD_DIM_QK,
+                                         drop_threshold, k_desc, k2_desc, v_desc, k_row0, k_col, v_col, coef_ptrs,
+                                         table_base, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK,
                                          HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                                         HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, MASKED, DOT_PRECISION, TMA, INT64_LANES)
+                                         HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, MASKED, DOT_PRECISION, TMA, INT64_LANES,
+                                         BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
     return acc, m_i, l_i
 
 
 @triton.jit
 def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr,
-              rng_ptr, sink_ptr, max_ptr, k_desc, k2_desc, v_desc,
+              rng_ptr, sink_ptr, max_ptr, k_desc, k2_desc, v_desc, table_ptr, coef_ptr, stride_cb, stride_ct, stride_ch,
+              stride_th, bias_lo, bias_extent,
               batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
               drop_threshold, drop_scale,
               stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -172,7 +186,9 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
               PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr,
               DROPOUT: tl.constexpr, HAS_GID: tl.constexpr, HAS_SINK: tl.constexpr, RETURN_MAX: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr, INT64_LANES: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr, INT64_LANES: tl.constexpr,
+              SINK_ROWS: tl.constexpr, BIAS: tl.constexpr, BIAS_RANK: tl.constexpr, BIAS_COEF: tl.constexpr,
+              BIAS_CLAMP: tl.constexpr):
     """Task ``task`` of the (query tile, q head) grid, heads fastest. TMA: k and v are read through
     the descriptors ``k_desc`` (``k2_desc`` for a split q/k dim) and ``v_desc`` (packed thd only)."""
     head = task % heads
@@ -216,6 +232,14 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
                 q_ids = _first_gid(q_gid_ptr, seq, q_start, seqlen_q_total, PACKED, HAS_GID) + rows
                 k_gid0 = _first_gid(k_gid_ptr, seq, k_start, seqlen_k_total, PACKED, HAS_GID)
 
+            coef_ptrs = coef_ptr  # BIAS: each row's coefficients (rows clamped into the sequence), the head's table
+            table_base = table_ptr
+            near_lo, near_hi = _bias_band(m0 + shift, m0 + shift + (BLOCK_M - 1), BLOCK_N, bias_lo, bias_extent)
+            if BIAS:
+                coef_ptrs = (coef_ptr + seq64 * stride_cb + q_start.to(tl.int64) * stride_ct + head.to(tl.int64)
+                             * stride_ch + tl.cast(m0, tl.int64) * stride_ct
+                             + _lane_offsets(tl.minimum(offs_m, seqlen_q - 1 - m0)[:, None], stride_ct, INT64_LANES))
+                table_base = table_ptr + head.to(tl.int64) * stride_th
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -230,28 +254,38 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
                                           stride_vt, stride_kks, rows, lo, full_lo, seqlen_q, seqlen_k, shift,
                                           window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
                                           q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
-                                          v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
+                                          v_col, coef_ptrs, table_base, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK,
+                                          HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
                                           HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION,
-                                          TMA, WARP_SPEC, INT64_LANES)
+                                          TMA, WARP_SPEC, INT64_LANES, BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
             acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
                                           stride_vt, stride_kks, rows, full_lo, full_hi, seqlen_q, seqlen_k, shift,
                                           window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
                                           q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
-                                          v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
+                                          v_col, coef_ptrs, table_base, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK,
+                                          HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
                                           HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, False,
-                                          DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES)
+                                          DOT_PRECISION, TMA, WARP_SPEC, INT64_LANES, BIAS, BIAS_RANK,
+                                          BIAS_COEF, BIAS_CLAMP)
             acc, m_i, l_i = _fwd_kv_steps(acc, m_i, l_i, q, q2, q_keep, k_base, v_base, k_keep_base, stride_kt,
                                           stride_vt, stride_kks, rows, full_hi, hi, seqlen_q, seqlen_k, shift,
                                           window_left, window_right, sm_scale_log2, seed, rng_offset, drop_head,
                                           q_ids, k_gid0, drop_threshold, k_desc, k2_desc, v_desc, k_start, k_col,
-                                          v_col, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
+                                          v_col, coef_ptrs, table_base, bias_lo, bias_extent, near_lo, near_hi, HEAD_DIM_QK,
+                                          HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
                                           HAS_LEFT, HAS_RIGHT, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, True, DOT_PRECISION,
-                                          TMA, WARP_SPEC, INT64_LANES)
+                                          TMA, WARP_SPEC, INT64_LANES, BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
             if RETURN_MAX:  # the largest visible scaled logit of this tile (before the sink joins the max)
                 tl.store(max_ptr + head.to(tl.int64) * n_tiles + tile,
                          tl.max(tl.where(row_ok, m_i, float("-inf")), 0) * 0.6931471805599453)
             if HAS_SINK:  # the sink: one more key with logit offset[head] (log2 domain here) and a zero value
-                sink = tl.load(sink_ptr + head).to(tl.float32) * 1.4426950408889634
+                if SINK_ROWS:  # one logit per row and head, in lse's layout (and strides)
+                    sink_rows = (sink_ptr + head.to(tl.int64) * stride_lh + seq64 * stride_lb
+                                 + q_start.to(tl.int64) + tl.cast(m0, tl.int64))
+                    sink = tl.load(sink_rows + tl.minimum(offs_m, seqlen_q - 1 - m0)).to(tl.float32)
+                    sink = sink * 1.4426950408889634
+                else:
+                    sink = tl.load(sink_ptr + head).to(tl.float32) * 1.4426950408889634
                 m_fin = tl.maximum(m_i, sink)
                 alpha = tl.math.exp2(m_i - m_fin)
                 l_i = l_i * alpha + tl.math.exp2(sink - m_fin)
@@ -283,7 +317,8 @@ def _fwd_tile(task, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, 
 @triton.jit(do_not_specialize=RUNTIME_INTS)
 def _varlen_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr, q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr,
-    max_ptr, k_desc, k2_desc, v_desc,
+    max_ptr, k_desc, k2_desc, v_desc, table_ptr, coef_ptr, stride_cb, stride_ct, stride_ch, stride_th, bias_lo,
+    bias_extent: tl.constexpr,
     batch, heads, n_tiles, seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
     drop_threshold, drop_scale,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -294,6 +329,8 @@ def _varlen_attn_fwd_kernel(
     PACKED: tl.constexpr, HAS_Q_KEEP: tl.constexpr, HAS_K_KEEP: tl.constexpr, DROPOUT: tl.constexpr,
     HAS_GID: tl.constexpr, HAS_SINK: tl.constexpr, RETURN_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PERSISTENT: tl.constexpr, INT64_LANES: tl.constexpr, TMA: tl.constexpr = False, WARP_SPEC: tl.constexpr = False,
+    SINK_ROWS: tl.constexpr = False, BIAS: tl.constexpr = False, BIAS_RANK: tl.constexpr = 1,
+    BIAS_COEF: tl.constexpr = False, BIAS_CLAMP: tl.constexpr = False,
 ):
     # grid: n_tiles * heads programs (CUDA, interpreter), or PERSISTENT (Ascend): a core-count 1D
     # grid whose programs run those same tasks in turn. seqlen_*_total is the token count T (thd)
@@ -303,25 +340,25 @@ def _varlen_attn_fwd_kernel(
             t = tl.minimum(task, n_tiles * heads - 1)  # addresses inside for any task (see attn_common)
             _fwd_tile(t, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr,
                       q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr, max_ptr, k_desc, k2_desc, v_desc,
-                      batch, heads, n_tiles,
+                      table_ptr, coef_ptr, stride_cb, stride_ct, stride_ch, stride_th, bias_lo, bias_extent, batch, heads, n_tiles,
                       seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
                       drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                       stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
                       stride_qkb, stride_qks, stride_kkb, stride_kks, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
                       BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
                       PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, HAS_SINK, RETURN_MAX, DOT_PRECISION, TMA,
-                      WARP_SPEC, INT64_LANES)
+                      WARP_SPEC, INT64_LANES, SINK_ROWS, BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
     else:
         _fwd_tile(tl.program_id(0), q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, map_ptr,
                   q_keep_ptr, k_keep_ptr, q_gid_ptr, k_gid_ptr, rng_ptr, sink_ptr, max_ptr, k_desc, k2_desc, v_desc,
-                  batch, heads, n_tiles,
+                  table_ptr, coef_ptr, stride_cb, stride_ct, stride_ch, stride_th, bias_lo, bias_extent, batch, heads, n_tiles,
                   seqlen_q_total, seqlen_k_total, group, sm_scale_log2, window_left, window_right,
                   drop_threshold, drop_scale, stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                   stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
                   stride_qkb, stride_qks, stride_kkb, stride_kks, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK,
                   BLOCK_DQK2, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT,
                   PACKED, HAS_Q_KEEP, HAS_K_KEEP, DROPOUT, HAS_GID, HAS_SINK, RETURN_MAX, DOT_PRECISION, TMA,
-                  WARP_SPEC, INT64_LANES)
+                  WARP_SPEC, INT64_LANES, SINK_ROWS, BIAS, BIAS_RANK, BIAS_COEF, BIAS_CLAMP)
 
 
 def dot_precision(dtype: torch.dtype, target: str) -> str:
@@ -360,6 +397,19 @@ def lane_flags(rows: int, cols: int, sides) -> dict:
     return dict(INT64_LANES=int64_lanes(rows, strides, cols))
 
 
+def bias_rows(bias: TableBias | None) -> tuple:
+    """The bias tensors in q's layout whose rows a kernel's lanes address (for ``lane_flags``)."""
+    return () if bias is None or bias.coef is None else (bias.coef,)
+
+
+def sink_arg(softmax_offset: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The sink logits as the forward kernel reads them: ``[Hq]``, or one per row and head in lse's
+    layout (``[Hq, T]`` / ``[B, Hq, S]``), read with lse's strides (copied into them if they differ)."""
+    if softmax_offset.dim() == 1 or softmax_offset.stride() == lse.stride():
+        return softmax_offset
+    return torch.empty_like(lse, dtype=softmax_offset.dtype).copy_(softmax_offset)
+
+
 def kernel_window(window: int, limit: int) -> int:
     """A window at least as wide as every sequence (``limit``: the larger of the q and k token
     counts or padded lengths) sees everything it would see unbounded, so clamp it there: the
@@ -394,7 +444,8 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
                     max_seqlen_q: int, softmax_scale: float, window_left: int = -1, window_right: int = -1,
                     bottom_right: bool = True, out: torch.Tensor | None = None, lse: torch.Tensor | None = None, *,
                     dropout_p: float = 0.0, rng_state: torch.Tensor | None = None,
-                    softmax_offset: torch.Tensor | None = None, return_max_logit: bool = False):
+                    softmax_offset: torch.Tensor | None = None, return_max_logit: bool = False,
+                    bias: TableBias | None = None):
     """Launch the forward kernel on q/k/v laid out as ``q_pack``/``k_pack`` say (kernels/packing.py).
 
     thd: q [Tq, Hq, Dqk], k [Tk, Hkv, Dqk], v [Tk, Hkv, Dv]; returns out [Tq, Hq, Dv] (q's
@@ -405,9 +456,11 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
     the caller (coreattn.layers.checks). ``out``/``lse`` may be given as preallocated buffers.
 
     ``dropout_p``/``rng_state``: dropout with the keep mask of coreattn/kernels/dropout.py (rng_state
-    the int64 [3] tensor it draws). ``softmax_offset``: float [Hq] sink logits (lse includes the
-    sink). ``return_max_logit``: also return the max visible scaled logit per q head, float32 [Hq]
-    (-inf for a head without a visible pair): the result is then (out, lse, max_logit).
+    the int64 [3] tensor it draws). ``softmax_offset``: float sink logits, [Hq] or one per row and
+    head in lse's layout ([Hq, Tq] / [B, Hq, S]) (lse includes the sink). ``return_max_logit``: also
+    return the max visible scaled logit per q head, float32 [Hq] (-inf for a head without a visible
+    pair): the result is then (out, lse, max_logit). ``bias``: an additive bias computed in
+    registers (kernels/attn_common.py ``TableBias``; not with return_max_logit).
     """
     heads_q, dim_qk = q.shape[-2:]
     heads_kv, dim_v = v.shape[-2:]
@@ -421,8 +474,9 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
     block_dqk, block_dqk2, block_dv = head_blocks(dim_qk, dim_v)
     cls = launch_class(q, v, window_left, window_right, heads_kv=heads_kv, dropout=dropout_p > 0,
                        sink=softmax_offset is not None, max_logit=return_max_logit,
-                       keep=q_pack.keep is not None or k_pack.keep is not None)
-    cfg = fwd_config(q.device, block_dqk + block_dqk2, block_dv, q.element_size(), dropout=dropout_p > 0, cls=cls)
+                       keep=q_pack.keep is not None or k_pack.keep is not None, bias=bias is not None)
+    cfg = fwd_config(q.device, block_dqk + block_dqk2, block_dv, q.element_size(), dropout=dropout_p > 0, cls=cls,
+                     bias=False if bias is None else "coef" if bias.coef is not None else True)
     n_tiles = tile_bound(batch, seqlen_q_total, cfg.block_m, q_pack.fmt == "thd")
     max_logit = torch.full((heads_q, max(n_tiles, 1)), float("-inf"), device=q.device) if return_max_logit else None
     if q.numel() > 0 and batch > 0 and n_tiles > 0:
@@ -439,7 +493,7 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
             target, _varlen_attn_fwd_kernel, grid,
             q, k, v, out, lse, tile_map, keep_args(q_pack)[0], keep_args(k_pack)[0], k_desc=k_desc, k2_desc=k2_desc,
             v_desc=row_descriptor(v, cfg.block_n, block_dv) if loop["TMA"] else None,
-            sink_ptr=softmax_offset if softmax_offset is not None else q_pack.seq,
+            sink_ptr=sink_arg(softmax_offset, lse) if softmax_offset is not None else q_pack.seq,
             max_ptr=max_logit if return_max_logit else lse,
             batch=batch, heads=heads_q, n_tiles=n_tiles, seqlen_q_total=seqlen_q_total, seqlen_k_total=seqlen_k_total,
             group=heads_q // heads_kv, sm_scale_log2=softmax_scale * LOG2E, window_left=window_left,
@@ -453,9 +507,11 @@ def varlen_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pack: P
             **dict(zip(("stride_kkb", "stride_kks"), keep_args(k_pack)[1:])),
             HEAD_DIM_QK=dim_qk, HEAD_DIM_V=dim_v, BLOCK_DQK=block_dqk, BLOCK_DQK2=block_dqk2, BLOCK_DV=block_dv,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype, target),
-            HAS_SINK=softmax_offset is not None, RETURN_MAX=return_max_logit, PERSISTENT=persistent,
+            HAS_SINK=softmax_offset is not None, SINK_ROWS=softmax_offset is not None and softmax_offset.dim() > 1,
+            RETURN_MAX=return_max_logit, PERSISTENT=persistent,
             **lane_flags(max(cfg.block_m, cfg.block_n), max(block_dqk + block_dqk2, block_dv),
-                         ((q_pack, (q, out)), (k_pack, (k, v)))),
+                         ((q_pack, (q, out) + bias_rows(bias)), (k_pack, (k, v)))),
+            **bias_args(bias, q_pack, lse),
             **dropout_args(dropout_p, rng_state, q_pack, k_pack),
             **mask_flags(window_left, window_right, bottom_right, q_pack, k_pack),
             **loop, **cfg.launch(),

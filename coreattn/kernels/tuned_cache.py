@@ -43,9 +43,11 @@ ENV_CACHE = "COREATTN_TUNE_CACHE"
 FORMAT = "coreattn-tuned-configs/1"
 PACKAGE_DIR = Path(__file__).with_name("tuned")
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-FEATURES = ("dropout", "sink", "max_logit", "keep")  # keep: [B, S] keep masks (padded layouts)
+# keep: [B, S] keep masks (padded layouts); bias: an additive bias computed in registers (TableBias)
+FEATURES = ("dropout", "sink", "max_logit", "keep", "bias")
 # the features that change each kernel's code; the others leave it as it is and are not in its class
-KERNEL_FEATURES = {"fwd": FEATURES, "dkdv": ("dropout", "keep"), "dq": ("dropout", "sink", "keep"), "preprocess": ()}
+KERNEL_FEATURES = {"fwd": FEATURES, "dkdv": ("dropout", "keep", "bias"), "dq": ("dropout", "sink", "keep", "bias"),
+                   "preprocess": ()}
 CONFIG_FIELDS = ("block_m", "block_n", "num_warps", "num_stages", "maxnreg", "warp_specialize", "tma")
 
 
@@ -90,9 +92,10 @@ class KernelClass(NamedTuple):
 
 
 def launch_class(q: torch.Tensor, v: torch.Tensor, window_left: int, window_right: int, *, heads_kv: int,
-                 dropout: bool = False, sink: bool = False, max_logit: bool = False, keep: bool = False) -> KernelClass:
+                 dropout: bool = False, sink: bool = False, max_logit: bool = False, keep: bool = False,
+                 bias: bool = False) -> KernelClass:
     """The class of a launch on q [.., Hq, Dqk] and v [.., Hkv, Dv] (the launchers' view)."""
-    flags = dict(dropout=dropout, sink=sink, max_logit=max_logit, keep=keep)
+    flags = dict(dropout=dropout, sink=sink, max_logit=max_logit, keep=keep, bias=bias)
     return KernelClass(q.shape[-1], v.shape[-1], DTYPE_NAMES.get(q.dtype, str(q.dtype)),
                        window_left >= 0 or window_right >= 0, q.shape[-2] != heads_kv,
                        tuple(f for f in FEATURES if flags[f]))

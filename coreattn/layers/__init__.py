@@ -8,8 +8,9 @@ Megatron-Core's dense core attention (``core_attention.py``). Subpackages, one p
 ``dsa/`` (DeepSeek Sparse Attention: top-k sparse attention, the lightning indexer, Megatron's
 DSAttention on coreattn), ``torch_backend/`` (attention in torch ops, CPU and any device),
 ``npu_fused/`` (Ascend's fused op), ``context_parallel/`` (``cp_attn`` and its exchanges),
-``masks/`` (the utilities behind ``coreattn.masks``). Each subpackage's docstring says what it
-may import.
+``masks/`` (the utilities behind ``coreattn.masks``), ``bias/`` (the relative-position biases
+the dense attention functions take, computed in registers). Each subpackage's docstring says what
+it may import.
 
 May import: torch, ``coreattn.kernels`` and megatron-core (``core_attention.py`` and
 ``dsa/core_dsa_attention.py`` only, on first use of ``CoreAttention`` / ``CoreDSAttention``); nothing

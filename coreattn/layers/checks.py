@@ -183,23 +183,39 @@ def check_options(head_dim_qk: int, dropout_p, softmax_scale, causal, window_siz
     return VarlenParams(float(softmax_scale), left, right, causal_alignment == "bottom_right", dropout_p)
 
 
-def check_softmax_offset(softmax_offset, q: torch.Tensor) -> torch.Tensor | None:
-    """Sink logits: a floating ``[Hq]`` tensor on q's device, returned in the compute dtype (float32,
+def check_softmax_offset(softmax_offset, q: torch.Tensor, layout: str = "thd") -> torch.Tensor | None:
+    """Sink logits on q's device: one per q head ``[Hq]``, or one per query token and head (thd
+    ``[T, Hq]``, padded ``[B, Hq, S]``: Inkling 2's sinks). Returned in the compute dtype (float32,
     float64 for float64 inputs) through a differentiable cast, so a bf16 Megatron parameter gets its
-    gradient in its own dtype."""
+    gradient in its own dtype; a per-token offset in lse's layout (``[Hq, T]`` / ``[B, Hq, S]``,
+    contiguous)."""
     if softmax_offset is None:
         return None
-    _check_tensor("softmax_offset", softmax_offset, 1)
+    if not isinstance(softmax_offset, torch.Tensor):
+        raise TypeError(f"softmax_offset must be a torch.Tensor, got {type(softmax_offset).__name__}")
     if not softmax_offset.dtype.is_floating_point:
         raise TypeError(f"softmax_offset must be a floating tensor, got {softmax_offset.dtype}")
     heads = q.shape[-2]
-    if softmax_offset.numel() != heads:
-        raise ValueError(f"softmax_offset has {softmax_offset.numel()} entries but q has {heads} heads "
-                         "(one sink logit per q head)")
+    if layout == "thd":
+        per_token = (q.shape[0], heads)
+    else:
+        batch, seqlen = (q.shape[0], q.shape[1]) if layout == "bshd" else (q.shape[1], q.shape[0])
+        per_token = (batch, heads, seqlen)
+    shape = tuple(softmax_offset.shape)
+    if softmax_offset.dim() == 1:
+        if softmax_offset.numel() != heads:
+            raise ValueError(f"softmax_offset has {softmax_offset.numel()} entries but q has {heads} heads "
+                             "(one sink logit per q head)")
+    elif shape != per_token:
+        raise ValueError(f"softmax_offset has shape {shape}; expected [Hq] = [{heads}] (per head) or "
+                         f"{list(per_token)} (per token and head, {'[T, Hq]' if layout == 'thd' else '[B, Hq, S]'})")
     if softmax_offset.device != q.device:
         raise ValueError(f"softmax_offset is on {softmax_offset.device} but q is on {q.device}")
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return softmax_offset.to(work).contiguous()
+    offset = softmax_offset.to(work)
+    if softmax_offset.dim() == 2:  # [T, Hq] -> lse's [Hq, T]
+        offset = offset.t()
+    return offset.contiguous()
 
 
 def check_flag(name: str, value) -> bool:

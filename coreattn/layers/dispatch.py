@@ -13,15 +13,15 @@ from coreattn.layers.function import (POSITION_IDS, TORCH, TRITON, attention, at
 
 
 def _npu_fused(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int,
-               params: VarlenParams, softmax_offset, return_max_logit: bool, validate: bool):
+               params: VarlenParams, softmax_offset, return_max_logit: bool, validate: bool, bias=None):
     """npu_fusion_attention has its own autograd and takes host lists: it runs outside the
     coreattn ops (eager only), with the same value checks first."""
     from coreattn.layers.npu_fused.attention import attn_npu_fused
 
-    if softmax_offset is not None or return_max_logit:
-        raise NotImplementedError("softmax_offset and return_max_logit are not supported by the npu_fused "
-                                  "backend (npu_fusion_attention has no sink logits and returns no max logit); "
-                                  "use backend='triton' or 'torch'")
+    if softmax_offset is not None or return_max_logit or bias is not None:
+        raise NotImplementedError("softmax_offset, return_max_logit and bias are not supported by the npu_fused "
+                                  "backend (npu_fusion_attention has no sink logits, returns no max logit and "
+                                  "takes a bias only as an [S, T] pse tensor); use backend='triton' or 'torch'")
     if q_pack.fmt == POSITION_IDS:  # packed thd sequences given by position ids: read them here
         q_pack = Packing("thd", cu_seqlens_from_position_ids(q_pack.seq, q.shape[0]), gid=q_pack.gid)
         k_pack = Packing("thd", cu_seqlens_from_position_ids(k_pack.seq, k.shape[0]), gid=k_pack.gid)
@@ -41,7 +41,7 @@ def _npu_fused(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max
 def run_attention(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int,
                   params: VarlenParams, deterministic: bool, backend, *, softmax_offset: torch.Tensor | None = None,
                   return_max_logit: bool = False, rng_state: torch.Tensor | None = None,
-                  generator: torch.Generator | None = None, validate: bool = False):
+                  generator: torch.Generator | None = None, validate: bool = False, bias=None):
     """(out, lse, max_logit). lse and max_logit are never differentiable, so callers may
     backpropagate through out (and softmax_offset) alone; max_logit is None unless asked for.
 
@@ -53,16 +53,17 @@ def run_attention(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, 
     runs, so a compiled graph follows COREATTN_BACKEND as eager does. With dropout, the RNG state
     is drawn from the device's generator (or ``generator``, eager only) unless given. The npu_fused
     backend returns no lse (None) and draws its dropout mask with the op's own RNG; see
-    coreattn.layers.npu_fused.attention."""
+    coreattn.layers.npu_fused.attention. ``bias``: an additive bias (a TableBias, checked:
+    coreattn.layers.bias.check_bias)."""
     override = None if backend is None else parse_backend(backend)
     if select_backend(q.device, override) is Backend.NPU_FUSED:
         return _npu_fused(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params, softmax_offset,
-                          return_max_logit, validate)
+                          return_max_logit, validate, bias)
     if params.dropout_p > 0 and rng_state is None:
         rng_state = draw_rng_state(q) if generator is None else dropout.rng_state(q.device, generator)
     return attention(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params,
                      "" if override is None else override.value, rng_state=rng_state, softmax_offset=softmax_offset,
-                     return_max_logit=return_max_logit, validate=validate)
+                     return_max_logit=return_max_logit, validate=validate, bias=bias)
 
 
 def public_result(out, lse, max_logit, return_lse: bool, return_max_logit: bool):

@@ -3,11 +3,13 @@
 Every backend that coreattn differentiates itself implements the same pair (an ``AttnImpl``):
 
 - ``fwd(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params, rng_state, softmax_offset,
-  return_max_logit) -> (out, lse, max_logit or None)``: lse float32 includes the softmax offset's
-  sink term; max_logit float32 [Hq] when asked for;
+  return_max_logit, bias=None) -> (out, lse, max_logit or None)``: lse float32 includes the softmax
+  offset's sink term; max_logit float32 [Hq] when asked for; ``bias`` an additive bias computed in
+  registers (a ``TableBias``, coreattn/kernels/attn_common.py);
 - ``bwd(dout, q, k, v, out, lse, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params, rng_state,
-  softmax_offset) -> (dq, dk, dv, d_offset)`` from the saved out and lse; d_offset is None without a
-  softmax offset. Additive over key sets that share one lse (a context-parallel ring sums them).
+  softmax_offset, bias=None) -> (dq, dk, dv, d_offset)`` from the saved out and lse; d_offset is None
+  without a softmax offset; with a bias also ``d_table, d_coef`` (fp32; d_coef None without
+  coefficients). Additive over key sets that share one lse (a context-parallel ring sums them).
 
 Backends: Triton (the kernels' launchers) and torch (coreattn/layers/torch_backend/). The
 softmax offset's gradient is the same torch reduction for both (``softmax_offset_grad``) over
@@ -18,9 +20,10 @@ node (no graph break) and eager runs the very same code:
 
 - ``coreattn::attn_fwd(q, k, v, fmt, <q layout>, <k layout>, max_seqlen_q, max_seqlen_k,
   softmax_scale, window_left, window_right, bottom_right, dropout_p, rng_state?, softmax_offset?,
-  return_max_logit, backend, validate) -> (out, lse, max_logit)``;
+  return_max_logit, backend, validate, bias_table?, bias_coef?, bias_lo, bias_clamp) -> (out, lse,
+  max_logit)``: the bias's four are a ``TableBias``'s fields (no bias: ``bias_table`` None);
 - ``coreattn::attn_bwd(dout, q, k, v, out, lse, fmt, <q layout>, <k layout>, ...) -> (dq, dk, dv,
-  d_offset)``, d_offset an empty ``[0]`` placeholder without a softmax offset;
+  d_offset, d_table, d_coef)``, each of the last three an empty ``[0]`` placeholder without its input;
 - ``coreattn::rng_state(q) -> int64 [3]``: the dropout RNG state, drawn from the generator of
   q's device when the op runs, so a compiled graph draws exactly what eager draws (Inductor would
   otherwise replace a traced ``randint`` with its own RNG).
@@ -61,6 +64,7 @@ import torch
 
 from coreattn.layers.backends import Backend, select_backend
 from coreattn.kernels import varlen_attn_bwd, varlen_attn_fwd
+from coreattn.kernels.attn_common import TableBias
 from coreattn.kernels.packing import Packing, new_rowstat
 from coreattn.kernels import dropout
 from coreattn.layers.checks import KERNEL_DTYPES, VarlenParams, check_layout_values, keep_as_uint8, reads_values
@@ -77,25 +81,30 @@ class AttnImpl(NamedTuple):
 
 
 def _triton_fwd(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params: VarlenParams, rng_state,
-                softmax_offset, return_max_logit):
+                softmax_offset, return_max_logit, bias=None):
     res = varlen_attn_fwd(q, k, v, q_pack, k_pack, max_seqlen_q, params.softmax_scale, params.window_left,
                           params.window_right, params.bottom_right, dropout_p=params.dropout_p, rng_state=rng_state,
-                          softmax_offset=softmax_offset, return_max_logit=return_max_logit)
+                          softmax_offset=softmax_offset, return_max_logit=return_max_logit, bias=bias)
     return res if return_max_logit else (*res, None)
 
 
 def _triton_bwd(dout, q, k, v, out, lse, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params: VarlenParams,
-                rng_state, softmax_offset):
+                rng_state, softmax_offset, bias=None):
     rowsum = None if softmax_offset is None else new_rowstat(q, q_pack, fill=0.0)
-    dq, dk, dv = varlen_attn_bwd(dout, q, k, v, out, lse, q_pack, k_pack, max_seqlen_q, max_seqlen_k,
-                                 params.softmax_scale, params.window_left, params.window_right, params.bottom_right,
-                                 dropout_p=params.dropout_p, rng_state=rng_state, sink_rowsum=rowsum)
+    grads = varlen_attn_bwd(dout, q, k, v, out, lse, q_pack, k_pack, max_seqlen_q, max_seqlen_k,
+                            params.softmax_scale, params.window_left, params.window_right, params.bottom_right,
+                            dropout_p=params.dropout_p, rng_state=rng_state, sink_rowsum=rowsum, bias=bias)
     d_offset = None if softmax_offset is None else softmax_offset_grad(softmax_offset, lse, rowsum, q_pack)
-    return dq, dk, dv, d_offset
+    return (*grads[:3], d_offset, *grads[3:])
 
 
 TRITON = AttnImpl("triton", _triton_fwd, _triton_bwd)
 TORCH = AttnImpl("torch", attn_torch_fwd, attn_torch_bwd)
+
+
+def _table_bias(table, coef, lo: int, clamp: bool) -> TableBias | None:
+    """The op's bias arguments as the backends take them (None without a table)."""
+    return None if table is None else TableBias(table, coef, lo, clamp)
 
 
 def _stat_dtype(q: torch.Tensor) -> torch.dtype:
@@ -172,7 +181,9 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str,
              k_keep: Optional[torch.Tensor], k_gid: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
              softmax_scale: float, window_left: int, window_right: int, bottom_right: bool, dropout_p: float,
              rng_state: Optional[torch.Tensor], softmax_offset: Optional[torch.Tensor], return_max_logit: bool,
-             backend: str, validate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             backend: str, validate: bool, bias_table: Optional[torch.Tensor] = None,
+             bias_coef: Optional[torch.Tensor] = None, bias_lo: int = 0,
+             bias_clamp: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, max_logit); max_logit is an empty [0] tensor unless ``return_max_logit``."""
     if validate and fmt != POSITION_IDS:
         check_layout_values(fmt, q_seq, q_lens, q_keep, k_seq, k_lens, k_keep, _tokens(q, fmt), _tokens(k, fmt),
@@ -182,7 +193,8 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str,
                                k.shape[0])
     params = VarlenParams(softmax_scale, window_left, window_right, bottom_right, dropout_p)
     out, lse, max_logit = impl.fwd(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params, rng_state,
-                                   softmax_offset, return_max_logit)
+                                   softmax_offset, return_max_logit,
+                                   bias=_table_bias(bias_table, bias_coef, bias_lo, bias_clamp))
     if max_logit is None:
         max_logit = torch.empty(0, dtype=_stat_dtype(q), device=q.device)
     return out, lse, max_logit
@@ -199,7 +211,8 @@ def _lse_shape(q: torch.Tensor, fmt: str) -> tuple:
 @attn_fwd.register_fake
 def _attn_fwd_fake(q, k, v, fmt, q_seq, q_lens, q_keep, q_gid, k_seq, k_lens, k_keep, k_gid, max_seqlen_q,
                    max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, dropout_p, rng_state,
-                   softmax_offset, return_max_logit, backend, validate):
+                   softmax_offset, return_max_logit, backend, validate, bias_table=None, bias_coef=None, bias_lo=0,
+                   bias_clamp=False):
     stat = _stat_dtype(q)
     out = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
     lse = q.new_empty(_lse_shape(q, fmt), dtype=stat)
@@ -214,47 +227,59 @@ def attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              k_lens: Optional[torch.Tensor], k_keep: Optional[torch.Tensor], k_gid: Optional[torch.Tensor],
              max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, window_left: int, window_right: int,
              bottom_right: bool, dropout_p: float, rng_state: Optional[torch.Tensor],
-             softmax_offset: Optional[torch.Tensor],
-             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, d_offset) from the forward's out and lse, in q, k, v's (and the offset's) shapes and
-    dtypes (contiguous); d_offset is an empty [0] tensor without a softmax offset. ``backend`` is
-    resolved again: the forward's choice unless COREATTN_BACKEND changed in between."""
+             softmax_offset: Optional[torch.Tensor], backend: str, bias_table: Optional[torch.Tensor] = None,
+             bias_coef: Optional[torch.Tensor] = None, bias_lo: int = 0, bias_clamp: bool = False,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, d_offset, d_table, d_coef) from the forward's out and lse, in q, k, v's (and the
+    offset's and bias's) shapes and dtypes (contiguous); each of the last three is an empty [0] tensor
+    without its input. ``backend`` is resolved again: the forward's choice unless COREATTN_BACKEND
+    changed in between."""
     impl = _impl(q, backend)
     q_pack, k_pack = _packings(fmt, q_seq, q_lens, q_keep, q_gid, k_seq, k_lens, k_keep, k_gid, q.shape[0],
                                k.shape[0])
     params = VarlenParams(softmax_scale, window_left, window_right, bottom_right, dropout_p)
-    dq, dk, dv, d_offset = impl.bwd(dout, q, k, v, out, lse, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params,
-                                    rng_state, softmax_offset)
-    if d_offset is None:
-        d_offset = torch.empty(0, dtype=_stat_dtype(q), device=q.device)
+    bias = _table_bias(bias_table, bias_coef, bias_lo, bias_clamp)
+    grads = impl.bwd(dout, q, k, v, out, lse, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params, rng_state,
+                     softmax_offset, **({} if bias is None else dict(bias=bias)))
+    dq, dk, dv, d_offset, d_table, d_coef = (*grads, None, None) if bias is None else grads
+    def none():  # an empty placeholder of its own (a custom op's outputs may not alias each other)
+        return torch.empty(0, dtype=_stat_dtype(q), device=q.device)
+
+    d_table = none() if d_table is None else d_table.to(bias_table.dtype)
+    d_coef = none() if d_coef is None else d_coef.to(bias_coef.dtype)
+    d_offset = none() if d_offset is None else d_offset
     # a custom op's outputs are fresh tensors in the fake's (contiguous) layout
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), d_offset.contiguous()
+    return (dq.contiguous(), dk.contiguous(), dv.contiguous(), d_offset.contiguous(), d_table.contiguous(),
+            d_coef.contiguous())
 
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, fmt, q_seq, q_lens, q_keep, q_gid, k_seq, k_lens, k_keep, k_gid,
                    max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, bottom_right, dropout_p,
-                   rng_state, softmax_offset, backend):
-    d_offset = (softmax_offset.new_empty(softmax_offset.shape) if softmax_offset is not None
-                else q.new_empty((0,), dtype=_stat_dtype(q)))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_offset
+                   rng_state, softmax_offset, backend, bias_table=None, bias_coef=None, bias_lo=0, bias_clamp=False):
+    d_offset, d_table, d_coef = (q.new_empty((0,), dtype=_stat_dtype(q)) if t is None else t.new_empty(t.shape)
+                                 for t in (softmax_offset, bias_table, bias_coef))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), d_offset, d_table, d_coef
 
 
 _LAYOUT_ARGS = ("fmt", "q_seq", "q_lens", "q_keep", "q_gid", "k_seq", "k_lens", "k_keep", "k_gid",
                 "max_seqlen_q", "max_seqlen_k", "softmax_scale", "window_left", "window_right", "bottom_right",
                 "dropout_p")
-_FWD_ARGS = ("q", "k", "v") + _LAYOUT_ARGS + ("rng_state", "softmax_offset", "return_max_logit", "backend", "validate")
+_FWD_ARGS = ("q", "k", "v") + _LAYOUT_ARGS + ("rng_state", "softmax_offset", "return_max_logit", "backend", "validate",
+                                             "bias_table", "bias_coef", "bias_lo", "bias_clamp")
+_FWD_DEFAULTS = dict(bias_table=None, bias_coef=None, bias_lo=0, bias_clamp=False)
 _SAVED = ("q", "k", "v", "q_seq", "q_lens", "q_keep", "q_gid", "k_seq", "k_lens", "k_keep", "k_gid", "rng_state",
-          "softmax_offset")
+          "softmax_offset", "bias_table", "bias_coef")
 
 
 def _setup_context(ctx, inputs, output):
     """Saves only what flash attention saves: q, k, v, out, lse (O(T*H*D)), the small layout
     tensors, and the dropout RNG state and softmax offset when given."""
-    args = dict(zip(_FWD_ARGS, inputs))
+    args = {**_FWD_DEFAULTS, **dict(zip(_FWD_ARGS, inputs))}  # trailing defaults may be left out of inputs
     out, lse, max_logit = output
     ctx.save_for_backward(out, lse, *(args[name] for name in _SAVED))
-    ctx.options = {name: args[name] for name in _LAYOUT_ARGS if not name.startswith(("q_", "k_"))}
+    ctx.options = {name: args[name] for name in _LAYOUT_ARGS + ("bias_lo", "bias_clamp")
+                   if not name.startswith(("q_", "k_"))}
     ctx.backend = args["backend"]
     ctx.mark_non_differentiable(lse, max_logit)
 
@@ -264,15 +289,18 @@ def _backward(ctx, dout, dlse, dmax_logit):
     out, lse, *saved = ctx.saved_tensors
     t = dict(zip(_SAVED, saved))
     opts = ctx.options
-    dq = dk = dv = d_offset = None
-    wants_offset = ctx.needs_input_grad[_FWD_ARGS.index("softmax_offset")]
-    if any(ctx.needs_input_grad[:3]) or wants_offset:
-        dq, dk, dv, d_offset = attn_bwd(dout, t["q"], t["k"], t["v"], out, lse, opts["fmt"],
-                                        *(t[name] for name in _SAVED[3:11]), opts["max_seqlen_q"],
-                                        opts["max_seqlen_k"], opts["softmax_scale"], opts["window_left"],
-                                        opts["window_right"], opts["bottom_right"], opts["dropout_p"], t["rng_state"],
-                                        t["softmax_offset"], ctx.backend)
-    grads = dict(q=dq, k=dk, v=dv, softmax_offset=d_offset if wants_offset else None)
+    grads = {}
+    # trailing arguments left at their defaults (no bias) may be missing from needs_input_grad
+    needs = tuple(ctx.needs_input_grad) + (False,) * (len(_FWD_ARGS) - len(ctx.needs_input_grad))
+    wants = {name: needs[_FWD_ARGS.index(name)] for name in ("softmax_offset", "bias_table", "bias_coef")}
+    if any(ctx.needs_input_grad[:3]) or any(wants.values()):
+        dq, dk, dv, d_offset, d_table, d_coef = attn_bwd(
+            dout, t["q"], t["k"], t["v"], out, lse, opts["fmt"], *(t[name] for name in _SAVED[3:11]),
+            opts["max_seqlen_q"], opts["max_seqlen_k"], opts["softmax_scale"], opts["window_left"],
+            opts["window_right"], opts["bottom_right"], opts["dropout_p"], t["rng_state"], t["softmax_offset"],
+            ctx.backend, t["bias_table"], t["bias_coef"], opts["bias_lo"], opts["bias_clamp"])
+        grads = dict(q=dq, k=dk, v=dv)
+        grads.update((name, g) for name, g in zip(wants, (d_offset, d_table, d_coef)) if wants[name])
     return tuple(grads.get(name) for name in _FWD_ARGS)
 
 
@@ -299,15 +327,19 @@ def _rng_state_fake(q):
 
 def attention(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int, params: VarlenParams,
               backend: str = "", *, rng_state: torch.Tensor | None = None,
-              softmax_offset: torch.Tensor | None = None, return_max_logit: bool = False, validate: bool = False):
-    """(out, lse, max_logit or None) through ``coreattn::attn_fwd`` (differentiable in q, k, v and
-    softmax_offset). The packings carry the op's layout (``q_pack.fmt`` is the op's ``fmt``)."""
+              softmax_offset: torch.Tensor | None = None, return_max_logit: bool = False, validate: bool = False,
+              bias: TableBias | None = None):
+    """(out, lse, max_logit or None) through ``coreattn::attn_fwd`` (differentiable in q, k, v,
+    softmax_offset and the bias's table and coefficients). The packings carry the op's layout
+    (``q_pack.fmt`` is the op's ``fmt``)."""
     if q_pack.fmt != k_pack.fmt:
         raise ValueError(f"q and k layouts differ: {q_pack.fmt!r} and {k_pack.fmt!r}")
+    table, coef, lo, clamp = bias if bias is not None else (None, None, 0, False)
     out, lse, max_logit = attn_fwd(q, k, v, q_pack.fmt, q_pack.seq, q_pack.lens, q_pack.keep, q_pack.gid, k_pack.seq,
                                    k_pack.lens, k_pack.keep, k_pack.gid, max_seqlen_q, max_seqlen_k,
                                    params.softmax_scale, params.window_left, params.window_right, params.bottom_right,
-                                   params.dropout_p, rng_state, softmax_offset, return_max_logit, backend, validate)
+                                   params.dropout_p, rng_state, softmax_offset, return_max_logit, backend, validate,
+                                   table, coef, lo, clamp)
     return out, lse, (max_logit if return_max_logit else None)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from coreattn.layers.backends import Backend
+from coreattn.layers.bias import check_bias
 from coreattn.kernels.packing import FORMATS, Packing, seq_len_dim
 from coreattn.layers.checks import (check_flag, check_keep_mask, check_options, check_qkv, check_softmax_offset,
                                     check_spans)
@@ -18,7 +19,7 @@ def padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: st
                 dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
                 window_size: tuple[int, int] = (-1, -1), causal_alignment: str = "bottom_right",
                 return_lse: bool = False, deterministic: bool = True, softmax_offset: torch.Tensor | None = None,
-                return_max_logit: bool = False, backend: str | Backend | None = None):
+                return_max_logit: bool = False, backend: str | Backend | None = None, bias=None):
     """Flash attention on a padded batch, used in place (no unpad copies, no S×S mask).
 
     Args:
@@ -38,7 +39,9 @@ def padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: st
             counted from each span's start (from 0 without spans).
         dropout_p: as in ``coreattn.varlen_attn``; token ids are ``b * S + position`` (raw padded
             positions), so a padded batch and its packed (unpadded) form draw different masks.
-        Other arguments (``softmax_offset``, ``return_max_logit``, ...) as in ``coreattn.varlen_attn``.
+        softmax_offset: as in ``coreattn.varlen_attn``; per token it is ``[B, Hq, S]``.
+        Other arguments (``return_max_logit``, ``bias``, ...) as in ``coreattn.varlen_attn``, with the
+        bias's distances counted from each span's start (from 0 without spans).
 
     Returns:
         ``out`` in q's layout with last dim Dv (zeros outside the q spans); with ``return_lse``
@@ -57,7 +60,7 @@ def padded_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: st
     k_keep = check_keep_mask("k_keep_mask", k_keep_mask, batch, seqlen_k, q.device)
     out, lse, max_logit = run_attention(q, k, v, Packing(layout, q_start, q_len, q_keep),
                                         Packing(layout, k_start, k_len, k_keep), seqlen_q, seqlen_k, params,
-                                        deterministic, backend, softmax_offset=check_softmax_offset(softmax_offset, q),
+                                        deterministic, backend, softmax_offset=check_softmax_offset(softmax_offset, q, layout),
                                         return_max_logit=check_flag("return_max_logit", return_max_logit),
-                                        validate=True)
+                                        validate=True, bias=check_bias(bias, q, return_max_logit))
     return public_result(out, lse, max_logit, return_lse, return_max_logit)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from coreattn.layers.backends import Backend
+from coreattn.layers.bias import check_bias
 from coreattn.kernels.packing import Packing, packed
 from coreattn.layers.checks import check_flag, check_seqused, check_softmax_offset, check_varlen_inputs
 from coreattn.layers.dispatch import public_result, run_attention
@@ -18,7 +19,7 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 causal_alignment: str = "bottom_right", deterministic: bool = True,
                 seqused_q: torch.Tensor | None = None, seqused_k: torch.Tensor | None = None,
                 softmax_offset: torch.Tensor | None = None, return_max_logit: bool = False,
-                backend: str | Backend | None = None):
+                backend: str | Backend | None = None, bias=None):
     """Flash attention over packed variable-length sequences; V's head dim may differ from Q/K's.
 
     Args:
@@ -57,16 +58,24 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             get zeros (lse -inf) and no gradient; unused keys are seen by no query. Causal
             alignment and windows count within the used tokens.
         softmax_offset: optional floating ``[Hq]`` sink logits (Megatron's ``softmax_offset``,
-            flash-attn's ``learnable_sink``, transformers' ``s_aux``): each query row's softmax
-            denominator gains ``exp(softmax_offset[h])``, a virtual key with that logit and a zero
-            value; "off-by-one" softmax is an offset of 0. Differentiable (its gradient is
-            ``-sum over rows of p_sink * rowsum(dO * O)``, deterministic). The returned lse
-            includes the sink term; a row that sees no key outputs zeros (lse = the offset).
+            flash-attn's ``learnable_sink``, transformers' ``s_aux``), or one per query token and
+            head, ``[Tq, Hq]`` (Inkling 2's ``sinks``): each query row's softmax denominator gains
+            ``exp(offset)``, a virtual key with that logit and a zero value; "off-by-one" softmax is
+            an offset of 0. Differentiable (a row's gradient is ``-p_sink * rowsum(dO * O)``, summed
+            over the head's rows for ``[Hq]``; deterministic). The returned lse includes the sink
+            term; a row that sees no key outputs zeros (lse = the offset).
         return_max_logit: also return the max over every visible (query, key) pair of the scaled
             logit ``softmax_scale * q.k``, float32 ``[Hq]`` per q head (Transformer Engine's
             ``return_max_logit``, for qk-clip): masked pairs and padding do not count, dropout does
             not change it, sinks are not logits of a key; -inf for a head without a visible pair.
             Not differentiable; no host sync.
+        bias: optional additive bias computed in registers, never an ``[S, T]`` tensor
+            (docs/features.md): ``coreattn.LowRankRelativeBias(states [Tq, Hq, R], proj [R, E])``,
+            ``states[i, h] . proj[:, d]`` for ``0 <= d < E`` (Inkling 2), or
+            ``coreattn.BucketedRelativeBias(embedding [num_buckets, Hq], bidirectional,
+            max_distance)``, T5's ``embedding[bucket(-d), h]``; d = i + shift - j, the query's
+            distance to the key along the causal diagonal (shift = Lk - Lq bottom-right, 0
+            top-left). Differentiable in its tensors, deterministic. Not with return_max_logit.
         backend: ``"triton"``, ``"torch"`` or ``"npu_fused"`` (Ascend's fused op, the default on
             npu tensors) to override the per-device choice (see ``coreattn.layers.backends``);
             raises if it cannot run. ``npu_fused`` returns lse None.
@@ -94,7 +103,7 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out, lse, max_logit = run_attention(q, k, v, q_pack, k_pack, max_seqlen_q, max_seqlen_k, params, deterministic,
                                         backend, softmax_offset=check_softmax_offset(softmax_offset, q),
                                         return_max_logit=check_flag("return_max_logit", return_max_logit),
-                                        validate=True)
+                                        validate=True, bias=check_bias(bias, q, return_max_logit))
     return public_result(out, lse, max_logit, return_lse, return_max_logit)
 
 

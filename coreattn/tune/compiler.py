@@ -85,6 +85,7 @@ REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
 RESERVED_SMEM = 1 * KB
 
 KERNEL_NAMES = {"_varlen_attn_fwd_kernel": "fwd", "_attn_bwd_preprocess_kernel": "bwd_pre",
+                "_attn_bwd_bias_kernel": "bias_grad",
                 "_attn_bwd_dkdv_kernel": "dkdv", "_attn_bwd_dq_kernel": "dq", "_tile_scan_kernel": "tile_scan",
                 "_tile_map_kernel": "tile_map", "_copy_rows_kernel": "copy_rows", "_token_ids_kernel": "token_ids",
                 "_sparse_attn_fwd_kernel": "sparse_fwd", "_sparse_attn_dq_kernel": "sparse_dq",
@@ -99,7 +100,10 @@ SPARSE_MMA_KERNELS = ("sparse_fwd", "sparse_dq", "sparse_dkv")  # the sparse ker
 # the same with keep masks that are views of [S, B] storage (position stride B, not specialized to 1, so the
 # masks' lane offsets are multiplies). A problem's feature is one of these or several joined by "+"
 # ("dropout+sink"): one kernel with all of their code.
-FEATURES = ("", "dropout", "sink", "max_logit", "window", "keep", "keep_strided")
+# bias_rel: Inkling 2's low-rank relative bias (16 coefficients per row, a 1,024-distance table; the dQ kernel's
+# coefficient gradient and the table-gradient kernel); bias_t5: T5's bucketed bias (a clamped table per head);
+# token_sink: sinks per token and head (the forward's SINK_ROWS)
+FEATURES = ("", "dropout", "sink", "max_logit", "window", "keep", "keep_strided", "bias_rel", "bias_t5", "token_sink")
 WINDOW_LEFT = 256
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -486,6 +490,7 @@ def launch_problem(problem: Problem, kernels=None) -> None:
     """Run the launchers of ``problem``'s forward and backward (or of ``kernels`` only, as in
     ``compile_problem``) on CPU tensors: inside ``emulate``, compile-only launches."""
     from coreattn.kernels import varlen_attn_bwd, varlen_attn_fwd
+    from coreattn.kernels.attn_common import TableBias
     from coreattn.kernels.packing import Packing, new_rowstat, packed
     from coreattn.kernels.dropout import rng_state
     from coreattn.masks import cu_seqlens_from_seqlens
@@ -511,15 +516,23 @@ def launch_problem(problem: Problem, kernels=None) -> None:
     window_left = WINDOW_LEFT if "window" in features else -1
     dropout = dict(dropout_p=0.1, rng_state=rng_state(torch.device("cpu"))) if "dropout" in features else {}
     offset = torch.zeros(HEADS_Q, dtype=torch.float32) if "sink" in features else None
+    if "token_sink" in features:  # one per row and head, in lse's layout
+        offset = new_rowstat(q, pack).zero_()
+    bias = None
+    if "bias_rel" in features:
+        bias = TableBias(torch.zeros(1, 16, 1024), torch.zeros(*rows, HEADS_Q, 16), 0, False)
+    elif "bias_t5" in features:
+        bias = TableBias(torch.zeros(HEADS_Q, 1, 257), None, -128, True)
     if kernels is None or "fwd" in kernels:
         out, lse, *_ = varlen_attn_fwd(q, k, v, pack, pack, longest, scale, window_left, window_right, True,
-                                       **dropout, softmax_offset=offset, return_max_logit="max_logit" in features)
+                                       **dropout, softmax_offset=offset, return_max_logit="max_logit" in features,
+                                       bias=bias)
     else:  # compile-only launches never write: the backward needs out and lse only as arguments
         out, lse = torch.empty(*rows, HEADS_Q, problem.dim_v, dtype=dtype), new_rowstat(q, pack)
     if kernels is None or set(kernels) - {"fwd"}:
         sink_rowsum = torch.zeros_like(lse) if offset is not None else None
         varlen_attn_bwd(torch.empty_like(out), q, k, v, out, lse, pack, pack, longest, longest, scale, window_left,
-                        window_right, True, **dropout, sink_rowsum=sink_rowsum)
+                        window_right, True, **dropout, sink_rowsum=sink_rowsum, bias=bias)
 
 
 def launch_mask_kernels() -> None:

@@ -40,7 +40,8 @@ from coreattn.tune import compiler, hazards, offsets  # noqa: E402
 
 FLAGS = ("DK", "DV", "TMA", "WARP_SPEC", "HAS_LEFT", "HAS_RIGHT", "PACKED", "SPANS", "HAS_Q_KEEP", "HAS_K_KEEP",
          "DROPOUT", "HAS_SINK", "RETURN_MAX", "SINK_GRAD", "GATHER", "WRITE_POS", "WRITE_SEQ", "ATOMIC", "V_IS_K",
-         "RANGE", "INT64_LANES", "RELU", "RETURN_SCORES", "BLOCK_M", "BLOCK_N", "BLOCK_T", "BLOCK_H")
+         "RANGE", "INT64_LANES", "RELU", "RETURN_SCORES", "BLOCK_M", "BLOCK_N", "BLOCK_T", "BLOCK_H", "BIAS",
+         "BIAS_COEF", "BIAS_CLAMP", "BIAS_GRAD", "SINK_ROWS")
 
 
 def parse_case(case: str) -> tuple:

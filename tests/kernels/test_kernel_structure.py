@@ -55,7 +55,9 @@ SM90_DIMS = ("64/64", "128/128", "192/128", "256/256")
 # sm86's and its limits, sm100 sm90's), which keeps the module near 3 minutes of compiling on one core
 DIMS = {arch: ("128/128", "256/256") for arch in ARCHS}
 DIMS.update(sm90=SM90_DIMS, sm89=("256/256",), sm100=("256/256",))
-DIMS["sm90"] += ("128/128@fp32",)
+DIMS["sm90"] += ("128/128@fp32", "128/128+bias_rel", "192/128+bias_t5")
+DIMS["sm100"] += ("128/128+bias_rel",)
+BIAS_DIMS = ("128/128+bias_rel", "192/128+bias_t5")  # the additive bias's kernels (the table gradient's too)
 DIMS["sm86"] += ("128/128@fp32",)
 # (arch, dims) whose kernels configs/dense.py's tables keep spill-free (see its docstring for the rest)
 SPILL_FREE = {(arch, dims) for arch in ARCHS for dims in DIMS[arch]}
@@ -187,6 +189,20 @@ def test_sm90_spill_free_wgmma_unduplicated_pipelined(rows, dims):
     assert not [(_label(r), r["mma"]) for r in mma if set(r["mma"]) != {"wgmma"}], \
         "MMA other than wgmma in the PTX" + _where()
     assert not [(_label(r), r["mma_dup"]) for r in mma if r["mma_dup"] != 1], "MMA duplicated across warps" + _where()
+    assert not [(_label(r), r["num_stages"]) for r in mma if r["num_stages"] < 2], "not pipelined" + _where()
+
+
+@needs_nvidia
+def test_sm90_bias_kernels_spill_free_wgmma_pipelined(rows):
+    """The bias variants (Inkling 2's low-rank at 128, T5's at 192/128): every kernel compiled without
+    spills, the attention kernels' dots wgmma and pipelined; the table-gradient kernel compiled."""
+    mine = [r for r in rows("sm90") if r["dims"] in BIAS_DIMS]
+    assert {(r["dims"], r["kernel"]) for r in mine} >= {(d, k) for d in BIAS_DIMS for k in ("fwd", "dkdv", "dq",
+                                                                                           "bias_grad")}
+    spills = [(_label(r), r["spill_stores"], r["spill_loads"]) for r in mine if r["spill_stores"] or r["spill_loads"]]
+    assert not spills, "spills" + _where()
+    mma = [r for r in mine if r["kernel"] in ATTENTION_KERNELS]
+    assert not [(_label(r), r["dots"]) for r in mma if set(r["dots"]) != {"ttng.warp_group_dot"}], "not wgmma" + _where()
     assert not [(_label(r), r["num_stages"]) for r in mma if r["num_stages"] < 2], "not pipelined" + _where()
 
 

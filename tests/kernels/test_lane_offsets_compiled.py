@@ -11,7 +11,9 @@ pipelined-load hazard):
 - sm90 (wgmma): head dim 128 (MHA causal: the one-pass dK/dV); 192/128 with GQA 4 (dK and dV in two
   passes), a causal sliding window, dropout, a softmax offset (the dQ kernel's SINK_GRAD), max logit
   and a padded batch whose keep masks are strided views (position stride B: their lanes multiply);
-  64 with dropout, whose dQ takes the variant's own tile (configs/dense.py ``_DQ_DROPOUT_INT64``). These
+  64 with dropout, whose dQ takes the variant's own tile (configs/dense.py ``_DQ_DROPOUT_INT64``); 128
+  with GQA, Inkling 2's low-rank bias and per-token sinks, and 64 with T5's bias on a padded batch with
+  strided keep masks (the bias table's gradient kernel in both forms). These
   sm90 kernels must not spill either, under the Triton releases CI tests;
 - sm100 (tcgen05), sm80 (mma.sync) and gfx942 (CDNA3: Triton's HIP backend turns loads into buffer
   ops with i32 offsets, which the scan reads too): one case each with the keep masks and features;
@@ -38,7 +40,7 @@ from coreattn.kernels.versions import TESTED_TRITON
 SCRIPT = Path(__file__).with_name("pipeline_hazards.py")
 FEATURES = "gqa+window+dropout+sink+max_logit+keep_strided"
 CASES = {
-    "sm90": ("128", f"192/128+{FEATURES}", "64+dropout"),
+    "sm90": ("128", f"192/128+{FEATURES}", "64+dropout", "128+gqa+bias_rel+token_sink", "64+bias_t5+keep_strided"),
     "sm100": (f"128+{FEATURES}",),
     "sm80": (f"96/80+full+window+keep_strided",),
     "gfx942": (f"128+{FEATURES}",),
@@ -83,7 +85,8 @@ def test_no_i32_stride_product_on_a_pointer_offset(compiled, arch):
     assert not compiled["errors"], compiled["errors"]
     mine = [r for r in compiled["rows"] if r["arch"] == arch]
     kernels = {r["kernel"] for r in mine}
-    assert kernels == EVERY_KERNEL, f"{arch}: not compiled: {sorted(EVERY_KERNEL - kernels)}"
+    every = EVERY_KERNEL | ({"bias_grad"} if any("bias" in c for c in CASES[arch]) else set())
+    assert kernels == every, f"{arch}: not compiled: {sorted(every - kernels)}"
     attention = [r for r in mine if r["kernel"] in ATTENTION]
     assert all(r["flags"]["INT64_LANES"] is True for r in attention), [_label(r) for r in attention]
     assert all(r["flags"].get(f) for f in ("HAS_Q_KEEP", "HAS_K_KEEP") for r in attention if r["kernel"] != "bwd_pre"

@@ -9,6 +9,8 @@ with each arch's configs:
 
 - sm90 (wgmma, TMA): head dim 128 as shipped (MHA, causal); 256/256 with GQA 4, a causal sliding
   window, dropout, a softmax offset (the dQ kernel's SINK_GRAD) and max logit (dK/dV in two passes);
+  128 with GQA, a window, dropout, Inkling 2's low-rank bias and per-token sinks, and with T5's
+  clamped bias (the bias table's gradient kernel with both);
   96/80 (a split q/k block, v columns masked past 80) on a padded batch with spans and keep masks,
   not causal, left window only; 192/128 with GQA and a window on the tuner's TMA loop variant;
 - sm100 (tcgen05): 128 as shipped and 192/128 with GQA, window and dropout on the warp-specialized
@@ -60,7 +62,8 @@ SPARSE_CASES = ("s576/512a128", "s192/128g4")  # compiler.sparse_problem_of
 # from Triton's cache when both modules run), 512/512 with K = V, and the indexer's kernels
 CASES = {
     "sm90": ("128", "256+gqa+window+dropout+sink+max_logit", "96/80+full+keep+window", "192/128+gqa+window@tma",
-             *SPARSE_DIMS["sm90"], "s512/512a16", "indexer"),
+             "128+gqa+window+dropout+bias_rel+token_sink", "128+bias_t5", *SPARSE_DIMS["sm90"], "s512/512a16",
+             "indexer"),
     "sm100": ("128", "192/128+gqa+window+dropout@ws", *SPARSE_DIMS["sm100"], "s512/512a16@fp16", "indexer"),
     "sm80": ("128+gqa+window+dropout+sink+max_logit", "96/80+full+keep+window", *SPARSE_CASES),
     "sm120": ("64+gqa+window+dropout+sink+max_logit",),
@@ -75,12 +78,15 @@ SPARSE = {"sparse_fwd", "sparse_fwd:V_IS_K", "sparse_dq", "sparse_dq:V_IS_K", "s
 # the sweep's classes these cases add: a separate V per head, fp16 and fp32, the range mode's token rows
 SPARSE_CLASSES = {f"{k}:{c}" for k in ("sparse_fwd", "sparse_dq", "sparse_dkv") for c in ("separate-v", "fp16", "fp32")}
 INDEXER = {"indexer_topk", "indexer_topk:RELU", "indexer_topk:RETURN_SCORES", "hadamard"}
+# the additive bias (low-rank with coefficients, T5's clamped table) and per-token sinks: the table-gradient kernel too
+BIAS = {"bias_grad", "fwd:SINK_ROWS"} | {f"{k}:{f}" for k in ATTENTION for f in ("BIAS", "BIAS_COEF", "BIAS_CLAMP")} | {
+    "dq:BIAS_GRAD", "bias_grad:BIAS_COEF", "bias_grad:BIAS_CLAMP"}
 # the classes each arch must have compiled: every kernel, and each variant that changes a loop body
 REQUIRED = {
     "sm90": EVERY_KERNEL | FEATURES | PADDED | {f"{k}:TMA" for k in ATTENTION} | {
         "fwd:HAS_SINK", "fwd:RETURN_MAX", "dq:SINK_GRAD", "dkdv:dK-pass", "dkdv:dV-pass", "tile_scan:SPANS",
         "tile_map:SPANS", "copy_rows:GATHER", "copy_rows:scatter", "token_ids:WRITE_POS", "token_ids:WRITE_SEQ"}
-    | SPARSE | SPARSE_CLASSES | {f"{k}:token-rows" for k in ("sparse_fwd", "sparse_dq", "sparse_dkv")} | INDEXER,
+    | SPARSE | SPARSE_CLASSES | {f"{k}:token-rows" for k in ("sparse_fwd", "sparse_dq", "sparse_dkv")} | INDEXER | BIAS,
     "sm100": EVERY_KERNEL | {f"{k}:{f}" for k in ATTENTION for f in ("WARP_SPEC", "TMA", "gqa", "mha", "DROPOUT")}
     | SPARSE | {c for c in SPARSE_CLASSES if not c.endswith("fp32")} | INDEXER,
     "sm80": EVERY_KERNEL | FEATURES - {f"{k}:mha" for k in ATTENTION} | PADDED | {"dq:SINK_GRAD"} | SPARSE,
@@ -256,5 +262,6 @@ def test_every_i32_stride_offset_is_a_lane_offset(compiled, arch):
             if not (m and (m.group(1), int(m.group(2))) in lines) and not arch.startswith("gfx"):
                 elsewhere.append(f"{_label(r)}: {site}")
     assert not elsewhere, "i32 stride products outside _lane_offsets:\n" + "\n".join(elsewhere)
-    assert all(r["i32_offsets"] for r in mine if r["kernel"] in ATTENTION + ("bwd_pre",)), "no lane offsets seen"
-    assert not [r for r in mine if r["kernel"] not in ATTENTION + ("bwd_pre",) and r["i32_offsets"]]
+    lanes = ATTENTION + ("bwd_pre", "bias_grad")  # the kernels with lane offsets (an INT64_LANES flag)
+    assert all(r["i32_offsets"] for r in mine if r["kernel"] in lanes), "no lane offsets seen"
+    assert not [r for r in mine if r["kernel"] not in lanes and r["i32_offsets"]]

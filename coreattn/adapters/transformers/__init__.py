@@ -11,7 +11,8 @@ builder, and the models and mask patterns it refuses), ``dsa.py`` (what the spar
 share: their masks, the wrapping of their indexers, their sparse attention), ``sources.py`` (the
 source guard of the wrapped methods) and ``models/`` (one module per model family whose methods
 coreattn wraps: DeepSeek-V3.2 / GLM-5, A.X-K2, dots3-note, Hy4 / Hy4-VL, Mistral Large 4,
-GLM-5.3-Flash, DeepSeek-V4, MiniMax-M3). ``register()`` adds ``attention_forward`` to
+GLM-5.3-Flash, DeepSeek-V4, MiniMax-M3, Inkling 2 and the T5 family: their relative position
+biases as factors, Inkling 2's per-token sinks and block-attention residuals). ``register()`` adds ``attention_forward`` to
 transformers' ``AttentionInterface`` and ``padding_mask`` to its ``AttentionMaskInterface`` under
 the same name, and wraps those methods (``models.install``: they run coreattn's path when handed coreattn's mask or
 under a coreattn implementation, transformers' own code otherwise). transformers is imported only
@@ -34,7 +35,10 @@ model passes them; GQA/MQA and Dv != Dqk natively, the inputs used in place as b
   (``dsa.py``); GLM-5.3-Flash: its layer's own index rows (``dsa.IndexRows``); DeepSeek-V4: its
   window and compressed entries as index rows (``models/deepseek_v4.py``); MiniMax-M3: its
   indexer's ``block_indices`` through ``coreattn.sparse_padded_attn``'s block mode, the same key
-  bounds (``models/minimax_m3.py``).
+  bounds (``models/minimax_m3.py``);
+- Inkling 2 and the T5 family (``models/inkling2.py``, ``models/t5.py``): ``position_bias`` as the
+  bias's factors, computed in the kernels (``bias=``), ``sinks`` as per-token ``softmax_offset``,
+  T5's zero cross-attention bias dropped.
 
 Raises (NotImplementedError or ValueError, naming the feature and the model): keyword arguments
 coreattn does not implement (``attention.REJECTED`` and any it does not know), a 4D attention mask
@@ -70,6 +74,8 @@ def register(name: str = NAME, *, backend=None) -> str:
 
     def coreattn_attention(module, query, key, value, attention_mask, **kwargs):
         return attention_forward(module, query, key, value, attention_mask, backend=backend, **kwargs)
+
+    coreattn_attention.coreattn = True  # how the wrapped model modules know a call is coreattn's (models/)
 
     def coreattn_mask(*args, **kwargs):
         return padding_mask(*args, backend=backend, **kwargs)

@@ -16,7 +16,8 @@ import logging
 import torch
 
 from coreattn.adapters.transformers import dsa
-from coreattn.adapters.transformers.models import deepseek_v4, minimax_m3
+from coreattn.adapters.transformers.models import PositionBias, deepseek_v4, inkling2, minimax_m3, t5
+from coreattn.layers.bias import LowRankRelativeBias
 from coreattn.layers.function import POSITION_IDS
 from coreattn.layers.padded_attn import padded_attn
 from coreattn.layers.varlen_attn import varlen_attn
@@ -31,6 +32,8 @@ HONOURED = {
     "sliding_window": "a causal window of that many keys including the query (bidirectional: that many each side)",
     "is_causal": "causal or bidirectional attention",
     "s_aux": "per-head attention sinks (gpt-oss, Hy4, DeepSeek-V4), as a differentiable softmax_offset",
+    "sinks": "per-token attention sinks [B, H, S, 1] (Inkling 2), as a differentiable softmax_offset",
+    "position_bias": "Inkling 2's and the T5 family's relative position biases, as their factors (models/)",
     "cu_seq_lens_q": "packed sequences (with cu_seq_lens_k and max_length_q/k)",
     "cu_seq_lens_k": "packed sequences",
     "max_length_q": "packed sequences (bounds the argument checks only)",
@@ -55,9 +58,7 @@ WITH_INDEX_ROWS = {
     "input_ids": "the model's token ids (GLM-5.3-Flash's layers pass them on; the index rows stand for the mask)",
 }
 REJECTED = {
-    "position_bias": "position_bias (a learned additive attention bias)",
     "block_table": "paged attention (block_table)",
-    "sinks": "per-token attention sinks (sinks, Inkling 2)",
 }
 
 
@@ -130,13 +131,25 @@ def _packed_varlen(q, k, v, batch: int, kwargs, opts):
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
     max_q = max_q if isinstance(max_q, (int, torch.SymInt, torch.Tensor)) else qf.shape[0]
     max_k = max_k if isinstance(max_k, (int, torch.SymInt, torch.Tensor)) else kf.shape[0]
-    out = varlen_attn(qf, kf, vf, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, **opts)
+    out = varlen_attn(qf, kf, vf, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, **_packed_opts(opts))
     return out.view(batch, -1, *out.shape[-2:])
+
+
+def _packed_opts(opts: dict) -> dict:
+    """The options of a padded [B, S] call for its packed [B * S] tokens: per-token sinks [B, H, S] ->
+    [B * S, H], a low-rank bias's states [B, S, H, R] -> [B * S, H, R]."""
+    offset, bias = opts["softmax_offset"], opts["bias"]
+    if offset is not None and offset.dim() == 3:
+        offset = offset.transpose(1, 2).reshape(-1, offset.shape[1])
+    if isinstance(bias, LowRankRelativeBias):
+        bias = bias._replace(states=bias.states.reshape(-1, *bias.states.shape[2:]))
+    return dict(opts, softmax_offset=offset, bias=bias)
 
 
 def _packed_position_ids(q, k, v, position_ids: torch.Tensor, opts):
     """Sequences from position_ids (coreattn::attn_fwd's thd_position_ids layout)."""
     from coreattn.kernels.packing import Packing
+    from coreattn.layers.bias import check_bias
     from coreattn.layers.checks import check_options, check_qkv, check_softmax_offset
     from coreattn.layers.dispatch import run_attention
 
@@ -151,9 +164,26 @@ def _packed_position_ids(q, k, v, position_ids: torch.Tensor, opts):
                            opts["window_size"], "bottom_right")
     pack = Packing(POSITION_IDS, position_ids)
     tokens = qf.shape[0]
+    opts = _packed_opts(opts)
     out, _, _ = run_attention(qf, kf, vf, pack, pack, tokens, tokens, params, True, opts["backend"],
-                              softmax_offset=check_softmax_offset(opts["softmax_offset"], qf))
+                              softmax_offset=check_softmax_offset(opts["softmax_offset"], qf),
+                              bias=check_bias(opts["bias"], qf))
     return out.view(batch, seqlen, *out.shape[-2:])
+
+
+def _position_bias(module, position_bias) -> tuple[object, bool]:
+    """(the bias coreattn computes, or None; whether the call is a T5 cross-attention) from a model's
+    ``position_bias``: a wrapped bias module's factors (models/), or the T5 family's all-zeros
+    cross-attention bias (dropped). Any other, a materialized [B, H, S, T] tensor, raises."""
+    if position_bias is None:
+        return None, False
+    if isinstance(position_bias, PositionBias):
+        return position_bias.bias, False
+    if t5.zero_bias(module, position_bias):
+        return None, True
+    raise NotImplementedError(f"position_bias as a materialized tensor ({_model(module)}) is not supported by "
+                              f"coreattn: it computes the biases of {', '.join(tuple(inkling2.MODELS) + t5.MODEL_TYPES)} "
+                              f"from their factors, never an [S, T] tensor; {_USE_EAGER}")
 
 
 def _check_mask(module, attention_mask) -> None:
@@ -176,6 +206,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """transformers' AttentionInterface signature (see coreattn/adapters/transformers/__init__.py).
     ``backend``: a coreattn backend override (``register(backend=...)``); None follows the per-device
     default. Returns ``(attn_output [B, Sq, Hq, Dv], None)``."""
+    if inkling2.is_residual(module):  # head dim = the hidden size over a few block states: a small torch path
+        return inkling2.block_residual(module, query, key, value, attention_mask, scaling, dropout), None
     if isinstance(attention_mask, minimax_m3.BlockMask):
         block_indices = kwargs.pop("block_indices", None)
         if block_indices is None and attention_mask.dense is minimax_m3.BOUNDS:  # dense layers, a static cache
@@ -193,6 +225,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                                 dropout)
         return out, None
     check_kwargs(module, softcap, kwargs, attention_mask)
+    attention_mask = t5.padding_mask(module, attention_mask)
+    bias, cross = _position_bias(module, kwargs.get("position_bias"))
+    sinks = kwargs.get("sinks")
+    if sinks is not None:
+        if s_aux is not None:
+            raise ValueError(f"both s_aux and sinks given ({_model(module)}): pass one set of sink logits")
+        s_aux = sinks[..., 0] if sinks.dim() == 4 else sinks  # [B, H, S, 1] -> per token [B, H, S]
     _check_mask(module, attention_mask)
     if isinstance(attention_mask, deepseek_v4.HybridMask):
         out = deepseek_v4.hybrid_attention(query, key, attention_mask, scaling, dropout, sliding_window, s_aux)
@@ -204,6 +243,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if sliding_window is not None:
             raise NotImplementedError(f"sliding_window with DSA sparse attention is not supported by coreattn "
                                       f"({_model(module)}); {_USE_EAGER}")
+        if bias is not None:
+            raise NotImplementedError(f"position_bias with DSA sparse attention is not supported by coreattn "
+                                      f"({_model(module)}); {_USE_EAGER}")
         if isinstance(attention_mask, dsa.IndexRows):
             out = dsa.sparse_attention(query, key, value, attention_mask.indices, scaling, dropout, s_aux,
                                        backend=attention_mask.backend)
@@ -213,8 +255,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         return out, None
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     opts = dict(dropout_p=float(dropout), softmax_scale=scaling, causal=causal,
-                window_size=_window(sliding_window, causal), softmax_offset=s_aux, backend=backend)
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, S, H, D] views
+                window_size=_window(sliding_window, causal), softmax_offset=s_aux, backend=backend, bias=bias)
+    # [B, S, H, D] views; copied where the head dim is strided (Inkling 2's float32 keys and values leave its
+    # short convolution transposed), as the kernels read rows of unit stride
+    q, k, v = (x.transpose(1, 2) if x.stride(-1) == 1 else x.transpose(1, 2).contiguous() for x in (query, key, value))
     batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
     packed_kwargs = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
     if packed_kwargs:
@@ -224,7 +268,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = _packed_varlen(q, k, v, batch, kwargs, opts)
     elif attention_mask is not None:
         keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
-        out = padded_attn(q, k, v, q_keep_mask=_keep_mask(keep, seqlen_q, "queries"),
+        # a cross-attention's mask is the encoder's padding: its queries (the decoder's) are not masked
+        out = padded_attn(q, k, v, q_keep_mask=None if cross else _keep_mask(keep, seqlen_q, "queries"),
                           k_keep_mask=_keep_mask(keep, seqlen_k, "keys"), **opts)
     elif kwargs.get("position_ids") is not None and seqlen_q == seqlen_k:
         out = _packed_position_ids(q, k, v, kwargs["position_ids"], opts)

@@ -73,6 +73,8 @@ def unsupported_model(config) -> str | None:
         reason = family.check_source(model_type)
         if reason is None:
             return None
+        if family in (models.inkling2, models.t5):
+            return f"{family.NAME}'s attention ({model_type}) with this transformers: {reason}"
         if family is deepseek_v4:
             return (f"DeepSeek-V4's hybrid attention with this transformers: {reason} (its compressed layers append "
                     "entries to K/V after the mask is built)")

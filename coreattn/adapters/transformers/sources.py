@@ -8,18 +8,21 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import textwrap
 
 WRITTEN_AGAINST = "5.25.0"  # the transformers release whose sources the model modules' hashes are
 
 
-def source_hash(obj) -> str:
-    """sha256 of a function's source (the transformers original of a method coreattn wrapped)."""
-    return hashlib.sha256(inspect.getsource(getattr(obj, "coreattn_wrapped", obj)).encode()).hexdigest()
+def source_hash(obj, dedent: bool = False) -> str:
+    """sha256 of a function's source (the transformers original of a method coreattn wrapped); ``dedent``:
+    of its dedented source (the hashes of the bias models' modules, inkling2.py and t5.py)."""
+    source = inspect.getsource(getattr(obj, "coreattn_wrapped", obj))
+    return hashlib.sha256((textwrap.dedent(source) if dedent else source).encode()).hexdigest()
 
 
-def check_sources(module_name: str, known: dict[str, str], family: str) -> str | None:
-    """None if every ``Class.method`` of ``known`` in ``module_name`` has the source hash given there,
-    else why not (naming the method)."""
+def check_sources(module_name: str, known: dict[str, str], family: str, dedent: bool = False) -> str | None:
+    """None if every ``Class.method`` (or function) of ``known`` in ``module_name`` has the source hash
+    given there, else why not (naming the method)."""
     try:
         module = importlib.import_module(module_name)
     except ImportError:
@@ -28,7 +31,7 @@ def check_sources(module_name: str, known: dict[str, str], family: str) -> str |
         obj = module
         for part in qualname.split("."):
             obj = getattr(obj, part, None)
-        if obj is None or source_hash(obj) != want:
+        if obj is None or source_hash(obj, dedent) != want:
             return (f"{qualname} differs from the transformers release coreattn's {family} path was written "
                     f"against ({WRITTEN_AGAINST})")
     return None

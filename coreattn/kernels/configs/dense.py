@@ -223,6 +223,23 @@ _DKDV["gfx90a"] = _DKDV["gfx942"][:3] + ((256, _W(16, 32, 2, 1)),)
 _FP32_CDNA = ((128, _W(32, 32, 2, 1)), (256, _W(16, 16, 1, 1)))
 
 
+# The additive bias (kernels/attn_common.py _bias_scores) adds an [M, N] index and bias tile to each step and R
+# gathered table loads per score (the dQ kernel R more for its coefficients' gradient): on sm90 the 128 x 64 forward
+# and dQ tiles at 128 spilled 2.2-2.5 KB with Inkling 2's rank 16 (12 B and 4 B with T5's rank 1) under Triton
+# 3.7.1; the bias kernels step over 16 keys (8 registers per [M, N] tile per thread at 8 warps)
+_BIAS_STEP = tuple((w, _C(128, 16, 8, 2)) for w in (64, 128, 192, 256))
+_BIAS = {"fwd": {"sm90": _BIAS_STEP, "sm100": _BIAS_STEP}, "dkdv": {}, "dq": {"sm90": _BIAS_STEP, "sm100": _BIAS_STEP}}
+# with per-row coefficients (Inkling 2's rank 16) the dQ kernel also holds their gradient and reads the table twice:
+# on sm90 its 128 x 16 tile spilled at 192/128 (28 B under Triton 3.7.1, 100 B under 3.9.0) and at 256 (244-440 B),
+# as did the forward's at 256 under 3.9.0 (112 B). Half the rows at 192/128 (64 x 16, still two warpgroups of
+# wgmma) and at 256 the forward; the dQ at 256 on 32 x 16 with 4 warps, which is mma.sync, not wgmma (64 x 16
+# spilled 88-92 B there): smaller, slower tiles without spills (docs/compile-report.md)
+_BIAS_COEF_FWD = ((256, _C(64, 16, 8, 2)),)
+_BIAS_COEF_DQ = ((192, _C(64, 16, 8, 2)), (256, _C(32, 16, 4, 2)))
+_BIAS_COEF = {"fwd": {"sm90": _BIAS_COEF_FWD, "sm100": _BIAS_COEF_FWD}, "dkdv": {},
+              "dq": {"sm90": _BIAS_COEF_DQ, "sm100": _BIAS_COEF_DQ}}
+
+
 def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, elem: int,
                  override: dict | None = None) -> AttnConfig:
     """The entry of the first width class that holds the widest block (``override``'s entry for
@@ -239,15 +256,19 @@ def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, elem: 
 
 
 def shipped_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem: int = 2,
-                   dropout: bool = False, int64_lanes: bool = False) -> AttnConfig:
-    """The table's config of ``kernel`` ("fwd", "dkdv", "dq" or "preprocess") on ``target``:
+                   dropout: bool = False, int64_lanes: bool = False, bias: bool = False) -> AttnConfig:
+    """The table's config of ``kernel`` ("fwd", "dkdv", "dq", "preprocess" or "bias_grad") on ``target``:
     ``block_dqk`` the q/k blocks' total width (192 for 128 + 64), ``elem`` bytes per input element
     (2 for fp16/bf16, 4 for fp32), ``dropout`` the dropout kernels, ``int64_lanes`` the kernels'
-    INT64_LANES variant (``_DQ_DROPOUT_INT64``)."""
+    INT64_LANES variant (``_DQ_DROPOUT_INT64``), ``bias`` the kernels with an additive bias
+    (``_BIAS``, which wins over the dropout tiles where it has an entry; "coef": one with per-row
+    coefficients, ``_BIAS_COEF`` too)."""
+    if kernel == "bias_grad":
+        return _bias_grad_config(target)
     if kernel == "preprocess":  # the dQ tile's rows and warps: 4 warps on 128 x 256 rows of out and dO would spill
         # and its register ceiling: left to itself, Triton 3.7.1's ptxas gave sm80's (64 and 32 rows, 4 warps) 48
         # registers and spilled 8 B
-        dq = shipped_config(target, "dq", block_dqk, block_dv, elem, dropout)
+        dq = shipped_config(target, "dq", block_dqk, block_dv, elem, dropout, bias=bias)
         return AttnConfig(dq.block_m, 0, dq.num_warps, None, maxnreg=dq.maxnreg, fp_fusion=dq.fp_fusion)
     if target == "ascend":
         step = fwd_step_bytes if kernel == "fwd" else bwd_step_bytes
@@ -257,19 +278,25 @@ def shipped_config(target: str, kernel: str, block_dqk: int, block_dv: int, elem
     table, override = {"fwd": (_FWD, _FWD_DROPOUT), "dkdv": (_DKDV, _DKDV_DROPOUT), "dq": (_DQ, _DQ_DROPOUT)}[kernel]
     if kernel == "dq" and dropout and int64_lanes and target in _DQ_DROPOUT_INT64:
         override = {**override, target: override.get(target, ()) + _DQ_DROPOUT_INT64[target]}
-    return _cuda_config(table, target, block_dqk, block_dv, elem, override if dropout else None)
+    override = dict(override) if dropout else {}
+    for on, tables in ((bias, _BIAS), (bias == "coef", _BIAS_COEF)):  # over the dropout tiles: later entries win
+        own = tables[kernel] if on else {}
+        override = {t: override.get(t, ()) + own.get(t, ()) for t in set(override) | set(own)}
+    return _cuda_config(table, target, block_dqk, block_dv, elem, override or None)
 
 
 def fwd_config(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2,
-               dropout: bool = False, cls=None) -> AttnConfig:
+               dropout: bool = False, cls=None, bias: bool = False) -> AttnConfig:
     """The forward's config: the table's (``shipped_config``), unless the tuner forces one or, on a
     CUDA device, the tuned cache has an entry for the launch's class ``cls`` (kernels/tuned_cache.py
     ``KernelClass``; None: no cache lookup)."""
     target = target_of(device)
-    return pick_config("fwd", device, target, cls, shipped_config(target, "fwd", block_dqk, block_dv, elem, dropout))
+    return pick_config("fwd", device, target, cls,
+                       shipped_config(target, "fwd", block_dqk, block_dv, elem, dropout, bias=bias))
 
 
-def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False, gqa: bool = False) -> bool:
+def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False, gqa: bool = False,
+               bias: bool | str = False) -> bool:
     """On CUDA and CDNA, dK and dV of a key tile are computed in two passes of the dK/dV kernel when
     their fp32 accumulators (BLOCK_N x (Dqk + Dv)) cannot stay in registers: 64 rows per warpgroup x
     (256 + 256) columns is 256 registers per thread, the whole register file (with dropout,
@@ -278,24 +305,50 @@ def split_dkdv(block_dqk: int, block_dv: int, target: str, dropout: bool = False
     GQA at 192/128 splits too (``gqa``: each query step moves to another q head, whose addresses
     take the last registers): in one pass it took 253-254 registers at 23b22de and spilled 4-16 B
     in fp16 and bf16 since the address clamps of issue 30 (Triton 3.9.0); two passes take 158-226.
-    MLA's 192/128 is MHA and stays one pass."""
+    MLA's 192/128 is MHA and stays one pass. An additive bias (``bias``) splits as dropout does: at
+    192/128 one pass on sm90 spilled 144 B stored and 292 B loaded with Inkling 2's per-row coefficients
+    (16 table reads per score) and 4 B with T5's bucketed table; two passes took 0 (Triton 3.7.1). With per-row
+    coefficients (``bias == "coef"``) on sm90 and sm100 from 128/128 on: the one pass there took 255 registers and
+    its INT64_LANES variant spilled 4 B under Triton 3.6.0 (GQA, per-token sinks), and neither 16 x 64 nor 32 x 64
+    kept both variants spill-free under 3.6.0-3.9.0; two passes do (240-255 registers)."""
     if target in ("interpreter", "ascend"):
         return False
-    return block_dqk + block_dv > (256 if dropout or (gqa and target == "sm90") else 320)
+    if bias == "coef" and target in ("sm90", "sm100"):
+        return block_dqk + block_dv > 192
+    return block_dqk + block_dv > (256 if dropout or bias or (gqa and target == "sm90") else 320)
 
 
-def bwd_configs(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2,
-                dropout: bool = False, cls=None, int64_lanes: bool = False) -> tuple[AttnConfig, AttnConfig]:
+def bwd_configs(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2, dropout: bool = False, cls=None,
+                int64_lanes: bool = False, bias: bool = False) -> tuple[AttnConfig, AttnConfig]:
     """(dK/dV config, dQ config); arguments as for fwd_config, ``int64_lanes`` as for shipped_config."""
     target = target_of(device)
     return tuple(pick_config(kernel, device, target, cls,
-                             shipped_config(target, kernel, block_dqk, block_dv, elem, dropout, int64_lanes))
+                             shipped_config(target, kernel, block_dqk, block_dv, elem, dropout, int64_lanes, bias))
                  for kernel in ("dkdv", "dq"))
 
 
 def preprocess_config(device: torch.device, block_dqk: int, block_dv: int, elem: int = 2,
-                      dropout: bool = False, cls=None) -> AttnConfig:
+                      dropout: bool = False, cls=None, bias: bool = False) -> AttnConfig:
     """The backward preprocess kernel's rows per program (block_m) and warps; arguments as for fwd_config."""
     target = target_of(device)
     return pick_config("preprocess", device, target, cls,
-                       shipped_config(target, "preprocess", block_dqk, block_dv, elem, dropout))
+                       shipped_config(target, "preprocess", block_dqk, block_dv, elem, dropout, bias=bias))
+
+
+def bias_grad_config(device: torch.device) -> AttnConfig:
+    """The bias table's gradient kernel (kernels/attn_bias.py): block_m query rows per step of a
+    program and block_n distances per program (its key window: the next power of two of block_m +
+    block_n - 1 keys). Never tuned: the table's."""
+    return _bias_grad_config(target_of(device))
+
+
+def _bias_grad_config(target: str) -> AttnConfig:
+    """32 rows x 32 distances (a 64-key window) on CUDA and CDNA, 16 x 16 on the interpreter and Ascend;
+    one pipeline stage (its loop holds the tile map read and a branch); 8 warps (4 spilled 8-16 B at
+    192/128 with rank 16 on sm90, Triton 3.7.1)."""
+    if target in ("interpreter", "ascend"):
+        return AttnConfig(16, 16, 1, 1)
+    cfg = AttnConfig(32, 32, 8, 1)
+    if target in CDNA_TARGETS:
+        return cfg._replace(matrix_instr_nonkdim=16, fp_fusion=FP_FUSION)
+    return cfg._replace(maxnreg=MAXNREG, fp_fusion=FP_FUSION)

@@ -356,6 +356,9 @@ def cp_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp_group, layo
         raise ValueError(f"self-attention under context parallelism: q has {q.shape[0]} local tokens/rows but k has "
                          f"{k.shape[0]}")
     params = check_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, "bottom_right")
+    if isinstance(softmax_offset, torch.Tensor) and softmax_offset.dim() != 1:
+        raise NotImplementedError(f"softmax_offset of shape {tuple(softmax_offset.shape)}: cp_attn takes one sink "
+                                  "logit per q head ([Hq]); per-token sinks run in varlen_attn / padded_attn")
     softmax_offset = check_softmax_offset(softmax_offset, q)
     return_max_logit = check_flag("return_max_logit", return_max_logit)
     groups = cp_groups(cp_group, comm)

@@ -50,8 +50,9 @@ _SEMANTICS = """
     ``[.., nblocks]``; memory O(tokens x nblocks): a block is never expanded into its keys' indices.
     Not with ``key_window``.
 
-    ``softmax_offset`` (optional, a floating ``[Hq]`` tensor, differentiable: attention sinks, as
-    gpt-oss's and DeepSeek-V4's): each row's softmax denominator gains ``exp(softmax_offset[h])``, a
+    ``softmax_offset`` (optional, a floating ``[Hq]`` tensor, or one logit per token and head, thd
+    ``[T, Hq]`` / padded ``[B, Hq, S]``; differentiable: attention sinks, as gpt-oss's and
+    DeepSeek-V4's, Inkling 2's per token): each row's softmax denominator gains ``exp(offset)``, a
     virtual key of value zero; lse includes it (a row that sees no key outputs zeros and its lse is the
     offset).
 
@@ -130,7 +131,7 @@ def _run(q, k, v, topk_indices, layout: SparseLayout, topk_length, v_dim: int, k
     check_flag("return_lse", return_lse)
     window = _check_key_window(key_window)
     blocks = _check_block_size(block_size, key_window)
-    offset = check_softmax_offset(softmax_offset, q)
+    offset = check_softmax_offset(softmax_offset, q, fmt)
     override = "" if backend is None else parse_backend(backend).value
     out, lse = sparse_attention(q, k, v, topk, length, layout, bounds, causal, bottom_right, scale, v_dim, override,
                                 validate=True, window=window, softmax_offset=offset, block_size=blocks)

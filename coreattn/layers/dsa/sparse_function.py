@@ -218,7 +218,7 @@ def _fold_sink(out: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor, fmt: 
     attention over the keys and a virtual key of logit offset[h] and value 0. The backward over out' and
     lse' is then the sink-free one (P = exp(S - lse'), delta = rowsum(dO * O'))."""
     lse_bs = _lse_by_sample(lse, fmt)  # [B, S, Hq] view
-    folded = torch.logaddexp(lse_bs, offset.to(lse.dtype))
+    folded = torch.logaddexp(lse_bs, _offset_by_sample(offset, fmt).to(lse.dtype))
     out_bs = _by_sample(out, fmt)
     scaled = out_bs.to(lse.dtype) * torch.exp(lse_bs - folded).unsqueeze(-1)
     out_bs.copy_(scaled)
@@ -226,12 +226,22 @@ def _fold_sink(out: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor, fmt: 
     return out, lse
 
 
+def _offset_by_sample(offset: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A sink offset broadcast on [B, S, Hq]: ``[Hq]`` as it is, one per row in lse's layout as a view."""
+    return offset if offset.dim() == 1 else _lse_by_sample(offset, fmt)
+
+
 def _offset_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, offset: torch.Tensor, fmt: str):
-    """d offset[h] = -sum over rows of p_sink * rowsum(dO * O'), p_sink = exp(offset[h] - lse')."""
+    """d offset = -p_sink * rowsum(dO * O') per row, p_sink = exp(offset - lse'), summed over the rows of
+    each head for an ``[Hq]`` offset; a per-row offset (lse's layout) gets its rows' terms."""
     work = lse.dtype
     delta = (_by_sample(dout, fmt).to(work) * _by_sample(out, fmt).to(work)).sum(-1)  # [B, S, Hq]
-    p_sink = torch.exp(offset.detach().to(work) - _lse_by_sample(lse, fmt))
-    return -(p_sink * delta).sum((0, 1)).to(offset.dtype)
+    p_sink = torch.exp(_offset_by_sample(offset.detach(), fmt).to(work) - _lse_by_sample(lse, fmt))
+    grad = -(p_sink * delta)
+    if offset.dim() == 1:
+        return grad.sum((0, 1)).to(offset.dtype)
+    grad = grad.squeeze(0).t() if fmt == "thd" else grad.transpose(1, 2)  # back to lse's layout
+    return grad.to(offset.dtype).contiguous()
 
 
 @torch.library.custom_op("coreattn::sparse_attn_fwd", mutates_args=())

@@ -2,7 +2,8 @@
 
 Owns: ``attention.py`` (the backend pair ``attn_torch_fwd`` / ``attn_torch_bwd`` and the choice
 between the two paths), ``fused.py`` (PyTorch's fused CPU flash kernel per sequence), ``blocked.py``
-(an online softmax over key blocks in torch ops, for what the fused kernel cannot express),
+(an online softmax over key blocks in torch ops, for what the fused kernel cannot express) with
+``bias.py`` (an additive bias's table window per tile),
 ``spans.py`` (reading the sequence lengths and spans), ``dense_mask.py`` (the O(S^2) path for
 arbitrary dense masks, Megatron's ``arbitrary`` mask type), ``sparse.py`` (top-k sparse attention's
 pair ``sparse_attn_torch_fwd`` / ``sparse_attn_torch_bwd`` on the kernels' prepared indices) with

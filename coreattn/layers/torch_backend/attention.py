@@ -55,11 +55,11 @@ def visible_mask(lens_q, lens_k, max_q: int, max_k: int, params: VarlenParams) -
     return vis
 
 
-def _fused_calls(q, k, spans: Spans, params: VarlenParams, return_max_logit: bool, softmax_offset):
+def _fused_calls(q, k, spans: Spans, params: VarlenParams, return_max_logit: bool, softmax_offset, bias=None):
     """The fused path's calls, or None when the call takes the blocked path. 16-bit inputs with a
     softmax offset take the blocked path: the fused path rounds out before the sink folds in, and its
-    backward would take the sink's gradient from the rounded out."""
-    if params.dropout_p > 0 or return_max_logit or not torch_fused.available(q, k):
+    backward would take the sink's gradient from the rounded out. So does an additive bias."""
+    if params.dropout_p > 0 or return_max_logit or bias is not None or not torch_fused.available(q, k):
         return None
     if softmax_offset is not None and q.dtype not in (torch.float32, torch.float64):
         return None
@@ -68,14 +68,16 @@ def _fused_calls(q, k, spans: Spans, params: VarlenParams, return_max_logit: boo
 
 def attn_torch_fwd(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int,
                    params: VarlenParams, rng_state: torch.Tensor | None = None,
-                   softmax_offset: torch.Tensor | None = None, return_max_logit: bool = False):
+                   softmax_offset: torch.Tensor | None = None, return_max_logit: bool = False, bias=None):
     """(out, lse, max_logit or None). out: q's layout and dtype with last dim Dv; lse ([Hq, Tq]
     packed, [B, Hq, Sq] padded; -inf outside the spans) and max_logit [Hq] in float32, or float64
-    for float64 inputs. max_seqlen_q/k are not used."""
+    for float64 inputs. max_seqlen_q/k are not used. ``bias``: an additive bias (a TableBias,
+    coreattn/kernels/attn_common.py), on the blocked path."""
     spans = read_spans(q, k, q_pack, k_pack)
-    calls = _fused_calls(q, k, spans, params, return_max_logit, softmax_offset)
+    calls = _fused_calls(q, k, spans, params, return_max_logit, softmax_offset, bias)
     if calls is None:
-        return blocked_fwd(q, k, v, q_pack, k_pack, spans, params, rng_state, softmax_offset, return_max_logit)
+        return blocked_fwd(q, k, v, q_pack, k_pack, spans, params, rng_state, softmax_offset, return_max_logit,
+                           bias)
     out, lse = torch_fused.fused_fwd(q, k, v, q_pack, calls, params)
     if softmax_offset is not None:
         torch_fused.fold_sink(out, lse, q_pack.fmt, spans, softmax_offset)
@@ -84,14 +86,14 @@ def attn_torch_fwd(q, k, v, q_pack: Packing, k_pack: Packing, max_seqlen_q: int,
 
 def attn_torch_bwd(dout, q, k, v, out, lse, q_pack: Packing, k_pack: Packing, max_seqlen_q: int, max_seqlen_k: int,
                    params: VarlenParams, rng_state: torch.Tensor | None = None,
-                   softmax_offset: torch.Tensor | None = None):
+                   softmax_offset: torch.Tensor | None = None, bias=None):
     """(dq, dk, dv, d_offset) in the layouts and dtypes of q, k, v (and the offset), from the saved out
     and lse (which includes any softmax offset, so dq/dk/dv need nothing more); d_offset None without
-    an offset."""
+    an offset. With ``bias``: (dq, dk, dv, d_offset, d_table, d_coef) (coreattn/layers/function.py)."""
     spans = read_spans(q, k, q_pack, k_pack)
     # the sink's gradient needs rowsum(P * dP) over this call's keys, which the fused kernel does not
     # expose (rowsum(dO * O) would be the whole row's when out and lse are merged from several calls)
-    calls = None if softmax_offset is not None else _fused_calls(q, k, spans, params, False, None)
+    calls = None if softmax_offset is not None else _fused_calls(q, k, spans, params, False, None, bias)
     if calls is None:
-        return blocked_bwd(dout, q, k, v, out, lse, q_pack, k_pack, spans, params, rng_state, softmax_offset)
+        return blocked_bwd(dout, q, k, v, out, lse, q_pack, k_pack, spans, params, rng_state, softmax_offset, bias)
     return (*torch_fused.fused_bwd(dout, q, k, v, out, lse, q_pack.fmt, calls, params), None)

@@ -30,6 +30,8 @@ from coreattn.kernels.packing import Packing, default_gid, seq_len_dim
 from coreattn.kernels import dropout
 from coreattn.layers.checks import VarlenParams
 from coreattn.kernels.softmax_offset import softmax_offset_grad
+from coreattn.layers.torch_backend.bias import tile_bias, tile_bias_grad
+from coreattn.layers.torch_backend.bias import window as bias_window
 from coreattn.layers.torch_backend.spans import Spans
 
 BLOCK_Q = 128  # query rows per block (fewer when every sequence is shorter)
@@ -233,9 +235,46 @@ def _neg_inf_to_zero(m: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(m), torch.zeros_like(m), m)
 
 
+def _bias_coef(bias, fmt: str, tl: Tiles, work) -> torch.Tensor | None:
+    """The query blocks' bias coefficients [Nq, bq, Hq, R] (None without a bias or coefficients)."""
+    return None if bias is None or bias.coef is None else _gather(bias.coef, fmt, tl.q, work)
+
+
+def _step_bias(bias, coef_b, tl: Tiles, c0: int, c1: int, kid, hq: int, work):
+    """(window, [A', Hq, bq, bk] bias, A' tile indices or None for all) of a step's tiles
+    (coreattn/layers/torch_backend/bias.py). On CPU, where reading a tensor is free, an unclamped
+    table's tiles whose distances all lie outside it are left out (Inkling 2's full layers: the
+    extent's band of a long sequence); on a device every tile is computed (no host read)."""
+    first_q, first_k, shift = tl.q.first[c0:c1], tl.k.first[kid], tl.shift[c0:c1]
+    coef = None if coef_b is None else coef_b[c0:c1]
+    near = None
+    if not bias.clamp and first_q.device.type == "cpu":
+        extent = bias.table.shape[-1]
+        d_max = first_q + (tl.bq - 1) + shift - first_k
+        d_min = first_q + shift - first_k - (tl.bk - 1)
+        hits = (d_max >= bias.lo) & (d_min < bias.lo + extent)
+        if not bool(hits.all()):
+            near = hits.nonzero().view(-1)
+            first_q, first_k, shift = first_q[near], first_k[near], shift[near]
+            coef = None if coef is None else coef[near]
+    win = bias_window(bias, first_q, first_k, shift, tl.bq, tl.bk, work)
+    return win, tile_bias(bias, coef, win, hq, tl.bq, tl.bk), near, coef
+
+
+def _add_bias(s: torch.Tensor, b_t: torch.Tensor, near, hkv: int, g: int, tl: Tiles) -> None:
+    """s [A, Hkv, G * bq, bk] += the tiles' bias [A', Hq, bq, bk] (A' = A, or the tiles ``near``)."""
+    a = s.shape[0]
+    view = s.view(a, hkv, g, tl.bq, tl.bk)
+    b_t = b_t.view(-1, hkv, g, tl.bq, tl.bk)
+    if near is None:
+        view.add_(b_t)
+    else:
+        view.index_add_(0, near, b_t)
+
+
 def blocked_fwd(q, k, v, q_pack: Packing, k_pack: Packing, spans: Spans, params: VarlenParams, rng_state,
-                softmax_offset, return_max_logit: bool):
-    """(out, lse, max_logit or None) as attn_torch_fwd returns them."""
+                softmax_offset, return_max_logit: bool, bias=None):
+    """(out, lse, max_logit or None) as attn_torch_fwd returns them; ``bias`` a TableBias or None."""
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     hq, hkv = q.shape[-2], k.shape[-2]
     g = hq // hkv
@@ -250,9 +289,14 @@ def blocked_fwd(q, k, v, q_pack: Packing, k_pack: Packing, spans: Spans, params:
     max_logit = torch.full((hkv, g), float("-inf"), dtype=work, device=q.device) if return_max_logit else None
     if params.dropout_p > 0:
         ids_q, ids_k = _token_ids(q_pack, q), _token_ids(k_pack, k)
-    for t, c0, c1 in tl.steps(hq * tl.bq * tl.bk):
+    coef_b = _bias_coef(bias, q_pack.fmt, tl, work)
+    for t, c0, c1 in tl.steps(hq * tl.bq * tl.bk * (3 if bias is not None else 1)):
         kid = tl.k_first[c0:c1] + t
         s = torch.matmul(qb[c0:c1], kb.index_select(0, kid).transpose(-1, -2)).mul_(params.softmax_scale)
+        if bias is not None:
+            _, b_t, near, _ = _step_bias(bias, coef_b, tl, c0, c1, kid, hq, work)
+            _add_bias(s, b_t, near, hkv, g, tl)
+            del b_t
         vis = _visible(tl, c0, c1, t, kid, params)
         s.view(c1 - c0, hkv, g, tl.bq, tl.bk).masked_fill_(~vis[:, None, None], float("-inf"))
         if max_logit is not None:
@@ -268,7 +312,10 @@ def blocked_fwd(q, k, v, q_pack: Packing, k_pack: Packing, spans: Spans, params:
         acc[c0:c1].mul_(alpha).add_(torch.matmul(p, vb.index_select(0, kid)))
         m_old.copy_(m_new)
     if softmax_offset is not None:
-        sink = softmax_offset.to(work).view(1, hkv, g, 1).expand(1, hkv, g, tl.bq).reshape(1, hkv, rows, 1)
+        if softmax_offset.dim() == 1:
+            sink = softmax_offset.to(work).view(1, hkv, g, 1).expand(1, hkv, g, tl.bq).reshape(1, hkv, rows, 1)
+        else:  # one per row, in lse's layout
+            sink = rearrange(_lse_rows(softmax_offset, q_pack.fmt, tl.q).to(work), "n b (kv g) -> n kv (g b) 1", kv=hkv)
         m_fin = torch.maximum(m, sink)
         m_use = _neg_inf_to_zero(m_fin)
         alpha = torch.exp(m - m_use)
@@ -283,9 +330,11 @@ def blocked_fwd(q, k, v, q_pack: Packing, k_pack: Packing, spans: Spans, params:
 
 
 def blocked_bwd(dout, q, k, v, out, lse, q_pack: Packing, k_pack: Packing, spans: Spans, params: VarlenParams,
-                rng_state, softmax_offset=None):
+                rng_state, softmax_offset=None, bias=None):
     """(dq, dk, dv, d_offset) from the saved out and lse, as attn_torch_bwd returns them; the softmax
-    offset's gradient from rowsum(P * dP) accumulated over the key blocks."""
+    offset's gradient from rowsum(P * dP) accumulated over the key blocks. With ``bias`` (a
+    TableBias): (dq, dk, dv, d_offset, d_table, d_coef), the bias's gradients in its tensors'
+    shapes (d_coef None without coefficients)."""
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     hq, hkv = q.shape[-2], k.shape[-2]
     g = hq // hkv
@@ -305,25 +354,58 @@ def blocked_bwd(dout, q, k, v, out, lse, q_pack: Packing, k_pack: Packing, spans
     rowsum = torch.zeros_like(delta) if softmax_offset is not None else None  # rowsum(P * dP)
     if params.dropout_p > 0:
         ids_q, ids_k = _token_ids(q_pack, q), _token_ids(k_pack, k)
-    for t, c0, c1 in tl.steps(hq * tl.bq * tl.bk):
+    coef_b = _bias_coef(bias, fmt_q, tl, work)
+    if bias is not None:
+        d_table = torch.zeros_like(bias.table, dtype=work)
+        d_coef_b = None if coef_b is None else torch.zeros_like(coef_b)
+    per_tile = hq * tl.bq * tl.bk * (4 if bias is not None else 1)
+
+    def probabilities(t, c0, c1):
+        """(key blocks, bias window, P, dP with dropout's keep / (1 - p), P with it) of a step."""
         kid = tl.k_first[c0:c1] + t
-        k_t, v_t = kb.index_select(0, kid), vb.index_select(0, kid)
-        s = torch.matmul(qb[c0:c1], k_t.transpose(-1, -2)).mul_(params.softmax_scale)
+        s = torch.matmul(qb[c0:c1], kb.index_select(0, kid).transpose(-1, -2)).mul_(params.softmax_scale)
+        step = None  # BIAS: (window, tiles near the band or None, their coefficients)
+        if bias is not None:
+            win, b_t, near, coef = _step_bias(bias, coef_b, tl, c0, c1, kid, hq, work)
+            _add_bias(s, b_t, near, hkv, g, tl)
+            step = (win, near, coef)
+            del b_t
         vis = _visible(tl, c0, c1, t, kid, params)
         s.view(c1 - c0, hkv, g, tl.bq, tl.bk).masked_fill_(~vis[:, None, None], float("-inf"))
         p = s.sub_(lse_b[c0:c1]).exp_()  # [A, Hkv, G*bq, bk]
-        dp = torch.matmul(dob[c0:c1], v_t.transpose(-1, -2))
+        dp = torch.matmul(dob[c0:c1], vb.index_select(0, kid).transpose(-1, -2))
         p_drop = p
         if params.dropout_p > 0:
             scale = _drop_scale(tl, c0, c1, kid, hkv, g, params, rng_state, ids_q, ids_k, work)
             dp.mul_(scale)
             p_drop = p * scale
+        return kid, step, p, dp, p_drop
+
+    if bias is not None and work != q.dtype:
+        # the bias's gradients sum dS over rows: with 16-bit inputs delta = rowsum(dO * O) carries O's rounding
+        # into them, so a first pass takes the exact rowsum(P * dP) (two more matmuls per tile)
+        exact = torch.zeros_like(delta)
+        for t, c0, c1 in tl.steps(per_tile):
+            _, _, p, dp, _ = probabilities(t, c0, c1)
+            exact[c0:c1].add_((p * dp).sum(-1, keepdim=True))
+        delta = exact
+    for t, c0, c1 in tl.steps(per_tile):
+        kid, step, p, dp, p_drop = probabilities(t, c0, c1)
         if rowsum is not None:
             rowsum[c0:c1].add_((p * dp).sum(-1, keepdim=True))
-        ds = dp.sub_(delta[c0:c1]).mul_(p).mul_(params.softmax_scale)
+        ds = dp.sub_(delta[c0:c1]).mul_(p)  # dL/d(logit)
+        if bias is not None:
+            win, near, coef = step
+            ds_t = ds.view(c1 - c0, hq, tl.bq, tl.bk)
+            dc = tile_bias_grad(bias, coef, win, ds_t if near is None else ds_t.index_select(0, near), d_table)
+            if dc is not None and near is not None:
+                d_coef_b[c0:c1].index_add_(0, near, dc)
+            elif dc is not None:
+                d_coef_b[c0:c1].add_(dc)
+        ds.mul_(params.softmax_scale)
         dv_t = torch.matmul(p_drop.transpose(-1, -2), dob[c0:c1])  # [A, Hkv, bk, Dv], G summed in the rows
         dk_t = torch.matmul(ds.transpose(-1, -2), qb[c0:c1])
-        dqb[c0:c1].add_(torch.matmul(ds, k_t))
+        dqb[c0:c1].add_(torch.matmul(ds, kb.index_select(0, kid)))
         _add_rows(dvb, kid, dv_t)
         _add_rows(dkb, kid, dk_t)
     dq = _scatter(_q_rows(dqb, tl.bq), fmt_q, tl.q, q)
@@ -333,4 +415,7 @@ def blocked_bwd(dout, q, k, v, out, lse, q_pack: Packing, k_pack: Packing, spans
     if rowsum is not None:
         rows = _lse_to_layout(_q_rows(rowsum, tl.bq)[..., 0], fmt_q, tl.q, q, fill=0.0)
         d_offset = softmax_offset_grad(softmax_offset, lse, rows, q_pack)
-    return dq, dk, dv, d_offset
+    if bias is None:
+        return dq, dk, dv, d_offset
+    d_coef = None if d_coef_b is None else _scatter(d_coef_b, fmt_q, tl.q, bias.coef)
+    return dq, dk, dv, d_offset, d_table.to(bias.table.dtype), d_coef

@@ -235,11 +235,12 @@ def _inside(spans: Spans, fmt: str, n_rows: int) -> torch.Tensor:
 
 
 def fold_sink(out: torch.Tensor, lse: torch.Tensor, fmt: str, spans: Spans, offset: torch.Tensor) -> None:
-    """A softmax offset's sink logit joins every row inside a q span (even a row that sees no key,
+    """A softmax offset's sink logit (``[Hq]``, or per row in lse's layout) joins every row inside a q span (even a row that sees no key,
     whose lse becomes the sink): lse' = logaddexp(lse, sink), out' = out * exp(lse - lse')."""
     n_rows = lse.shape[-1]
     inside = _inside(spans, fmt, n_rows).to(lse.device)  # [T] / [B, S]
-    sink = offset.to(lse.dtype)[:, None]  # [Hq, 1], broadcast on [Hq, T] and [B, Hq, S]
+    # [Hq, 1], broadcast on [Hq, T] and [B, Hq, S]; or one per row, in lse's layout
+    sink = offset.to(lse.dtype)[:, None] if offset.dim() == 1 else offset.to(lse.dtype)
     inside = inside[None, :] if fmt == "thd" else inside[:, None, :]
     new = torch.where(inside, torch.logaddexp(lse, sink), lse)
     factor = torch.where(inside & (new > float("-inf")), torch.exp(lse - new), torch.ones_like(lse))
