@@ -230,3 +230,15 @@ def test_bench_hf_bias_worker_runs():
     for impl in ("coreattn", "eager"):
         row = hf_bias.run_worker(impl, "sliding", 128, "float32")
         assert row["impl"] == impl and row["grown_mib"] >= 0 and row["eager_bias_mib"] == 8 * 128 * 128 * 4 / 2**20
+
+
+def test_inkling2_layer_memory_at_8k_tokens():
+    """One Inkling 2 full-attention layer (the relative bias over 1,024 distances, per-token sinks, every
+    earlier token) at 8,192 tokens under coreattn's torch backend grows less than a quarter of eager's
+    ``position_bias`` tensor alone (2 GiB), measured as ``python -m bench.hf_bias`` measures it (its own
+    process, the bench's allocator settings)."""
+    from bench.cpu_attention import worker_json
+
+    row = worker_json(["-m", "bench.hf_bias", "--layer", "full", "--worker", "coreattn", "8192"], 600, memory=True)
+    assert "error" not in row, row
+    assert row["eager_bias_mib"] == 2048 and row["grown_mib"] < row["eager_bias_mib"] / 4, row
