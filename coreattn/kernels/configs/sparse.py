@@ -194,13 +194,16 @@ for _target in ("gfx90a", "gfx942"):
 # the tokens that name the block, BLOCK_T tokens x BLOCK_H heads per step) reads each token's q and dO rows once per
 # tile, so up to 256 its tile is 64 keys: 16 rows x 64 keys on 8 warps compiled to sm90's wgmma (145-154 registers)
 # and sm100's tcgen05 (96), 4 waves on CDNA (210-216 VGPRs on gfx942, no repeated MFMA; 8 waves repeat it twice),
-# where the range mode's 16 x 16 read them four times as often; above 256 the range mode's tile.
+# where the range mode's 16 x 16 read them four times as often; above 256 the range mode's tile. At 256 on CUDA 32
+# keys: 16 x 64 spilled 24 B at 255 registers on sm90 under Triton 3.9.0 (one stage 220 B, 4 warps 3 KB); 16 x 32 on
+# 8 warps compiles to mma.sync at 152-156 registers, no spill, on sm90 and sm100 under 3.6.0-3.9.0.
 _BLOCK_TWINS = {"block_fwd": "fwd", "block_dq": "dq", "block_dkv": "range_dkv"}
 for _kernel, _twin in _BLOCK_TWINS.items():
     for _target, _rows in _TABLES[_twin].items():
         _TABLES[_kernel][_target] = _rows
 for _target in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120"):
-    _TABLES["block_dkv"][_target] = ((256, 1 << 30, _C(16, 64, 8, 2)),) + _CUDA_RANGE["range_dkv"][1:]
+    _TABLES["block_dkv"][_target] = ((192, 1 << 30, _C(16, 64, 8, 2)), (256, 1 << 30, _C(16, 32, 8, 2))
+                                     ) + _CUDA_RANGE["range_dkv"][1:]
 for _target in CDNA_TARGETS:
     _TABLES["block_dkv"][_target] = ((256, 1 << 30, _W(16, 64, 4, 1)),) + _CDNA_RANGE["range_dkv"][1:]
 
