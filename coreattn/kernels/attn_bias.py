@@ -39,6 +39,7 @@ from coreattn.kernels.attn_fwd import LOG2E, dot_precision, dropout_args, lane_f
 from coreattn.kernels.configs.base import head_blocks
 from coreattn.kernels.configs.dense import bias_grad_config
 from coreattn.kernels.configs.targets import target_of
+from coreattn.kernels.device import on_device
 from coreattn.kernels.launch import launch
 from coreattn.kernels.packing import Packing, keep_args, rowstat_strides, seq_len_dim, seq_strides
 from coreattn.kernels.tile_map import _tile_rows, _tile_seq, tile_bound, tile_maps
@@ -266,6 +267,7 @@ def _far_grad(bias: TableBias, far: torch.Tensor, q_pack: Packing, heads: int) -
     return torch.einsum("enh,nhr->hre", rows, coef)
 
 
+@on_device
 def bias_table_grad(dout, q, k, v, lse, delta, q_pack: Packing, k_pack: Packing, softmax_scale: float,
                     window_left: int, window_right: int, bottom_right: bool, bias: TableBias, far: torch.Tensor | None,
                     dropout_p: float = 0.0, rng_state: torch.Tensor | None = None) -> torch.Tensor:

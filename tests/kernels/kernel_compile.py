@@ -38,6 +38,9 @@ SHAPES = dict(HEAD_DIM_QK=192, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DQK2=64, BLO
 # variant (the INT64_LANES one: tests/kernels/test_lane_offsets_compiled.py)
 POINTER_LOOP = dict(TMA=False, WARP_SPEC=False, k_desc=None, k2_desc=None, v_desc=None, q_desc=None, q2_desc=None,
                     do_desc=None, INT64_LANES=False)
+# no additive bias, one sink per head (the bias kernels compile in test_kernel_structure.py and the pipeline scan)
+NO_BIAS = dict(BIAS=False, BIAS_RANK=1, BIAS_COEF=0, BIAS_CLAMP=False, BIAS_GRAD=False, BIAS_RB=1, SINK_ROWS=False,
+               bias_extent=1)
 NO_FEATURES = dict(DROPOUT=False, HAS_GID=False, HAS_SINK=False, RETURN_MAX=False, SINK_GRAD=False)
 VARIANTS = {
     "thd-causal-window": dict(HAS_LEFT=True, HAS_RIGHT=True, BOTTOM_RIGHT=True, SPANS=False, PACKED=True,
@@ -101,7 +104,8 @@ def main(which: str) -> None:
             # CUDA launches the grid mode; PERSISTENT (Ascend's) is compiled for CUDA too, as a second frontend check
             modes = (False, True) if which == "cuda" and not flags["DROPOUT"] else (which != "cuda",)
             for persistent in modes:
-                consts = dict(SHAPES, **POINTER_LOOP, **flags, DOT_PRECISION=precision, PERSISTENT=persistent)
+                consts = dict(SHAPES, **POINTER_LOOP, **NO_BIAS, **flags, DOT_PRECISION=precision,
+                              PERSISTENT=persistent)
                 consts = {k: v for k, v in consts.items() if k in fn.arg_names}
                 mode = "PERSISTENT" if persistent else "grid"
                 print(f"{which} {fn.__name__} {variant} {mode}: {compile_one(fn, consts)}", flush=True)

@@ -138,7 +138,7 @@ def _packed_varlen(q, k, v, batch: int, kwargs, opts):
 def _packed_opts(opts: dict) -> dict:
     """The options of a padded [B, S] call for its packed [B * S] tokens: per-token sinks [B, H, S] ->
     [B * S, H], a low-rank bias's states [B, S, H, R] -> [B * S, H, R]."""
-    offset, bias = opts["softmax_offset"], opts["bias"]
+    offset, bias = opts.get("softmax_offset"), opts.get("bias")
     if offset is not None and offset.dim() == 3:
         offset = offset.transpose(1, 2).reshape(-1, offset.shape[1])
     if isinstance(bias, LowRankRelativeBias):
