@@ -72,22 +72,28 @@ def _v4_config(tokens: int):
                             max_position_embeddings=max(tokens, 64))
 
 
-def run_v4_worker(impl: str, tokens: int, dtype: str) -> dict:
+def _causal_lm_growth(make_config, impl: str, tokens: int, dtype: str) -> float:
+    """MiB the peak resident memory grows by over one forward + backward of ``logits.sum()`` of a
+    causal LM of ``make_config(tokens)`` under coreattn's torch backend or eager (random ids, one sequence)."""
     import coreattn.adapters.transformers as coreattn_hf
     from transformers import AutoModelForCausalLM
 
     coreattn_hf.register("coreattn_torch", backend="torch")
     torch.manual_seed(0)
-    config = _v4_config(tokens)
+    config = make_config(tokens)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="coreattn_torch" if impl == "coreattn"
                                              else "eager", experts_implementation="eager").to(getattr(torch, dtype))
     ids = torch.randint(0, config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     _reset_peak()
     before = _status_kib("VmRSS")
     model(input_ids=ids, use_cache=False).logits.float().sum().backward()
-    peak = _status_kib("VmHWM")
+    return round((_status_kib("VmHWM") - before) / 1024, 1)
+
+
+def run_v4_worker(impl: str, tokens: int, dtype: str) -> dict:
     keys = tokens + tokens // 4
-    return dict(model="v4", impl=impl, tokens=tokens, dtype=dtype, grown_mib=round((peak - before) / 1024, 1),
+    return dict(model="v4", impl=impl, tokens=tokens, dtype=dtype,
+                grown_mib=_causal_lm_growth(_v4_config, impl, tokens, dtype),
                 eager_mask_mib=tokens * keys * 4 / 2**20)
 
 
@@ -152,20 +158,8 @@ def _minimax_config(tokens: int):
 
 
 def run_minimax_worker(impl: str, tokens: int, dtype: str) -> dict:
-    import coreattn.adapters.transformers as coreattn_hf
-    from transformers import AutoModelForCausalLM
-
-    coreattn_hf.register("coreattn_torch", backend="torch")
-    torch.manual_seed(0)
-    config = _minimax_config(tokens)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="coreattn_torch" if impl == "coreattn"
-                                             else "eager", experts_implementation="eager").to(getattr(torch, dtype))
-    ids = torch.randint(0, config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
-    _reset_peak()
-    before = _status_kib("VmRSS")
-    model(input_ids=ids, use_cache=False).logits.float().sum().backward()
-    peak = _status_kib("VmHWM")
-    return dict(model="minimax_m3", impl=impl, tokens=tokens, dtype=dtype, grown_mib=round((peak - before) / 1024, 1),
+    return dict(model="minimax_m3", impl=impl, tokens=tokens, dtype=dtype,
+                grown_mib=_causal_lm_growth(_minimax_config, impl, tokens, dtype),
                 eager_mask_mib=MINIMAX_HEADS * tokens * tokens * torch.finfo(getattr(torch, dtype)).bits / 8 / 2**20)
 
 
