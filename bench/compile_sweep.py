@@ -6,7 +6,9 @@ from a checkout, once per Triton release CI tests (coreattn/kernels/versions.py 
 Python of an environment that holds it; each run writes ``DIR/triton-<version>.json`` (default DIR:
 ``bench/results/compile-report-sparse-sweep/``) and rewrites ``DIR/table.md`` from every release file there.
 ``--baseline DIR2`` puts an earlier sweep's figures beside them (before -> after); ``--table`` only rewrites the
-table; ``--list`` prints the problems.
+table; ``--list`` prints the problems. One arch a run (``--arch sm100 --out DIR3``) and the problems whose configs
+changed rerun alone (``--match``) are joined by ``--merge RUN.json ...`` into one release file: later runs replace
+the problems they cover, and ``meta.configs`` keeps, per arch and problem, the launch configs each was compiled with.
 
 Problems: ``bench.kernels.sweep_problems()`` (absorbed MLA at 576/512 and 512/512 with 8-128 q heads, per-head
 K/V at 576/512, 512/512, 256/256 and 192/128, GQA 4 and 16, one kv head with a separate V at 512/512; bf16,
@@ -83,50 +85,64 @@ def _jit_sources(fn, seen: dict) -> None:
                 _jit_sources(target, seen)
 
 
-def _launch_configs(archs) -> list:
-    """Every launch config the sweep's problems take on each arch (configs/sparse.py, configs/indexer.py)."""
+def launch_configs(arch: str) -> dict:
+    """{name: launch config} of every problem and indexer case of the sweep on ``arch`` (configs/sparse.py,
+    configs/indexer.py): a sparse problem's [kernel, config] pairs, an indexer or Hadamard case's config, or the
+    reason the tables refuse it. The names are the rows' problem names (``case_names``)."""
     from bench.kernels import BLOCKS_SWEEP, HADAMARD_SWEEP, INDEXER_SWEEP, sweep_problems
     from coreattn.kernels.configs.base import head_blocks
     from coreattn.kernels.configs.indexer import block_scores_config, hadamard_config, topk_config, topk_refusal
     from coreattn.kernels.configs.sparse import KERNELS, SparseRefused, sparse_config
     from coreattn.kernels.indexer_topk import topk_blocks
-    from coreattn.tune.compiler import DTYPES, arch_target
+    from coreattn.tune.compiler import DTYPES, arch_target, topk_problem_name
 
-    out = []
-    for arch in archs:
-        target = arch_target(arch)
-        for p in sweep_problems():
-            block_dqk, block_dqk2, block_dv = head_blocks(p.dim_qk, p.dim_v)
-            elem = DTYPES[p.dtype].itemsize
-            v_is_k = p.absorbed and block_dv == block_dqk
-            try:
-                out += [(arch, p.id, kernel, list(sparse_config(target, kernel, block_dqk + block_dqk2, block_dv, elem,
-                                                                p.heads_q // p.heads_kv, v_is_k))) for kernel in KERNELS]
-            except SparseRefused as exc:
-                out.append((arch, p.id, str(exc)))
-        for heads, dim, topk, dtype, *_ in INDEXER_SWEEP:
-            elem = DTYPES[dtype].itemsize
-            refused = topk_refusal(target, heads, dim, elem, topk)
-            out.append((arch, "topk", heads, dim, topk, dtype, refused or list(
-                topk_config(target, topk_blocks(topk, 16), heads, dim, elem))))
-        for heads, dim, block, dtype in BLOCKS_SWEEP:
-            elem = DTYPES[dtype].itemsize
-            refused = topk_refusal(target, heads, dim, elem)
-            out.append((arch, "blocks", heads, dim, block, dtype,
-                        refused or list(block_scores_config(target, heads, dim, elem))))
-        out += [(arch, "hadamard", list(hadamard_config(target)))]
-    return out
+    target, out = arch_target(arch), {}
+    for p in sweep_problems():
+        block_dqk, block_dqk2, block_dv = head_blocks(p.dim_qk, p.dim_v)
+        elem = DTYPES[p.dtype].itemsize
+        v_is_k = p.absorbed and block_dv == block_dqk
+        try:
+            out[p.id] = [[kernel, list(sparse_config(target, kernel, block_dqk + block_dqk2, block_dv, elem,
+                                                     p.heads_q // p.heads_kv, v_is_k))] for kernel in KERNELS]
+        except SparseRefused as exc:
+            out[p.id] = str(exc)
+    for case in INDEXER_SWEEP:
+        heads, dim, topk, dtype, *_ = case
+        elem = DTYPES[dtype].itemsize
+        out[topk_problem_name(*case)] = topk_refusal(target, heads, dim, elem, topk) or list(
+            topk_config(target, topk_blocks(topk, 16), heads, dim, elem))
+    for heads, dim, block, dtype in BLOCKS_SWEEP:
+        elem = DTYPES[dtype].itemsize
+        out[_block_name(heads, dim, block, dtype)] = topk_refusal(target, heads, dim, elem) or list(
+            block_scores_config(target, heads, dim, elem))
+    for dim, dtype in HADAMARD_SWEEP:
+        out[f"hadamard-d{dim}-{dtype}"] = list(hadamard_config(target))
+    return json.loads(json.dumps(out, default=str))  # as a document stores it (tuples as lists)
+
+
+def _block_name(heads: int, dim: int, block: int, dtype: str) -> str:
+    return f"indexer-h{heads}xd{dim}-block{block}-{dtype}"
+
+
+def case_names(meta: dict) -> list[str]:
+    """The problem names a sweep document covers (compiled or refused): its sparse problems, indexer top-k,
+    block-score and Hadamard cases."""
+    from coreattn.tune.compiler import topk_problem_name
+
+    return (list(meta["problems"]) + [topk_problem_name(*c) for c in meta["indexer"]]
+            + [_block_name(*c) for c in meta["blocks"]] + [f"hadamard-d{d}-{t}" for d, t in meta["hadamard"]])
 
 
 def fingerprint(archs=ARCHS) -> dict:
     """What the sweep compiles, independent of the Triton release: a hash of the launch configs of every
     problem on every arch (``configs``), and of the source of the kernels with every JIT function they call
-    (``kernels``). A change to either makes the committed sweep stale."""
+    (``kernels``). A change to either makes the committed sweep stale; a document's ``configs`` (per arch, per
+    problem: ``launch_configs``) says where."""
     sources: dict = {}
     for fn in _kernel_functions():
         _jit_sources(fn, sources)
     kernels = hashlib.sha256(json.dumps(sorted(sources.items())).encode()).hexdigest()[:16]
-    configs = hashlib.sha256(json.dumps(_launch_configs(archs), default=str).encode()).hexdigest()[:16]
+    configs = hashlib.sha256(json.dumps({a: launch_configs(a) for a in archs}).encode()).hexdigest()[:16]
     return dict(configs=configs, kernels=kernels)
 
 
@@ -205,8 +221,7 @@ def compile_arch(arch: str, problems, topk_cases, hadamard_cases, log, refused: 
         heads, dim, block, dtype = case
         refused = topk_refusal(target, heads, dim, DTYPES[dtype].itemsize)
         if refused:
-            refused_cases.append(dict(problem=f"indexer-h{heads}xd{dim}-block{block}-{dtype}", arch=arch,
-                                      reason=refused))
+            refused_cases.append(dict(problem=_block_name(heads, dim, block, dtype), arch=arch, reason=refused))
         else:
             for r in indexer_rows(arch, topk_cases=[], hadamard_cases=[], block_cases=[case]):
                 add(r, r["dtype"])
@@ -253,9 +268,13 @@ def run(archs, dtypes, out: Path, match=None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path, partial = out / f"triton-{triton.__version__}.json", out / f"partial-triton-{triton.__version__}.json"
     load_before = os.getloadavg()
+    configs: dict = {}
     for i, arch in enumerate(archs):
         t0 = time.time()
         rows += compile_arch(arch, problems, topk_cases, hadamard_cases, log, refused, block_cases)
+        covered = set(case_names(dict(problems=[p.id for p in problems], indexer=topk_cases, blocks=block_cases,
+                                      hadamard=hadamard_cases)))
+        configs[arch] = {name: c for name, c in launch_configs(arch).items() if name in covered}
         arch_seconds[arch] = round(time.time() - t0)
         done = i + 1 == len(archs)
         meta = dict(date=datetime.date.today().isoformat(), git_commit=_git("rev-parse", "--short", "HEAD"),
@@ -263,7 +282,7 @@ def run(archs, dtypes, out: Path, match=None) -> Path:
                     torch=torch.__version__, python=platform.python_version(), archs=list(archs[:i + 1]),
                     dtypes=list(dtypes), problems=[p.id for p in problems], indexer=[list(c) for c in topk_cases],
                     hadamard=[list(c) for c in hadamard_cases], blocks=[list(c) for c in block_cases],
-                    fingerprint=fingerprint(),
+                    fingerprint=fingerprint(), configs=configs,
                     seconds=round(time.time() - started), arch_seconds=arch_seconds, cpus=os.cpu_count(),
                     load_average=[round(x, 1) for x in (*load_before, *os.getloadavg())],
                     triton_cache=os.environ.get("TRITON_CACHE_DIR", "default"),
@@ -274,6 +293,70 @@ def run(archs, dtypes, out: Path, match=None) -> Path:
         # after each arch a partial file (not read as a release's: see load), the release file at the end
         (path if done else partial).write_text(json.dumps(doc, indent=0, default=str) + "\n")
     partial.unlink(missing_ok=True)
+    return path
+
+
+def merge(paths, out: Path) -> Path:
+    """One release's document from several runs of it (each arch run on its own, or a ``--match`` rerun of the
+    problems whose configs changed): in order, a later run's rows, refusals and configs replace the earlier ones'
+    for the problems it covers on its archs. Every run must have compiled today's kernels (``fingerprint``'s
+    ``kernels``) under the same Triton and torch; the merged ``configs`` say, per arch and problem, which launch
+    configs were compiled (tests/kernels/test_sparse_sweep.py holds them to today's)."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    metas = [d["meta"] for d in docs]
+    for key in ("triton", "torch"):
+        if len({m[key] for m in metas}) != 1:
+            raise SystemExit(f"--merge: the runs differ in {key}: {sorted({m[key] for m in metas})}")
+    if len({m["fingerprint"]["kernels"] for m in metas}) != 1:
+        raise SystemExit("--merge: the runs compiled different kernel sources (fingerprint kernels)")
+    if any("configs" not in m for m in metas):
+        raise SystemExit("--merge: a run without per-problem configs (meta configs)")
+    rows: dict = {}  # arch -> {hash: row}
+    refused: dict = {}  # arch -> {problem: refusal}
+    configs: dict = {}
+    for doc in docs:
+        meta = doc["meta"]
+        names = set(case_names(meta))
+        for arch in meta["archs"]:
+            kept = {}
+            for h, row in rows.get(arch, {}).items():
+                row = dict(row, problems=[p for p in row["problems"] if p not in names])
+                if row["problems"]:
+                    kept[h] = row
+            for row in doc["rows"]:
+                if row["arch"] == arch:
+                    was = kept.get(row["hash"])
+                    kept[row["hash"]] = dict(row, problems=list(dict.fromkeys(
+                        (was["problems"] if was else []) + row["problems"])))
+            rows[arch] = kept
+            refused[arch] = {p: r for p, r in refused.get(arch, {}).items() if p not in names}
+            refused[arch].update({r["problem"]: r for r in doc.get("refused", []) if r["arch"] == arch})
+            configs.setdefault(arch, {}).update(meta["configs"][arch])
+    archs = [a for a in ARCHS if a in rows]
+    first = metas[0]
+    meta = dict(first, archs=archs, date=max(m["date"] for m in metas),
+                git_commit="+".join(dict.fromkeys(m["git_commit"] for m in metas)),
+                git_dirty=any(m["git_dirty"] for m in metas),
+                dtypes=[d for d in ("bf16", "fp16", "fp32") if any(d in m["dtypes"] for m in metas)],
+                problems=list(dict.fromkeys(p for m in metas for p in m["problems"])),
+                indexer=list({json.dumps(c): c for m in metas for c in m["indexer"]}.values()),
+                hadamard=list({json.dumps(c): c for m in metas for c in m["hadamard"]}.values()),
+                blocks=list({json.dumps(c): c for m in metas for c in m["blocks"]}.values()),
+                configs={a: configs[a] for a in archs},
+                seconds=sum(m["seconds"] for m in metas),
+                arch_seconds={a: sum(m["arch_seconds"].get(a, 0) for m in metas) for a in archs},
+                arch_commits={a: "+".join(dict.fromkeys(m["git_commit"] for m in metas if a in m["archs"]))
+                              for a in archs},
+                command="python -m bench.compile_sweep --merge " + " ".join(Path(p).name for p in paths),
+                parts=[{k: m[k] for k in ("date", "git_commit", "git_dirty", "archs", "seconds", "load_average",
+                                          "triton_cache", "command") if k in m} for m in metas])
+    meta.pop("load_average", None)
+    meta.pop("triton_cache", None)
+    doc = dict(meta=meta, note=docs[0]["note"], rows=[r for a in archs for r in rows[a].values()],
+               refused=[r for a in archs for r in refused[a].values()])
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"triton-{meta['triton']}.json"
+    path.write_text(json.dumps(doc, indent=0, default=str) + "\n")
     return path
 
 
@@ -350,7 +433,8 @@ def format_table(docs: dict, baseline: dict | None = None) -> str:
             spilling = [r for r in mine if _spill(r)]
             hazards = sum(r["pipeline_hazards"] or 0 for r in mine)
             loads = sum(r["async_loads"] or 0 for r in mine)
-            lines.append(f"| {v} | {meta['git_commit']}{'+' if meta['git_dirty'] else ''} | {meta['date']} | {arch} "
+            commit = meta.get("arch_commits", {}).get(arch, meta["git_commit"])
+            lines.append(f"| {v} | {commit}{' (dirty)' if meta['git_dirty'] else ''} | {meta['date']} | {arch} "
                          f"| {len(mine)} | {len(bad)} | {len(spilling)} | {hazards}/{loads} | "
                          f"{meta['arch_seconds'].get(arch, '-')} |")
     cells = {v: problem_cells(docs[v]) for v in versions}
@@ -417,12 +501,16 @@ def main(argv=None) -> int:
                    "indexer-<heads>-<dim>-<topk>-<dtype>-..., blocks-<heads>-<dim>-<block>-<dtype>, "
                    "hadamard-<dim>-<dtype>) whose id holds every SUBSTR")
     p.add_argument("--table", action="store_true", help="only rewrite DIR/table.md from its release files")
+    p.add_argument("--merge", nargs="+", type=Path, metavar="FILE", help="write DIR/triton-<version>.json from "
+                   "runs of one release (per arch, or --match reruns): later runs replace the problems they cover")
     p.add_argument("--list", action="store_true", help="print the problems and exit")
     args = p.parse_args(argv)
     if args.list:
         print("\n".join(problem.id for problem in sweep_problems(args.dtype) if _matches(problem.id, args.match)))
         return 0
-    if not args.table:
+    if args.merge:
+        print(f"wrote {merge(args.merge, args.out)}")
+    elif not args.table:
         print(f"wrote {run(args.arch, args.dtype, args.out, args.match)}")
     print(f"wrote {write_table(args.out, args.baseline)}")
     return 0
