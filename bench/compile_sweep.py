@@ -67,9 +67,12 @@ def _kernel_functions():
 
 
 def _jit_sources(fn, seen: dict) -> None:
-    """The source of a coreattn Triton JIT function and, recursively, of every coreattn JIT function it names."""
+    """The source of a coreattn Triton JIT function and, recursively, of every coreattn JIT function it names
+    (the same under TRITON_INTERPRET=1, where ``triton.jit`` makes InterpretedFunctions)."""
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
+    JITFunction = (JITFunction, InterpretedFunction)  # noqa: N806
     name = f"{fn.fn.__module__}.{fn.fn.__qualname__}"
     if name in seen or not name.startswith("coreattn."):  # Triton's own (tl.max, ...) differ by release
         return
