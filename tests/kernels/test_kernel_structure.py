@@ -63,6 +63,7 @@ DIMS["sm86"] += ("128/128@fp32",)
 SPILL_FREE = {(arch, dims) for arch in ARCHS for dims in DIMS[arch]}
 CDNA_DIMS = {arch: ("64/64", "128/128", "192/128", "256/256") for arch in ("gfx942", "gfx950")}
 CDNA_DIMS["gfx90a"] = ("64/64", "64/64+max_logit", "128/128", "256/256")
+CDNA_DIMS["gfx950"] += ("128/128+bias_rel",)  # the bias tiles (CDNA's 16-key steps; gfx950's dK/dV on gfx942's)
 # the sparse kernels (tests/kernels/kernel_structure.py's ``s`` specs: compiler.sparse_problem_of), a subset of the
 # sweep's configuration classes (bench/compile_sweep.py: every class, run by hand per release): absorbed 576/512 with
 # 8 q heads (16-row slot tiles, range tiles of 4 tokens x 8 heads), 16 and 128 (32- and 64-row tiles), per-head K/V

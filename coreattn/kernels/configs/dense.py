@@ -45,7 +45,8 @@ gfx950``: the AMDGCN LLVM emits, no GPU or ROCm needed; tests/kernels/test_kerne
 gfx942 and gfx950 at the main dims, gfx90a where its tables differ; figures from
 bench/results/compile-report_2026-11-27/):
 
-- Every bf16 and fp16 kernel at 64, 128, 192/128 and 256, the feature variants included, spills no
+- Every bf16 and fp16 kernel at 64, 128, 192/128 and 256, the feature variants included (the additive
+  biases on their own tiles, ``_BIAS``: bench/results/compile-report-bias_2026-12-06/), spills no
   VGPR and uses no scratch, keeps its LDS within the arch's limit (at most 64 KB of 64 or 160), and
   every tl.dot is an MFMA of the input type that no two waves duplicate, and keeps 2 waves per
   SIMD. SGPRs spill in some forwards (up to 33, into VGPR lanes: no memory traffic).
@@ -236,8 +237,27 @@ _BIAS = {"fwd": {"sm90": _BIAS_STEP, "sm100": _BIAS_STEP}, "dkdv": {}, "dq": {"s
 # spilled 88-92 B there): smaller, slower tiles without spills (docs/compile-report.md)
 _BIAS_COEF_FWD = ((256, _C(64, 16, 8, 2)),)
 _BIAS_COEF_DQ = ((192, _C(64, 16, 8, 2)), (256, _C(32, 16, 4, 2)))
-_BIAS_COEF = {"fwd": {"sm90": _BIAS_COEF_FWD, "sm100": _BIAS_COEF_FWD}, "dkdv": {},
-              "dq": {"sm90": _BIAS_COEF_DQ, "sm100": _BIAS_COEF_DQ}}
+# and on sm100 the dK/dV passes at 192/128 (16 x 128, 3 stages: 8 B under Triton 3.8.0) and 256 (16 x 128: 20 B under
+# 3.9.0) and the dQ at 256 (32 x 16 on 4 warps: 4 B under 3.8.0) spilled at 255 registers: dK/dV on 16 x 64 (160-218
+# registers under 3.6.0-3.9.0), the dQ at 256 on 16 x 16 (185-206)
+_BIAS_COEF = {"fwd": {"sm90": _BIAS_COEF_FWD, "sm100": _BIAS_COEF_FWD},
+              "dkdv": {"sm100": ((192, _C(16, 64, 8, 2)), (256, _C(16, 64, 8, 2)))},
+              "dq": {"sm90": _BIAS_COEF_DQ, "sm100": _BIAS_COEF_DQ[:1] + ((256, _C(16, 16, 4, 2)),)}}
+# CDNA: the plain tiles' forward and dQ spilled with either bias (Triton 3.9.0, the forward's 128 x 128 at 64 with the
+# low-rank bias 2.4-2.7 KB, T5's 0.5 KB; dQ 68-568 B), and gfx950's wider dK/dV tiles with the low-rank bias (64 x 128
+# at 64: 636 B; 32 x 128 at 128: 240 B): 16-key steps for the forward and dQ (the dQ at 192/128 and 256 on 64 x 16 with
+# 4 waves, as the plain dQ at 256: 128 x 16 took all 256 VGPRs and spilled 12-172 B), and gfx950's dK/dV on gfx942's
+# tiles but at 192/128, where 16 x 128 on 8 waves spilled 12 B under 3.9.0: 16 x 64 on 4 waves (249-254 VGPRs)
+_BIAS_CDNA_FWD = tuple((w, _W(128, 16, 8, 1)) for w in (64, 128, 192, 256))
+_BIAS_CDNA_DQ = ((64, _W(128, 16, 8, 1)), (128, _W(128, 16, 8, 1)), (192, _W(64, 16, 4, 1)), (256, _W(64, 16, 4, 1)))
+for _target in CDNA_TARGETS:
+    _BIAS["fwd"][_target], _BIAS["dq"][_target] = _BIAS_CDNA_FWD, _BIAS_CDNA_DQ
+_BIAS["dkdv"]["gfx950"] = _DKDV["gfx942"] + ((192, _W(16, 64, 4, 1)),)  # later entries win
+# with the low-rank bias under Triton 3.6.0 the dK/dV at 64 on 32 x 128 spilled 116-140 B on every CDNA arch, and
+# gfx950's at 128 on 16 x 128 8 B: 16 x 128 at 64 (155-226 VGPRs under 3.6.0-3.9.0), gfx950's 16 x 64 on 4 waves at 128
+_BIAS_CDNA_COEF_DKDV = ((64, _W(16, 128, 8, 1)),)
+_BIAS_COEF["dkdv"].update(gfx90a=_BIAS_CDNA_COEF_DKDV, gfx942=_BIAS_CDNA_COEF_DKDV,
+                          gfx950=_BIAS_CDNA_COEF_DKDV + ((128, _W(16, 64, 4, 1)),))
 
 
 def _cuda_config(table: dict, target: str, block_dqk: int, block_dv: int, elem: int,
