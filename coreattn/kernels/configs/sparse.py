@@ -152,6 +152,9 @@ _CDNA["dkv"] = _CDNA["dkv"][:1] + ((256, 1, _W(16, 16, 4, 1), False),) + _CDNA["
 for _kernel, _rows in _CDNA.items():
     for _target in CDNA_TARGETS:
         _TABLES[_kernel][_target] = _rows
+# gfx90a: absorbed 576/512 with 8 q heads a program (128 heads at TP 16), the atomic dK/dV on 2 waves spilled a VGPR in
+# fp16 under Triton 3.7.1 (256 VGPRs, 96 AGPRs); 4 waves
+_TABLES["dkv"]["gfx90a"] = _CDNA["dkv"][:4] + ((1024, 8, _W(16, 16, 4, 1)),) + _CDNA["dkv"][4:]
 
 # Range mode (full rows as dense attention over contiguous keys): block_m is the tile's MMA rows, BLOCK_T
 # query tokens x BLOCK_H q heads (``range_tile``), so a GQA group smaller than 16 fills the rows with tokens
