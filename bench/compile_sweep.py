@@ -294,9 +294,20 @@ def run(archs, dtypes, out: Path, match=None) -> Path:
         doc = dict(meta=meta, note="static compiler output, one row per distinct compiled kernel per arch; nothing "
                                    "here ran on a GPU", rows=rows, refused=refused)
         # after each arch a partial file (not read as a release's: see load), the release file at the end
-        (path if done else partial).write_text(json.dumps(doc, indent=0, default=str) + "\n")
+        _write(path if done else partial, doc)
     partial.unlink(missing_ok=True)
     return path
+
+
+def _write(path: Path, doc: dict) -> None:
+    """A sweep document as JSON: one line per meta field, row and refusal."""
+    meta = ",\n".join(f"{json.dumps(k)}: {json.dumps(v, separators=(',', ':'), default=str)}"
+                       for k, v in doc["meta"].items())
+    lines = ["{", f'"meta": {{\n{meta}\n}},', f'"note": {json.dumps(doc["note"])},']
+    for key in ("rows", "refused"):
+        items = ",\n".join(json.dumps(r, separators=(",", ":"), default=str) for r in doc[key])
+        lines.append(f'"{key}": [\n{items}\n]' + ("," if key == "rows" else ""))
+    path.write_text("\n".join(lines + ["}"]) + "\n")
 
 
 def merge(paths, out: Path) -> Path:
@@ -359,7 +370,7 @@ def merge(paths, out: Path) -> Path:
                refused=[r for a in archs for r in refused[a].values()])
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"triton-{meta['triton']}.json"
-    path.write_text(json.dumps(doc, indent=0, default=str) + "\n")
+    _write(path, doc)
     return path
 
 
