@@ -190,6 +190,9 @@ for _kernel in RANGE_KERNELS:
 for _target in ("gfx90a", "gfx942"):
     _TABLES["fwd"][_target] = _CDNA["fwd"][:3] + ((1024, 1 << 30, _W(32, 32, 4, 1)),)
     _TABLES["range_fwd"][_target] = _CDNA_RANGE["range_fwd"][:1] + ((1024, 1 << 30, _W(32, 32, 4, 1)),)
+# gfx942: the slot forward up to 256 columns on 16 x 64 (1 wave) spilled 44-64 B per lane in bf16 and fp16 under
+# Triton 3.8.0 (per-head and GQA 256/256, the block mode); 16 x 32 (243-255 VGPRs, no spill under 3.6.0 and 3.8.0)
+_TABLES["fwd"]["gfx942"] = ((256, 1 << 30, _W(16, 32, 1, 1)),) + _TABLES["fwd"]["gfx942"][1:]
 
 
 # Block mode (block-sparse rows, a block's keys read as contiguous rows): the forward and dQ as the slot mode's
