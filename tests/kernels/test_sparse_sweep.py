@@ -22,7 +22,8 @@ from coreattn.kernels.versions import TESTED_TRITON
 
 SWEEP = compile_sweep.DEFAULT_OUT
 # the (release: archs) the committed sweep covers, at least
-COVERED = {"3.6.0": compile_sweep.ARCHS, "3.7.1": compile_sweep.ARCHS, "3.9.0": compile_sweep.ARCHS}
+COVERED = {"3.6.0": compile_sweep.ARCHS, "3.7.1": compile_sweep.ARCHS, "3.8.0": ("sm90", "sm100", "gfx942", "gfx950"),
+           "3.9.0": compile_sweep.ARCHS}
 
 
 @pytest.fixture(scope="module")
