@@ -119,12 +119,16 @@ def launch_configs(arch: str) -> dict:
         out[_block_name(heads, dim, block, dtype)] = topk_refusal(target, heads, dim, elem) or list(
             block_scores_config(target, heads, dim, elem))
     for dim, dtype in HADAMARD_SWEEP:
-        out[f"hadamard-d{dim}-{dtype}"] = list(hadamard_config(target))
+        out[_hadamard_name(dim, dtype)] = list(hadamard_config(target))
     return json.loads(json.dumps(out, default=str))  # as a document stores it (tuples as lists)
 
 
 def _block_name(heads: int, dim: int, block: int, dtype: str) -> str:
     return f"indexer-h{heads}xd{dim}-block{block}-{dtype}"
+
+
+def _hadamard_name(dim: int, dtype: str) -> str:
+    return f"hadamard-d{dim}-{dtype}"
 
 
 def case_names(meta: dict) -> list[str]:
@@ -133,7 +137,7 @@ def case_names(meta: dict) -> list[str]:
     from coreattn.tune.compiler import topk_problem_name
 
     return (list(meta["problems"]) + [topk_problem_name(*c) for c in meta["indexer"]]
-            + [_block_name(*c) for c in meta["blocks"]] + [f"hadamard-d{d}-{t}" for d, t in meta["hadamard"]])
+            + [_block_name(*c) for c in meta["blocks"]] + [_hadamard_name(*c) for c in meta["hadamard"]])
 
 
 def fingerprint(archs=ARCHS) -> dict:
@@ -272,11 +276,11 @@ def run(archs, dtypes, out: Path, match=None) -> Path:
     path, partial = out / f"triton-{triton.__version__}.json", out / f"partial-triton-{triton.__version__}.json"
     load_before = os.getloadavg()
     configs: dict = {}
+    covered = set(case_names(dict(problems=[p.id for p in problems], indexer=topk_cases, blocks=block_cases,
+                                  hadamard=hadamard_cases)))
     for i, arch in enumerate(archs):
         t0 = time.time()
         rows += compile_arch(arch, problems, topk_cases, hadamard_cases, log, refused, block_cases)
-        covered = set(case_names(dict(problems=[p.id for p in problems], indexer=topk_cases, blocks=block_cases,
-                                      hadamard=hadamard_cases)))
         configs[arch] = {name: c for name, c in launch_configs(arch).items() if name in covered}
         arch_seconds[arch] = round(time.time() - t0)
         done = i + 1 == len(archs)
